@@ -1,0 +1,173 @@
+"""SageMaker ``distribution`` dicts and option files.
+
+A job description is one of:
+  * plain smp options                      {"ddp": true, "tensor_parallel_degree": 2}
+  * a SageMaker distribution dict          {"smdistributed": {"modelparallel": {"enabled": true,
+                                              "parameters": {...}}}, "mpi": {...}}
+    optionally with "instance_count" (the estimator argument) beside it.
+Files are JSON or YAML holding either form. The SDK's rules (spec §1.1, §1.5) are applied here.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+from smp_adapter.config.options import SMPConfig
+from smp_adapter.config.problems import ConfigProblem, raise_if_any
+
+# The options SageMaker's toolkit already puts on the mpirun line (spec §1.6); repeating one makes
+# Open MPI fail with "MCA parameters can only be listed once" (spec §5.4), so we drop repeats.
+BASE_MCA_PARAMETERS = ("btl_vader_single_copy_mechanism",)
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """What a SageMaker job said about distribution, in engine-neutral terms."""
+
+    options: Mapping[str, Any]
+    processes_per_host: int | None = None
+    instance_count: int = 1
+    custom_mpi_options: str = ""
+    source: str = "options"  # "options" or "distribution"
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+    def config(self) -> SMPConfig:
+        return SMPConfig.from_dict(self.options)
+
+
+def load_mapping(path: str | Path) -> dict[str, Any]:
+    """Read a JSON or YAML file holding one mapping; problems become SMPConfigError."""
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as exc:
+        raise_if_any([ConfigProblem(str(path), f"cannot be read ({exc.strerror})", "give the path of an existing JSON or YAML file")])
+    try:
+        if p.suffix.lower() == ".json":
+            data = json.loads(text)
+        else:
+            import yaml
+
+            data = yaml.safe_load(text)
+    except Exception as exc:  # json.JSONDecodeError, yaml.YAMLError: both are user input problems
+        raise_if_any([ConfigProblem(str(path), f"is not valid {'JSON' if p.suffix.lower() == '.json' else 'YAML/JSON'} ({exc})",
+                                    "fix the file's syntax")])
+    if not isinstance(data, dict):
+        raise_if_any([ConfigProblem(str(path), f"must hold a mapping of options, got {type(data).__name__}",
+                                    "write the smp options or a SageMaker distribution dict as a mapping")])
+    return data
+
+
+def parse_inline_or_file(text: str) -> dict[str, Any]:
+    """CLI helper: inline JSON (starts with '{') or a path to a JSON/YAML file."""
+    if text.lstrip().startswith("{"):
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise_if_any([ConfigProblem("--options", f"is not valid JSON ({exc.msg} at char {exc.pos})",
+                                        "quote the JSON for your shell, e.g. '{\"ddp\": true}'", text)])
+        if not isinstance(data, dict):
+            raise_if_any([ConfigProblem("--options", "must be a JSON object", "e.g. '{\"ddp\": true}'", text)])
+        return data
+    return load_mapping(text)
+
+
+def job_from_mapping(data: Mapping[str, Any], base_dir: Path | None = None) -> JobSpec:
+    """Recognise plain options vs a distribution dict and check the SageMaker SDK rules."""
+    data = dict(data)
+    if not ({"smdistributed", "mpi", "torch_distributed"} & data.keys()):
+        return JobSpec(options=data)
+    problems: list[ConfigProblem] = []
+    instance_count = data.pop("instance_count", 1)
+    if not isinstance(instance_count, int) or isinstance(instance_count, bool) or instance_count < 1:
+        problems.append(ConfigProblem("instance_count", "must be an integer >= 1", "use the estimator's instance_count", instance_count))
+        instance_count = 1
+    if "torch_distributed" in data:
+        problems.append(ConfigProblem(
+            "torch_distributed", "selects SageMaker model parallelism v2 (torch.sagemaker), a different library",
+            "for smp v1 scripts use {'smdistributed': {'modelparallel': ...}, 'mpi': {'enabled': true}}"))
+    unknown = sorted(set(data) - {"smdistributed", "mpi", "torch_distributed"})
+    for key in unknown:
+        problems.append(ConfigProblem(key, "is not a key of a SageMaker distribution dict for smp v1",
+                                      "keep only 'smdistributed', 'mpi' (and 'instance_count')"))
+    options = _parameters(data.get("smdistributed"), base_dir, problems)
+    mpi = data.get("mpi")
+    ppn, custom = None, ""
+    if not isinstance(mpi, dict):
+        problems.append(ConfigProblem("mpi", "is required for smp v1 (it ran as an MPI job) and must be a dict",
+                                      "add 'mpi': {'enabled': true, 'processes_per_host': <GPUs per instance>}", mpi))
+    else:
+        if mpi.get("enabled") is not True:
+            problems.append(ConfigProblem("mpi.enabled", "must be true for smp v1", "set mpi.enabled: true", mpi.get("enabled")))
+        ppn = mpi.get("processes_per_host")
+        if ppn is not None and (not isinstance(ppn, int) or isinstance(ppn, bool) or ppn < 1):
+            problems.append(ConfigProblem("mpi.processes_per_host", "must be an integer >= 1",
+                                          "use the number of GPUs per instance", ppn))
+            ppn = None
+        custom = mpi.get("custom_mpi_options", "")
+        if not isinstance(custom, str):
+            problems.append(ConfigProblem("mpi.custom_mpi_options", "must be a string of mpirun flags",
+                                          "e.g. '-x NCCL_DEBUG=WARN'", custom))
+            custom = ""
+        for key in sorted(set(mpi) - {"enabled", "processes_per_host", "custom_mpi_options"}):
+            problems.append(ConfigProblem(f"mpi.{key}", "is not an mpi option",
+                                          "use enabled, processes_per_host, custom_mpi_options"))
+    raise_if_any(problems)
+    return JobSpec(options=options, processes_per_host=ppn, instance_count=instance_count,
+                   custom_mpi_options=custom, source="distribution")
+
+
+def _parameters(smd: Any, base_dir: Path | None, problems: list[ConfigProblem]) -> dict[str, Any]:
+    if smd is None:
+        problems.append(ConfigProblem("smdistributed", "is missing",
+                                      "add 'smdistributed': {'modelparallel': {'enabled': true, 'parameters': {...}}}"))
+        return {}
+    if not isinstance(smd, dict) or len(smd) != 1 or "modelparallel" not in smd:
+        if isinstance(smd, dict) and "dataparallel" in smd:
+            fix = "smdistributed.dataparallel is SageMaker's data-parallel library: use modelparallel with ddp: true"
+        else:
+            fix = "use exactly one key, 'modelparallel'"
+        problems.append(ConfigProblem("smdistributed", "must be a dict with exactly the key 'modelparallel'", fix, smd))
+        return {}
+    mp = smd["modelparallel"]
+    if not isinstance(mp, dict):
+        problems.append(ConfigProblem("smdistributed.modelparallel", "must be a dict", "{'enabled': true, 'parameters': {...}}", mp))
+        return {}
+    if mp.get("enabled") is not True:
+        problems.append(ConfigProblem("smdistributed.modelparallel.enabled", "is not true, so SageMaker would ignore the parameters",
+                                      "set enabled: true", mp.get("enabled")))
+    for key in sorted(set(mp) - {"enabled", "parameters"}):
+        problems.append(ConfigProblem(f"smdistributed.modelparallel.{key}", "is not a modelparallel key",
+                                      "put smp options under 'parameters'"))
+    params = mp.get("parameters", {})
+    if isinstance(params, str):  # the SDK also takes a path to a JSON file
+        path = Path(params)
+        if not path.is_absolute() and base_dir is not None:
+            path = base_dir / path
+        params = load_mapping(path)
+    if not isinstance(params, dict):
+        problems.append(ConfigProblem("smdistributed.modelparallel.parameters", "must be a dict or a path to a JSON file",
+                                      "give the smp options as a mapping", params))
+        return {}
+    return params
+
+
+def load_job(path_or_json: str) -> JobSpec:
+    """CLI entry: inline JSON or a file, plain options or a distribution dict."""
+    data = parse_inline_or_file(path_or_json)
+    base = None if path_or_json.lstrip().startswith("{") else Path(path_or_json).resolve().parent
+    # recipes and config files may hold {"smp_options": {...}} beside other sections
+    if "smp_options" in data and not ({"smdistributed", "mpi"} & data.keys()):
+        inner = data["smp_options"]
+        if not isinstance(inner, dict):
+            raise_if_any([ConfigProblem("smp_options", "must be a mapping of smp options", "write smp_options: {ddp: true, ...}", inner)])
+        return job_from_mapping(inner, base)
+    if "distribution" in data and isinstance(data["distribution"], dict):
+        dist = dict(data["distribution"])
+        if "instance_count" in data:
+            dist.setdefault("instance_count", data["instance_count"])
+        return job_from_mapping(dist, base)
+    return job_from_mapping(data, base)

@@ -1,0 +1,28 @@
+"""A single configuration problem: key, value given, what is allowed, and the fix."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+_MISSING = object()
+
+
+@dataclass(frozen=True)
+class ConfigProblem:
+    key: str
+    message: str  # what is wrong and what is allowed
+    fix: str  # what to write instead
+    value: Any = _MISSING
+
+    def __str__(self) -> str:
+        given = "" if self.value is _MISSING else f" = {self.value!r}"
+        return f"{self.key}{given}: {self.message}. Fix: {self.fix}"
+
+
+def raise_if_any(problems):
+    """Raise one SMPConfigError listing every problem, or return quietly."""
+    if problems:
+        from smp_adapter.errors import SMPConfigError
+
+        raise SMPConfigError(problems)

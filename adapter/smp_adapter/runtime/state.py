@@ -1,0 +1,75 @@
+"""Process-wide smp state: what ``smp.init`` resolved, and the objects later calls need.
+
+``smp.state`` in user scripts is the ``state`` object below; ``smp.state.cfg`` is the effective
+SMPConfig (attribute names = smp key names), as smp v1 scripts read ``smp.state.cfg.fp16``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from smp_adapter.errors import NotInitializedError
+
+
+@dataclass
+class ProcessGroups:
+    """torch.distributed process groups of the caller, one per smp group kind."""
+
+    world: Any = None
+    tp: Any = None
+    pp: Any = None
+    rdp: Any = None
+    dp: Any = None
+    mp: Any = None
+    objects: Any = None  # gloo group over the world for pickled-object collectives (NCCL jobs too)
+
+
+class State:
+    def __init__(self):
+        self.reset()
+
+    def reset(self) -> None:
+        self.initialized = False
+        self._cfg = None
+        self.dims = None  # ParallelDims
+        self.rank = 0
+        self.world_size = 1
+        self.local_rank = 0
+        self.local_size = 1
+        self.backend = None
+        self.device = None
+        self.groups = ProcessGroups()
+        self.model = None  # the one DistributedModel of this script
+        self.optimizer = None  # the DistributedOptimizer
+        self.in_step = False  # inside an @smp.step call
+        self.microbatch = None  # index of the microbatch being run
+        self.step_calls = 0  # completed @smp.step calls (for backward_passes_per_step)
+        self.tracing = False
+        self.launcher = None
+        self.owns_process_group = False
+
+    @property
+    def cfg(self):
+        if self._cfg is None:
+            raise NotInitializedError("smp.state.cfg is only available after smp.init(): call smp.init() first")
+        return self._cfg
+
+    @cfg.setter
+    def cfg(self, value) -> None:
+        self._cfg = value
+
+    @property
+    def coord(self):
+        return self.dims.grid.coord(self.rank)
+
+
+state = State()
+
+
+def require_initialized(api: str) -> State:
+    if not state.initialized:
+        raise NotInitializedError(
+            f"smp.{api}() was called before smp.init(): call smp.init() at the start of the script, "
+            "before any other smp call")
+    return state
