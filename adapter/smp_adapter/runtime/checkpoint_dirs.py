@@ -1,0 +1,150 @@
+"""``smp.save_checkpoint`` / ``smp.resume_from_checkpoint``: checkpoint directories, written
+atomically (see the layout in checkpoint.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+from smp_adapter.errors import SMPCheckpointError, SMPUsageError
+from smp_adapter.runtime import checkpoint as ckpt
+from smp_adapter.runtime.state import require_initialized, state
+
+
+def _barrier() -> None:
+    import torch.distributed as dist
+
+    if state.world_size > 1:
+        dist.barrier()
+
+
+def _check_tag(tag) -> str:
+    if not isinstance(tag, str) or not tag or "/" in tag or tag.startswith(".") or tag == "newest":
+        raise SMPUsageError(f"checkpoint tag {tag!r} must be a non-empty file name (no '/', not starting with '.', "
+                            "not 'newest'), identical on all ranks")
+    return tag
+
+
+def _write_newest(path: Path, tag: str) -> None:
+    tmp = path / f".newest.tmp.{os.getpid()}"
+    tmp.write_text(tag + "\n")
+    os.replace(tmp, path / "newest")
+
+
+def save_checkpoint(path, tag, partial: bool = True, model=None, optimizer=None, user_content=None,
+                    translate_if_full: bool = True, num_kept_partial_checkpoints=None):
+    s = require_initialized("save_checkpoint")
+    tag = _check_tag(tag)
+    model = model or s.model
+    optimizer = optimizer or s.optimizer
+    if model is None:
+        raise SMPUsageError("smp.save_checkpoint needs a model: create smp.DistributedModel first or pass model=")
+    path = Path(path)
+    if s.rank == 0:
+        path.mkdir(parents=True, exist_ok=True)
+    _barrier()
+    if partial:
+        _save_partial(path, tag, model, optimizer, user_content)
+        if s.rank == 0 and num_kept_partial_checkpoints is not None:
+            _prune(path, int(num_kept_partial_checkpoints))
+    else:
+        sd = model.state_dict()  # collective under ZeRO-3 / TP
+        if s.rank == 0:
+            ckpt.atomic_torch_save(sd, str(path / tag))
+            if user_content is not None:
+                ckpt.atomic_torch_save(user_content, str(path / f"user_content_{tag}"))
+            _write_newest(path, tag)
+    _barrier()
+
+
+def _save_partial(path: Path, tag: str, model, optimizer, user_content) -> None:
+    s = state
+    final = path / f"{tag}_partial"
+    staging = path / f".{tag}_partial.tmp"
+    if s.rank == 0 and staging.exists():
+        shutil.rmtree(staging)  # left by a crash during an earlier save
+    _barrier()
+    engine = model._engine
+    if engine is None or optimizer is None:
+        raise SMPUsageError("partial checkpoints need the optimizer: create smp.DistributedOptimizer before "
+                            "smp.save_checkpoint(..., partial=True), or save a full checkpoint with partial=False")
+    engine.save_checkpoint(str(staging), tag="ds", save_latest=False)
+    rng = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        rng["cuda"] = torch.cuda.get_rng_state()
+    ckpt.atomic_torch_save(rng, str(staging / f"rng_rank{s.rank}.pt"))
+    _barrier()  # every rank's files are in staging
+    if s.rank == 0:
+        if user_content is not None:
+            ckpt.atomic_torch_save(user_content, str(staging / "user_content.pt"))
+        manifest = {"tag": tag, "layout": ckpt.current_layout(), "format": "smp-adapter/1"}
+        (staging / ckpt.MANIFEST).write_text(json.dumps(manifest, indent=1))
+        if final.exists():
+            old = path / f".{tag}_partial.old"
+            os.replace(final, old)
+            os.replace(staging, final)
+            shutil.rmtree(old)
+        else:
+            os.replace(staging, final)
+        _write_newest(path, tag)
+
+
+def _prune(path: Path, keep: int) -> None:
+    """Delete the oldest *complete* partial checkpoints beyond ``keep`` (never a .tmp one)."""
+    complete = [d for d in path.glob("*_partial") if (d / ckpt.MANIFEST).exists()]
+    complete.sort(key=lambda d: (d / ckpt.MANIFEST).stat().st_mtime)
+    for old in complete[:max(0, len(complete) - keep)]:
+        shutil.rmtree(old)
+
+
+def _newest_tag(path: Path) -> str:
+    newest = path / "newest"
+    if not newest.exists():
+        raise SMPCheckpointError(f"no checkpoint found in {path} (no 'newest' file): check the path, or pass tag=")
+    return newest.read_text().strip()
+
+
+def resume_from_checkpoint(path, tag=None, partial: bool = True, strict: bool = True, load_optimizer: bool = True,
+                           load_sharded_optimizer_state: bool = True, translate_function=None):
+    """Load a checkpoint written by save_checkpoint; returns its user_content (or None)."""
+    s = require_initialized("resume_from_checkpoint")
+    path = Path(path)
+    tag = _newest_tag(path) if tag is None else _check_tag(tag)
+    model = s.model
+    if model is None:
+        raise SMPUsageError("smp.resume_from_checkpoint needs smp.DistributedModel (and, for partial checkpoints, "
+                            "smp.DistributedOptimizer) to exist: call it after wrapping model and optimizer")
+    if not partial:
+        sd = ckpt.safe_torch_load(str(path / tag), map_location="cpu")
+        if translate_function is not None:
+            sd = translate_function(sd)
+        model.load_state_dict(sd, strict=strict)
+        uc = path / f"user_content_{tag}"
+        return ckpt.safe_torch_load(str(uc)) if uc.exists() else None
+    folder = path / f"{tag}_partial"
+    manifest_file = folder / ckpt.MANIFEST
+    if not manifest_file.exists():
+        raise SMPCheckpointError(f"{folder} is not a complete smp-adapter partial checkpoint (no {ckpt.MANIFEST}); "
+                                 "it may be from an interrupted save: resume from an earlier tag")
+    manifest = json.loads(manifest_file.read_text())
+    ckpt.check_layout(manifest.get("layout", {}), f"checkpoint {folder}")
+    if model._engine is None or s.optimizer is None:
+        raise SMPUsageError("resume a partial checkpoint after creating smp.DistributedOptimizer (the optimizer "
+                            "state is restored into it)")
+    load_opt = load_optimizer and load_sharded_optimizer_state
+    loaded, _ = model._engine.load_checkpoint(str(folder), tag="ds", load_module_strict=strict,
+                                              load_optimizer_states=load_opt, load_lr_scheduler_states=load_opt)
+    if loaded is None:
+        raise SMPCheckpointError(f"DeepSpeed could not load {folder}/ds: the checkpoint is incomplete")
+    rng_file = folder / f"rng_rank{s.rank}.pt"
+    if rng_file.exists():
+        rng = ckpt.safe_torch_load(str(rng_file))
+        torch.set_rng_state(rng["cpu"])
+        if "cuda" in rng and torch.cuda.is_available():
+            torch.cuda.set_rng_state(rng["cuda"])
+    uc = folder / "user_content.pt"
+    return ckpt.safe_torch_load(str(uc)) if uc.exists() else None

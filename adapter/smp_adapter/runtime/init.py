@@ -1,0 +1,187 @@
+"""``smp.init``: read the options, start torch.distributed under any launcher, build the groups.
+
+Launchers recognised (first match wins):
+  * torchrun / the deepspeed launcher: RANK, WORLD_SIZE, LOCAL_RANK (+ LOCAL_WORLD_SIZE / LOCAL_SIZE)
+  * mpirun (Open MPI, as SageMaker ran v1 jobs): OMPI_COMM_WORLD_RANK/SIZE/LOCAL_RANK/LOCAL_SIZE
+  * nothing: a single process (rank 0 of 1)
+Rendezvous: MASTER_ADDR / MASTER_PORT from the launcher; otherwise 127.0.0.1 and ``ddp_port``, or
+SageMaker's 7777 under mpirun, or a free port for a single process. We export RANK, WORLD_SIZE,
+LOCAL_RANK, MASTER_ADDR and MASTER_PORT so libraries that read them (DeepSpeed, HF) agree with us.
+Collective timeout: ``SMP_ADAPTER_TIMEOUT`` seconds (default 600).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Mapping
+
+from smp_adapter.config.dims import ParallelDims
+from smp_adapter.config.options import SMPConfig
+from smp_adapter.errors import SMPUsageError, UnsupportedFeatureError
+from smp_adapter.runtime.state import state
+
+DEFAULT_TIMEOUT_S = 600.0
+SAGEMAKER_MASTER_PORT = 7777
+
+
+@dataclass(frozen=True)
+class LaunchEnv:
+    launcher: str
+    rank: int
+    world_size: int
+    local_rank: int
+    local_size: int
+
+    @classmethod
+    def from_environ(cls, env: Mapping[str, str]) -> "LaunchEnv":
+        if "RANK" in env and "WORLD_SIZE" in env:
+            local_size = env.get("LOCAL_WORLD_SIZE") or env.get("LOCAL_SIZE") or env["WORLD_SIZE"]
+            return cls("torch", int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", 0)), int(local_size))
+        if "OMPI_COMM_WORLD_RANK" in env:
+            return cls("mpirun", int(env["OMPI_COMM_WORLD_RANK"]), int(env["OMPI_COMM_WORLD_SIZE"]),
+                       int(env.get("OMPI_COMM_WORLD_LOCAL_RANK", 0)), int(env.get("OMPI_COMM_WORLD_LOCAL_SIZE", 1)))
+        return cls("none", 0, 1, 0, 1)
+
+
+def collective_timeout() -> timedelta:
+    raw = os.environ.get("SMP_ADAPTER_TIMEOUT", "")
+    try:
+        seconds = float(raw) if raw else DEFAULT_TIMEOUT_S
+    except ValueError:
+        raise SMPUsageError(f"SMP_ADAPTER_TIMEOUT={raw!r} is not a number of seconds: set e.g. SMP_ADAPTER_TIMEOUT=600")
+    return timedelta(seconds=seconds)
+
+
+def init(config: Mapping[str, Any] | None = None) -> None:
+    """smp.init(): environment options (SM_HP_MP_PARAMETERS) override the script's dict."""
+    cfg = SMPConfig.from_sources(config, os.environ)
+    if state.initialized:
+        if cfg != state.cfg:
+            raise SMPUsageError(
+                "smp.init() was called again with different options; call it once at the start of the script "
+                f"(first: {state.cfg.to_dict()}, now: {cfg.to_dict()})")
+        return
+    launch = LaunchEnv.from_environ(os.environ)
+    dims = ParallelDims.from_config(cfg, launch.world_size)
+    if dims.pp > 1:
+        raise UnsupportedFeatureError(
+            "pipeline_parallel_degree > 1 is not carried out by the smp-adapter runtime yet. Use "
+            "sharded_data_parallel_degree (ZeRO-3) or tensor_parallel_degree to fit the model, or translate the "
+            "options with `smp-adapter translate` and run DeepSpeed's PipelineModule directly")
+    _warn_once(cfg.warnings, launch.rank)
+    import torch
+
+    use_cuda = torch.cuda.is_available()
+    backend = _choose_backend(cfg.ddp_dist_backend, use_cuda)
+    if not use_cuda:
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before deepspeed is imported anywhere
+    _export_rendezvous(launch, cfg)
+    import torch.distributed as dist
+
+    state.owns_process_group = not dist.is_initialized()
+    if state.owns_process_group:
+        import deepspeed
+
+        deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False,
+                                   timeout=collective_timeout(), rank=launch.rank, world_size=launch.world_size)
+    state.cfg, state.dims, state.launcher, state.backend = cfg, dims, launch.launcher, backend
+    state.rank, state.world_size = launch.rank, launch.world_size
+    state.local_rank, state.local_size = launch.local_rank, launch.local_size
+    state.device = torch.device("cuda", launch.local_rank) if use_cuda else torch.device("cpu")
+    if use_cuda:
+        torch.cuda.set_device(state.device)
+    _build_groups(dims, launch.rank, backend)
+    _set_tp_context()
+    state.initialized = True
+
+
+def _choose_backend(requested: str, use_cuda: bool) -> str:
+    if requested == "nccl" and not use_cuda:
+        raise SMPUsageError("ddp_dist_backend: nccl needs CUDA GPUs, and none is visible: use ddp_dist_backend: auto "
+                            "(gloo on CPU) or run on GPUs")
+    if requested == "gloo":
+        return "gloo"
+    return "nccl" if use_cuda else "gloo"
+
+
+def _export_rendezvous(launch: LaunchEnv, cfg: SMPConfig) -> None:
+    env = os.environ
+    if "MASTER_PORT" not in env:
+        if cfg.ddp_port:
+            port = cfg.ddp_port
+        elif launch.launcher == "mpirun":
+            port = SAGEMAKER_MASTER_PORT
+        elif launch.world_size == 1:
+            port = _free_port()
+        else:
+            raise SMPUsageError("MASTER_PORT is not set and the options give no ddp_port: launch with "
+                                "`smp-adapter launch`, torchrun or deepspeed, or set MASTER_ADDR/MASTER_PORT")
+        env["MASTER_PORT"] = str(port)
+    env.setdefault("MASTER_ADDR", "127.0.0.1")
+    env["RANK"], env["WORLD_SIZE"] = str(launch.rank), str(launch.world_size)
+    env["LOCAL_RANK"] = str(launch.local_rank)
+    env.setdefault("LOCAL_WORLD_SIZE", str(launch.local_size))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _build_groups(dims: ParallelDims, rank: int, backend: str) -> None:
+    """Create one torch.distributed group per smp group kind. Every rank creates every group, in
+    the same order (torch requires it); each rank keeps the groups it belongs to."""
+    import torch.distributed as dist
+
+    grid = dims.grid
+    world = dist.group.WORLD
+    state.groups.world = world
+    for kind in ("tp", "pp", "rdp", "dp", "mp"):
+        mine = None
+        for ranks in grid.groups(kind):
+            if len(ranks) == dims.world_size:
+                group = world  # whole world: no new communicator needed
+            else:
+                group = dist.new_group(list(ranks))
+            if rank in ranks:
+                mine = group
+        setattr(state.groups, kind, mine)
+    # Pickled-object collectives (smp.broadcast/send/allgather) travel over gloo even in NCCL jobs.
+    state.groups.objects = world if backend == "gloo" else dist.new_group(backend="gloo")
+
+
+def _set_tp_context() -> None:
+    if state.dims.tp == 1:
+        return
+    try:
+        from smp_adapter.parallel.tensor import TPContext, set_current_tp_context
+    except ImportError:  # tensor parallel engine not installed in this build
+        return
+    set_current_tp_context(TPContext(group=state.groups.tp, rank=state.coord.tp, size=state.dims.tp,
+                                     prescaled_batch=state.cfg.prescaled_batch))
+
+
+_warned: set[str] = set()
+
+
+def _warn_once(messages, rank: int) -> None:
+    import warnings
+
+    for message in messages:
+        if message not in _warned:
+            _warned.add(message)
+            if rank == 0:
+                warnings.warn(message, stacklevel=3)
+
+
+def shutdown() -> None:
+    """Tear down what smp.init set up (tests and long-running notebooks)."""
+    import torch.distributed as dist
+
+    if state.owns_process_group and dist.is_initialized():
+        dist.destroy_process_group()
+    state.reset()

@@ -1,0 +1,134 @@
+"""Memory-saving APIs (spec §2.9): delayed parameter initialisation, model_creation, activation
+checkpointing, register_parameter.
+
+* ``delay_param_initialization`` under sharded data parallel enters ``deepspeed.zero.Init``:
+  parameters are created already sharded, never whole on one rank. Without sdp it changes nothing
+  (parameters are created normally; the engine places them at wrap time) - our documented choice.
+* ``set_activation_checkpointing`` re-runs the module's forward during backward
+  (torch.utils.checkpoint, non-reentrant, which also works under ZeRO-3). With
+  ``offload_activations`` the tensors a checkpointed module saves go to CPU memory
+  (torch.autograd.graph.save_on_cpu) and return when backward reaches them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+
+import torch
+from torch import nn
+
+from smp_adapter.errors import SMPUsageError
+from smp_adapter.runtime.state import require_initialized, state
+
+
+@contextlib.contextmanager
+def delay_param_initialization(enabled: bool = True):
+    s = require_initialized("delay_param_initialization")
+    if not enabled or s.dims.zero_stage != 3:
+        yield
+        return
+    import deepspeed
+    # zero.Init patches torch.Tensor.__new__; torch._dynamo refuses to load under that patch, and
+    # libraries (transformers) import it lazily while building models - so load it first.
+    import torch._dynamo  # noqa: F401
+
+    from smp_adapter.translate.deepspeed import to_deepspeed_config
+
+    with deepspeed.zero.Init(config_dict_or_path=to_deepspeed_config(s.dims), dtype=_param_dtype(),
+                             data_parallel_group=s.groups.rdp, remote_device=None, enabled=True):
+        yield
+
+
+def _param_dtype():
+    cfg = state.cfg
+    return torch.float16 if cfg.fp16 else torch.bfloat16 if cfg.bf16 else torch.get_default_dtype()
+
+
+@contextlib.contextmanager
+def model_creation(tensor_parallelism: bool = False, dtype=None, distribute_embedding: bool = False,
+                   **tensor_parallel_config):
+    """tensor_parallelism(...) + delay_param_initialization(...) + a default dtype while creating."""
+    s = require_initialized("model_creation")
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise SMPUsageError(f"model_creation(dtype=...) must be a floating torch.dtype, got {dtype!r}")
+    previous = torch.get_default_dtype()
+    with contextlib.ExitStack() as stack:
+        if tensor_parallelism:
+            from smp_adapter.parallel.marking import tensor_parallelism as tp_context
+
+            stack.enter_context(tp_context(True, distribute_embedding=distribute_embedding, **tensor_parallel_config))
+        if s.cfg.delayed_parameter_initialization:
+            stack.enter_context(delay_param_initialization(True))
+        if dtype is not None:
+            torch.set_default_dtype(dtype)
+            stack.callback(torch.set_default_dtype, previous)
+        yield
+
+
+def set_activation_checkpointing(module: nn.Module, preserve_rng_state: bool = True, pack_args_as_tuple: bool = False,
+                                 strategy: str = "each"):
+    require_initialized("set_activation_checkpointing")
+    if not isinstance(module, nn.Module):
+        raise SMPUsageError(f"set_activation_checkpointing takes an nn.Module, got {type(module).__name__}")
+    if isinstance(module, nn.Sequential):
+        for group in _sequential_groups(module, strategy):
+            for index, child in enumerate(group):
+                # consecutive children of a group are checkpointed as one segment: mark the first
+                # to run the whole group, the others to pass through inside it
+                if index == 0:
+                    _checkpoint_forward(child, preserve_rng_state, group[1:])
+        return
+    if strategy != "each" or pack_args_as_tuple:
+        raise SMPUsageError("strategy= and pack_args_as_tuple= apply only to nn.Sequential modules (spec §2.9)")
+    _checkpoint_forward(module, preserve_rng_state, [])
+
+
+def _sequential_groups(seq: nn.Sequential, strategy: str) -> list[list[nn.Module]]:
+    children = list(seq)
+    if strategy == "each":
+        return [[c] for c in children]
+    if strategy == "contiguous":  # pp = 1: every layer is on this stage, one segment
+        return [children] if children else []
+    match = re.fullmatch(r"group_(\d+)", strategy)
+    if match and int(match.group(1)) >= 1:
+        n = int(match.group(1))
+        return [children[i:i + n] for i in range(0, len(children), n)]
+    raise SMPUsageError(f"activation checkpointing strategy {strategy!r} is not one of 'each', 'contiguous', 'group_N'")
+
+
+def _checkpoint_forward(module: nn.Module, preserve_rng_state: bool, followers: list[nn.Module]) -> None:
+    if getattr(module, "_smp_checkpointed", False):
+        return
+    original = module.forward
+    for f in followers:  # run inside the leader's segment; their own forward is then the identity
+        f._smp_original_forward = f.forward
+        f.forward = lambda x, *a, **k: x
+        f._smp_checkpointed = True
+
+    def segment(*args, **kwargs):
+        out = original(*args, **kwargs)
+        for f in followers:
+            out = f._smp_original_forward(out)
+        return out
+
+    def checkpointed_forward(*args, **kwargs):
+        if not (torch.is_grad_enabled() and module.training):
+            return segment(*args, **kwargs)
+        offload = state.initialized and state.cfg.offload_activations and torch.cuda.is_available()
+        ctx = torch.autograd.graph.save_on_cpu(pin_memory=True) if offload else contextlib.nullcontext()
+        with ctx:
+            return torch.utils.checkpoint.checkpoint(segment, *args, use_reentrant=False,
+                                                     preserve_rng_state=preserve_rng_state, **kwargs)
+
+    module.forward = checkpointed_forward
+    module._smp_checkpointed = True
+
+
+def register_parameter(module: nn.Module, parameter: nn.Parameter) -> None:
+    """A parameter a module uses but does not own: ZeRO-3 must gather it for that module too."""
+    s = require_initialized("register_parameter")
+    if s.dims.zero_stage == 3:
+        import deepspeed
+
+        deepspeed.zero.register_external_parameter(module, parameter)

@@ -1,0 +1,289 @@
+"""``smp.DistributedModel`` over a DeepSpeed engine (spec §2.7).
+
+Two training styles work with pp = 1 (spec §5.6):
+  * smp style: ``model(x)`` and ``model.backward(loss)`` inside an ``@smp.step`` function;
+  * plain style: ``model(x)``, ``loss.backward()``, ``optimizer.step()`` outside any step function.
+    DeepSpeed's ZeRO-0 engine refuses ``loss.backward()`` on outputs of ``engine(...)``, so in
+    this style (ZeRO 0) the forward runs the module directly and ``DistributedOptimizer.step``
+    all-reduces the gradients before updating: same result, same single reduction.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from smp_adapter.errors import SMPUsageError
+from smp_adapter.runtime.state import require_initialized, state
+
+
+
+class DistributedModel(nn.Module):
+    def __init__(self, module: nn.Module, trace_device: str = "gpu", trace_execution_times: bool = False,
+                 trace_memory_usage: bool = False, overlapping_allreduce: bool = True,
+                 backward_passes_per_step: int = 1, average_grads_across_microbatches: bool = True,
+                 bucket_cap_mb: float = 25, find_unused_parameters: bool = False, broadcast_buffers: bool = True,
+                 gradient_as_bucket_view: bool = False):
+        s = require_initialized("DistributedModel")
+        if isinstance(module, DistributedModel):
+            raise SMPUsageError("this model is already an smp.DistributedModel: wrap the plain nn.Module once")
+        if not isinstance(module, nn.Module):
+            raise SMPUsageError(f"smp.DistributedModel wraps a torch.nn.Module, got {type(module).__name__}")
+        if s.model is not None:
+            raise SMPUsageError("only one smp.DistributedModel per script (smp v1 rule): reuse the existing one, "
+                                "or wrap a module that holds all your models")
+        if trace_device not in ("cpu", "gpu"):
+            raise SMPUsageError(f"trace_device must be 'cpu' or 'gpu', got {trace_device!r}")
+        if not isinstance(backward_passes_per_step, int) or backward_passes_per_step < 1:
+            raise SMPUsageError(f"backward_passes_per_step must be an integer >= 1, got {backward_passes_per_step!r}")
+        super().__init__()
+        self.module = module
+        self.backward_passes_per_step = backward_passes_per_step
+        self.average_grads_across_microbatches = average_grads_across_microbatches
+        self.broadcast_buffers = broadcast_buffers
+        self.trace_device = trace_device  # no tracing pass here: accepted for compatibility
+        self.partitioned = False
+        self._engine = None
+        self._plain_backward_pending = False
+        self._post_partition_hooks: list = []
+        self._post_step_hooks: list = []
+        self._distributed_modules: list[str] = []
+        if s.dims.tp > 1:
+            self._distributed_modules = _apply_tensor_parallelism(module)
+        if not _is_zero3_partitioned(module):
+            module.to(s.device)
+        _sync_initial_state(module)
+        s.model = self
+
+    # -- engine ----------------------------------------------------------------------------------
+    @property
+    def engine(self):
+        if self._engine is None:
+            from smp_adapter.runtime.engine import build_engine
+
+            self._engine = build_engine(self)  # no optimizer: evaluation-only use
+            self._mark_partitioned()
+        return self._engine
+
+    def _attach_engine(self, engine) -> None:
+        if self._engine is not None:
+            raise SMPUsageError("smp.DistributedOptimizer must be created before the model's first forward pass "
+                                "(create it right after smp.DistributedModel)")
+        self._engine = engine
+        self._mark_partitioned()
+
+    def _mark_partitioned(self) -> None:
+        if not self.partitioned:
+            self.partitioned = True
+            for hook in list(self._post_partition_hooks):
+                hook(self, state.optimizer)
+
+    # -- forward / backward ----------------------------------------------------------------------
+    def forward(self, *args, **kwargs):
+        engine = self.engine
+        args, kwargs = _cast_floats((args, kwargs), _model_dtype(state.cfg))
+        if self.training and self.broadcast_buffers:
+            _broadcast_buffers(self.module)
+        if state.in_step:
+            return engine(*args, **kwargs)
+        # plain style (spec §5.6): the next optimizer.step() is the reduction boundary
+        if torch.is_grad_enabled() and self.training:
+            self._plain_backward_pending = True
+            engine.set_gradient_accumulation_boundary(True)
+            if engine.zero_optimization_stage() == 0:
+                return self.module(*args, **kwargs)
+        return engine(*args, **kwargs)
+
+    def _before_microbatch(self, mb: int, num_microbatches: int) -> None:
+        """Called by @smp.step: reduce gradients only after the last microbatch of every
+        backward_passes_per_step-th step call."""
+        last_call = (state.step_calls + 1) % self.backward_passes_per_step == 0
+        boundary = last_call and mb == num_microbatches - 1
+        if self._engine is not None:
+            self._engine.set_gradient_accumulation_boundary(boundary)
+
+    def backward(self, tensors, grad_tensors=None, retain_graph=None, create_graph=None):
+        if retain_graph or create_graph:
+            raise SMPUsageError("DistributedModel.backward does not support retain_graph/create_graph (as smp v1)")
+        engine = self.engine
+        if grad_tensors is not None:
+            # backward(outputs, out_grads): the scalar sum(t * g) has exactly these gradients
+            tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+            grads = [grad_tensors] if isinstance(grad_tensors, torch.Tensor) else list(grad_tensors)
+            tensors = sum((t * g.detach()).sum() for t, g in zip(tensors, grads))
+        elif isinstance(tensors, (list, tuple)):
+            tensors = sum(t.sum() if t.dim() else t for t in tensors)
+        if tensors.dim() != 0:
+            raise SMPUsageError(f"model.backward needs a scalar loss, got a tensor of shape {tuple(tensors.shape)}: "
+                                "reduce it (e.g. loss.mean()) or pass grad_tensors")
+        if not state.in_step:
+            engine.set_gradient_accumulation_boundary(True)
+        engine.backward(tensors, scale_wrt_gas=self.average_grads_across_microbatches)
+
+    # -- parameters ------------------------------------------------------------------------------
+    def get_module(self) -> nn.Module:
+        return self.module
+
+    def local_parameters(self):
+        return (p for _, p in self.local_named_parameters())
+
+    def local_named_parameters(self):
+        return self.module.named_parameters()  # pp = 1: every module is on this rank
+
+    def local_buffers(self):
+        return self.module.buffers()
+
+    def local_named_buffers(self):
+        return self.module.named_buffers()
+
+    def local_modules(self):
+        return self.module.modules()
+
+    def local_named_modules(self):
+        return self.module.named_modules()
+
+    def distributed_modules(self):
+        return list(self._distributed_modules)
+
+    def is_distributed_parameter(self, param) -> bool:
+        return _is_split(param)
+
+    def is_distributed_buffer(self, buffer) -> bool:
+        return False
+
+    def is_scaled_batch_parameter(self, param) -> bool:
+        return self.is_distributed_parameter(param)
+
+    def is_scaled_batch_buffer(self, buffer) -> bool:
+        return False
+
+    def default_reducer_named_parameters(self):
+        return [(n, p) for n, p in self.module.named_parameters() if not self.is_distributed_parameter(p)]
+
+    def scaled_batch_reducer_named_parameters(self):
+        return [(n, p) for n, p in self.module.named_parameters() if self.is_distributed_parameter(p)]
+
+    # -- hooks -------------------------------------------------------------------------------------
+    def register_post_partition_hook(self, hook):
+        return _Handle(self._post_partition_hooks, hook)
+
+    def register_post_step_hook(self, hook):
+        return _Handle(self._post_step_hooks, hook)
+
+    def register_comm_hook(self, state_, hook):
+        from smp_adapter.errors import UnsupportedFeatureError
+
+        raise UnsupportedFeatureError("register_comm_hook (DDP communication hooks) is not carried out on DeepSpeed "
+                                      "engines: remove it; gradients are averaged over the data-parallel group")
+
+    def join(self, *args, **kwargs):
+        from smp_adapter.errors import UnsupportedFeatureError
+
+        raise UnsupportedFeatureError("DistributedModel.join (uneven inputs) is not supported: give every "
+                                      "data-parallel rank the same number of batches (DistributedSampler, drop_last=True)")
+
+    # -- state dicts (see checkpoint.py) -----------------------------------------------------------
+    def state_dict(self, *args, gather_to_rank0: bool = False, **kwargs):
+        from smp_adapter.runtime.checkpoint import full_model_state_dict
+
+        if args or kwargs:  # nn.Module internals (destination=..., prefix=...) during nesting
+            return super().state_dict(*args, **kwargs)
+        return full_model_state_dict(self, gather_to_rank0)
+
+    def local_state_dict(self):
+        from smp_adapter.runtime.checkpoint import local_model_state_dict
+
+        return local_model_state_dict(self)
+
+    def load_state_dict(self, state_dict, strict: bool = True, same_partition_load: bool = False):
+        from smp_adapter.runtime.checkpoint import load_model_state_dict
+
+        return load_model_state_dict(self, state_dict, strict=strict)
+
+    def cpu(self):
+        return self.state_dict()
+
+
+class _Handle:
+    def __init__(self, hooks: list, hook):
+        self.hooks, self.hook = hooks, hook
+        hooks.append(hook)
+
+    def remove(self):
+        if self.hook in self.hooks:
+            self.hooks.remove(self.hook)
+
+
+def _apply_tensor_parallelism(module):
+    from smp_adapter.parallel.tensor import apply_tensor_parallelism, current_tp_context
+
+    return apply_tensor_parallelism(module, current_tp_context())
+
+
+def _is_split(param) -> bool:
+    """Whether a parameter is a tensor-parallel shard (reduced over RDP, not DP)."""
+    if state.dims is None or state.dims.tp == 1:
+        return False
+    from smp_adapter.parallel.tensor import is_distributed_parameter
+
+    return is_distributed_parameter(param)
+
+
+def _is_zero3_partitioned(module) -> bool:
+    return any(hasattr(p, "ds_id") for p in module.parameters())
+
+
+def _model_dtype(cfg):
+    return torch.float16 if cfg.fp16 else torch.bfloat16 if cfg.bf16 else None
+
+
+def _cast_floats(obj, dtype):
+    """fp16/bf16 jobs: floating inputs follow the model's dtype, as smp's FP16 module wrapper did."""
+    if dtype is None:
+        return obj
+    if isinstance(obj, torch.Tensor):
+        return obj.to(dtype) if obj.is_floating_point() else obj
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_cast_floats(o, dtype) for o in obj)
+    if isinstance(obj, dict):
+        return {k: _cast_floats(v, dtype) for k, v in obj.items()}
+    return obj
+
+
+def _sync_initial_state(module) -> None:
+    """Start every replica from the same weights, as smp's constructor did: tensor-split parameters
+    from rdp rank 0 over the RDP group, all others from dp rank 0 over the DP group."""
+    import torch.distributed as dist
+
+    s = state
+    if s.world_size == 1 or _is_zero3_partitioned(module):
+        return
+    from smp_adapter.runtime.comm import get_dp_group, get_rdp_group
+
+    dp_src, rdp_src = get_dp_group()[0], get_rdp_group()[0]
+    with torch.no_grad():
+        for p in module.parameters():
+            split = _is_split(p)
+            group, src = (s.groups.rdp, rdp_src) if split else (s.groups.dp, dp_src)
+            if dist.get_world_size(group) > 1:
+                dist.broadcast(p.data, src=src, group=group)
+        for b in module.buffers():
+            if dist.get_world_size(s.groups.dp) > 1:
+                dist.broadcast(b.data, src=dp_src, group=s.groups.dp)
+
+
+def _broadcast_buffers(module) -> None:
+    """broadcast_buffers=True (DDP behaviour, spec §3.2.8): floating buffers (BatchNorm statistics)
+    follow dp rank 0 at every training forward."""
+    import torch.distributed as dist
+
+    if state.world_size == 1 or dist.get_world_size(state.groups.dp) == 1:
+        return
+    buffers = [b for b in module.buffers() if b.is_floating_point()]
+    if buffers:
+        from smp_adapter.runtime.comm import get_dp_group
+
+        src = get_dp_group()[0]
+        for b in buffers:
+            dist.broadcast(b.data, src=src, group=state.groups.dp)
+

@@ -1,0 +1,152 @@
+"""``smp.DistributedOptimizer`` (spec §2.8): the smp surface over DeepSpeed's optimizer.
+
+Creating it builds the DeepSpeed engine (ZeRO stage from the options, fp16 loss scaling from the
+arguments here). It subclasses ``torch.optim.Optimizer`` so torch LR schedulers accept it;
+``.optimizer`` is the client optimizer (what smp v1 tells users to give LR schedulers), and any
+attribute it does not define falls through to that optimizer.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from smp_adapter.errors import SMPUsageError, UnsupportedFeatureError
+from smp_adapter.runtime.state import require_initialized, state
+from smp_adapter.translate.deepspeed import DEFAULT_DYNAMIC_LOSS_ARGS, LossScaleArgs
+
+
+def _loss_scale_args(static_loss_scale, dynamic_loss_scale, dynamic_loss_args, extra) -> LossScaleArgs:
+    # smp v1 docs spell the arguments both ways, and pass dynamic_loss_args as one dict (spec §5.7)
+    if "static_loss_scaling" in extra:
+        static_loss_scale = extra.pop("static_loss_scaling")
+    if "dynamic_loss_scaling" in extra:
+        dynamic_loss_scale = extra.pop("dynamic_loss_scaling")
+    args = dict(dynamic_loss_args or {})
+    args.update(extra)
+    unknown = set(args) - set(DEFAULT_DYNAMIC_LOSS_ARGS)
+    if unknown:
+        raise SMPUsageError(f"DistributedOptimizer: unknown dynamic loss scale argument(s) {sorted(unknown)}; "
+                            f"allowed: {sorted(DEFAULT_DYNAMIC_LOSS_ARGS)}")
+    return LossScaleArgs(static_loss_scale=static_loss_scale, dynamic_loss_scale=bool(dynamic_loss_scale),
+                         **{**DEFAULT_DYNAMIC_LOSS_ARGS, **args})
+
+
+class DistributedOptimizer(torch.optim.Optimizer):
+    def __init__(self, optimizer, static_loss_scale=1.0, dynamic_loss_scale=False, dynamic_loss_args=None, **kwargs):
+        s = require_initialized("DistributedOptimizer")
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise SMPUsageError(f"smp.DistributedOptimizer wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        if isinstance(optimizer, DistributedOptimizer):
+            raise SMPUsageError("this optimizer is already an smp.DistributedOptimizer: wrap the torch optimizer once")
+        if s.model is None:
+            raise SMPUsageError("create smp.DistributedModel first, then build the optimizer from the wrapped model's "
+                                "parameters and wrap it in smp.DistributedOptimizer (smp v1 order)")
+        if s.optimizer is not None:
+            raise SMPUsageError("only one smp.DistributedOptimizer per script: reuse the existing one")
+        loss_scale = _loss_scale_args(static_loss_scale, dynamic_loss_scale, dynamic_loss_args, dict(kwargs))
+        _check_unique_params(optimizer)
+        from smp_adapter.runtime.engine import build_engine
+
+        # no Optimizer.__init__: state and param_groups belong to the client optimizer (properties below)
+        self.__dict__["optimizer"] = optimizer
+        self.__dict__["_model"] = s.model
+        s.model._attach_engine(build_engine(s.model, optimizer, loss_scale))
+        self.__dict__["_clip_norm"] = None
+        s.optimizer = self
+
+    # -- torch.optim.Optimizer surface -----------------------------------------------------------
+    @property
+    def engine(self):
+        return self._model._engine
+
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups
+
+    @property
+    def state(self):
+        return self.optimizer.state
+
+    @property
+    def defaults(self):
+        return self.optimizer.defaults
+
+    def __getattr__(self, name):
+        return getattr(self.__dict__["optimizer"], name)
+
+    def __repr__(self):
+        return f"smp.DistributedOptimizer({self.optimizer!r})"
+
+    def step(self, closure=None):
+        if closure is not None:
+            raise SMPUsageError("DistributedOptimizer.step does not take a closure: compute the loss in the step function")
+        if state.in_step:
+            raise SMPUsageError("optimizer.step() was called inside an @smp.step function; call it after the step "
+                                "function returns (gradients are complete only then)")
+        engine, model = self.engine, self._model
+        if model._plain_backward_pending and engine.zero_optimization_stage() == 0:
+            engine.set_gradient_accumulation_boundary(True)
+            engine.allreduce_gradients()  # plain style, ZeRO 0: gradients were only local so far
+        model._plain_backward_pending = False
+        if self._clip_norm is not None:
+            self._apply_clip(self._clip_norm)
+        engine.set_gradient_accumulation_boundary(True)
+        engine.step()
+        self.__dict__["_clip_norm"] = None
+        for hook in list(model._post_step_hooks):
+            hook(model, self)
+
+    def zero_grad(self, set_to_none: bool = True):
+        engine = self.engine
+        if engine.zero_optimization_stage() > 0 or engine.fp16_enabled() or engine.bfloat16_enabled():
+            engine.optimizer.zero_grad(set_to_none=set_to_none)
+        else:
+            self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    # -- smp extras ------------------------------------------------------------------------------
+    def clip_master_grads(self, max_norm: float):
+        """Clip the gradient norm at the next step() (on fp32 master gradients under fp16/bf16/ZeRO)."""
+        self.__dict__["_clip_norm"] = float(max_norm)
+
+    def _apply_clip(self, max_norm: float) -> None:
+        engine = self.engine
+        inner = engine.optimizer
+        if hasattr(inner, "clip_grad"):  # DeepSpeed fp16 / ZeRO optimizers clip master grads in step()
+            inner.clip_grad = max_norm
+        else:
+            torch.nn.utils.clip_grad_norm_(self._model.module.parameters(), max_norm)
+
+    @property
+    def overflow(self) -> bool:
+        return bool(getattr(self.engine.optimizer, "overflow", False))
+
+    def state_dict(self):
+        if self.engine.zero_optimization_stage() > 0:
+            raise UnsupportedFeatureError(
+                "a full optimizer state_dict is not available with optimizer-state sharding (as in smp v1): use "
+                "optimizer.local_state_dict() or smp.save_checkpoint(..., partial=True)")
+        return self.engine.optimizer.state_dict()
+
+    def local_state_dict(self, gather_if_shard: bool = False):
+        sd = dict(self.engine.optimizer.state_dict())
+        sd["_smp_is_partial"] = True
+        return sd
+
+    def load_state_dict(self, state_dict):
+        sd = dict(state_dict)
+        sd.pop("_smp_is_partial", None)
+        engine = self.engine
+        if engine.zero_optimization_stage() > 0:
+            engine.optimizer.load_state_dict([sd], load_optimizer_states=True)
+        else:
+            engine.optimizer.load_state_dict(sd)
+
+
+def _check_unique_params(optimizer) -> None:
+    seen = set()
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if id(p) in seen:
+                raise SMPUsageError("the optimizer holds the same parameter twice (tied weights?): build it from "
+                                    "model.parameters(), which lists each parameter once")
+            seen.add(id(p))

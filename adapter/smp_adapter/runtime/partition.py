@@ -1,0 +1,50 @@
+"""Manual pipeline-stage marking: ``smp.partition(i)`` and ``smp.set_partition(module, i)``.
+
+The marks are recorded (``module._smp_partition``) and validated against the pipeline degree.
+With pipeline_parallel_degree = 1 every index but 0 is an error; pipeline execution itself is not
+carried out by the runtime yet (smp.init raises UnsupportedFeatureError for pp > 1).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+from torch import nn
+
+from smp_adapter.errors import SMPUsageError
+from smp_adapter.runtime.state import require_initialized
+
+_stack: list[int] = []
+
+
+def _check_index(index, api: str) -> int:
+    pp = require_initialized(api).dims.pp
+    if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < pp:
+        raise SMPUsageError(f"smp.{api}({index!r}): the partition index must be an integer between 0 and "
+                            f"pipeline_parallel_degree - 1 = {pp - 1}")
+    return index
+
+
+@contextlib.contextmanager
+def partition(index: int):
+    """Modules created inside go to stage ``index`` (innermost context wins)."""
+    _stack.append(_check_index(index, "partition"))
+    original_init = nn.Module.__init__
+
+    def marking_init(self, *args, **kwargs):
+        original_init(self, *args, **kwargs)
+        if _stack:
+            self._smp_partition = _stack[-1]
+
+    nn.Module.__init__ = marking_init
+    try:
+        yield
+    finally:
+        nn.Module.__init__ = original_init
+        _stack.pop()
+
+
+def set_partition(module: nn.Module, partition: int) -> None:
+    if not isinstance(module, nn.Module):
+        raise SMPUsageError(f"smp.set_partition takes an nn.Module, got {type(module).__name__}")
+    module._smp_partition = _check_index(partition, "set_partition")

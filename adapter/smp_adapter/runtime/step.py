@@ -1,0 +1,153 @@
+"""``@smp.step`` and ``StepOutput`` (spec §2.5-§2.6).
+
+A step call splits every tensor argument on its batch axis into ``microbatches`` pieces and runs
+the body once per microbatch; ``model.backward`` accumulates gradients (averaged over microbatches
+unless ``average_grads_across_microbatches=False``). Batch arithmetic per call:
+    per-rank batch B -> microbatches m of B / m samples each; B % m must be 0.
+Return value: the body's structure with every tensor replaced by a StepOutput of m tensors;
+other values (Python scalars, strings) become a list with one entry per microbatch (our choice).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from typing import Any, Callable
+
+from smp_adapter.errors import SMPUsageError
+from smp_adapter.runtime.state import require_initialized
+
+
+class StepOutput:
+    """One output of a step function, one tensor per microbatch (``outputs[mb]``)."""
+
+    def __init__(self, outputs):
+        self.outputs = list(outputs)
+
+    def reduce_mean(self):
+        return sum(self.outputs[1:], self.outputs[0]) / len(self.outputs)
+
+    def reduce_sum(self):
+        return sum(self.outputs[1:], self.outputs[0])
+
+    def concat(self):
+        import torch
+
+        return torch.cat(self.outputs, dim=0)
+
+    def stack(self):
+        import torch
+
+        return torch.stack(self.outputs)
+
+    def __len__(self):
+        return len(self.outputs)
+
+    def __iter__(self):
+        return iter(self.outputs)
+
+    def __getitem__(self, index):
+        return self.outputs[index]
+
+    def __repr__(self):
+        return f"StepOutput({self.outputs!r})"
+
+    def __getattr__(self, name: str):
+        # Tensor methods are forwarded to every microbatch: loss_mb.detach(), out.cpu(), ...
+        import torch
+
+        if name.startswith("_") or not callable(getattr(torch.Tensor, name, None)):
+            raise AttributeError(f"StepOutput has no attribute {name!r} (it holds one tensor per microbatch in .outputs)")
+
+        def forwarded(*args, **kwargs):
+            results = [getattr(t, name)(*args, **kwargs) for t in self.outputs]
+            return StepOutput(results) if all(isinstance(r, torch.Tensor) for r in results) else results
+
+        return forwarded
+
+
+def step(func: Callable | None = None, *, non_split_inputs=None, input_split_axes=None, detach_outputs: bool = True):
+    """Decorator, bare (``@smp.step``) or called (``@smp.step(non_split_inputs=[...])``)."""
+    if func is None:
+        return functools.partial(step, non_split_inputs=non_split_inputs, input_split_axes=input_split_axes,
+                                 detach_outputs=detach_outputs)
+    if not callable(func):
+        raise SMPUsageError("smp.step decorates a function: write @smp.step or @smp.step(...) above `def train_step(...)`")
+    params = inspect.signature(func).parameters
+    non_split = set(non_split_inputs or ())
+    axes = dict(input_split_axes or {})
+    for name in list(non_split) + list(axes):
+        if name not in params and not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+            raise SMPUsageError(f"smp.step: '{name}' in non_split_inputs/input_split_axes is not an argument of "
+                                f"{func.__name__}{inspect.signature(func)}: use the argument's name")
+
+    @functools.wraps(func)
+    def run_step(*args, **kwargs):
+        s = require_initialized("step")
+        if s.in_step:
+            raise SMPUsageError("smp.step functions cannot be nested: call the step function from the training loop")
+        bound = inspect.signature(func).bind(*args, **kwargs)
+        m = s.cfg.microbatches
+        split = {name: _split(value, m, axes.get(name, 0), name) if name not in non_split else [value] * m
+                 for name, value in bound.arguments.items()}
+        results = []
+        s.in_step = True
+        try:
+            for mb in range(m):
+                s.microbatch = mb
+                if s.model is not None:
+                    s.model._before_microbatch(mb, m)
+                bound_mb = inspect.BoundArguments(bound.signature, {n: v[mb] for n, v in split.items()})
+                results.append(func(*bound_mb.args, **bound_mb.kwargs))
+        finally:
+            s.in_step, s.microbatch = False, None
+        s.step_calls += 1
+        return _merge(results, detach_outputs)
+
+    return run_step
+
+
+def _split(value: Any, m: int, axis: int, name: str) -> list:
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        if value.dim() == 0:
+            return [value] * m
+        n = value.shape[axis]
+        if n % m:
+            raise SMPUsageError(
+                f"smp.step: argument '{name}' has {n} samples on axis {axis}, which does not divide into "
+                f"microbatches={m}: use a batch size that is a multiple of {m} (DataLoader(..., drop_last=True)), "
+                f"or pass it whole with @smp.step(non_split_inputs=['{name}'])")
+        return list(torch.split(value, n // m, dim=axis))
+    if hasattr(value, "smp_slice"):
+        return [value.smp_slice(m, mb, axis) for mb in range(m)]
+    if isinstance(value, (list, tuple)) and not _is_namedtuple(value):
+        parts = [_split(v, m, axis, name) for v in value]
+        return [type(value)(p[mb] for p in parts) for mb in range(m)]
+    if isinstance(value, dict):
+        parts = {k: _split(v, m, axis, f"{name}[{k!r}]") for k, v in value.items()}
+        return [type(value)((k, p[mb]) for k, p in parts.items()) for mb in range(m)]
+    return [value] * m  # models, ints, strings: passed through unchanged
+
+
+def _is_namedtuple(value) -> bool:
+    return isinstance(value, tuple) and hasattr(value, "_fields")
+
+
+def _merge(results: list, detach: bool):
+    import torch
+
+    first = results[0]
+    if isinstance(first, torch.Tensor):
+        return StepOutput([r.detach() if detach else r for r in results])
+    if isinstance(first, (list, tuple)) and not _is_namedtuple(first):
+        merged = [_merge([r[i] for r in results], detach) for i in range(len(first))]
+        return type(first)(merged)
+    if isinstance(first, dict):
+        return type(first)((k, _merge([r[k] for r in results], detach)) for k in first)
+    if first is None:
+        return None
+    if hasattr(first, "to_tuple") and hasattr(first, "keys"):  # Hugging Face ModelOutput
+        return {k: _merge([r[k] for r in results], detach) for k in first.keys()}
+    return list(results)

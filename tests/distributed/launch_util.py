@@ -1,0 +1,77 @@
+"""Run a training script on N local CPU processes, the way a launcher would (RANK, WORLD_SIZE,
+LOCAL_RANK, MASTER_ADDR/PORT, gloo), with a hard timeout so a hang fails the test instead of CI."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def base_env(extra: dict | None = None) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SM_", "OMPI_", "RANK", "LOCAL_", "WORLD_"))}
+    env.update({"DS_ACCELERATOR": "cpu", "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
+                "PYTHONPATH": os.pathsep.join([str(ROOT / "adapter"), env.get("PYTHONPATH", "")]),
+                "CUDA_VISIBLE_DEVICES": ""})
+    env.update(extra or {})
+    return env
+
+
+def run_ranks(script: str | Path, nprocs: int, args=(), env: dict | None = None, timeout: float = 240,
+              out_dir: Path | None = None) -> list[dict]:
+    """Start ``nprocs`` ranks of ``script``; return each rank's JSON result (written by the script to
+    $SMP_TEST_OUT/rank<R>.json). Raises AssertionError with every rank's output on failure."""
+    port = free_port()
+    procs, logs = [], []
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for rank in range(nprocs):
+        e = base_env(env)
+        e.update({"RANK": str(rank), "WORLD_SIZE": str(nprocs), "LOCAL_RANK": str(rank),
+                  "LOCAL_WORLD_SIZE": str(nprocs), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                  "SMP_TEST_OUT": str(out_dir)})
+        log = open(out_dir / f"log{rank}.txt", "w")
+        logs.append(log)
+        procs.append(subprocess.Popen([sys.executable, str(Path(script).resolve()), *map(str, args)], env=e, stdout=log,
+                                      stderr=subprocess.STDOUT, cwd=str(out_dir)))
+    deadline = time.time() + timeout
+    try:
+        for p in procs:
+            p.wait(timeout=max(1, deadline - time.time()))
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
+        raise AssertionError(f"ranks did not finish in {timeout}s:\n" + _logs(out_dir, nprocs))
+    finally:
+        for log in logs:
+            log.close()
+    codes = [p.returncode for p in procs]
+    if any(codes):
+        raise AssertionError(f"exit codes {codes}:\n" + _logs(out_dir, nprocs))
+    return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(nprocs)]
+
+
+def _logs(out_dir: Path, nprocs: int) -> str:
+    parts = []
+    for r in range(nprocs):
+        text = (out_dir / f"log{r}.txt").read_text()
+        parts.append(f"--- rank {r} ---\n" + "\n".join(text.splitlines()[-40:]))
+    return "\n".join(parts)
+
+
+def write_result(obj) -> None:
+    """Called by test scripts: this rank's result."""
+    out = Path(os.environ.get("SMP_TEST_OUT", "."))
+    (out / f"rank{os.environ.get('RANK', '0')}.json").write_text(json.dumps(obj))

@@ -1,0 +1,87 @@
+"""Seed-style sharded-data-parallel script (shared/seeds/002): a ViT from its config class, wrapped
+by smp, activation checkpointing on each encoder layer, @smp.step with model.backward. Options come
+from SM_HP_MP_PARAMETERS (set by the test, as SageMaker's launcher does)."""
+
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from common import global_batch, make_optimizer, tiny_vit, vit_layers  # noqa: E402
+from launch_util import write_result  # noqa: E402
+
+import smdistributed.modelparallel.torch as smp  # noqa: E402
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--steps", type=int, default=4)
+parser.add_argument("--first-step", type=int, default=0)
+parser.add_argument("--per-rank-batch", type=int, default=4)
+parser.add_argument("--lr", type=float, default=0.1)
+parser.add_argument("--optimizer", default="sgd")
+parser.add_argument("--save-at", type=int, default=-1)
+parser.add_argument("--resume", action="store_true")
+parser.add_argument("--ckpt-dir", default="ckpt")
+parser.add_argument("--checkpoint-activations", action="store_true")
+parser.add_argument("--init-weights", default=None, help="state dict to load after wrapping (fine-tune style)")
+args, _ = parser.parse_known_args()
+
+smp.init({"ddp": True})
+with smp.model_creation():  # delayed parameter initialization under sdp (zero.Init)
+    model = tiny_vit()
+total_params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
+model = smp.DistributedModel(model)
+if args.init_weights:  # smp rule: load weights after wrapping
+    model.load_state_dict(smp.load(args.init_weights, partial=False))
+if args.checkpoint_activations:
+    for layer in vit_layers(model.get_module()):
+        smp.set_activation_checkpointing(layer)
+optimizer = smp.DistributedOptimizer(make_optimizer(model.parameters(), args.optimizer, args.lr))
+loss_function = torch.nn.CrossEntropyLoss()
+
+
+@smp.step
+def train_step(model, inputs, targets):
+    outputs = model(inputs)
+    loss = loss_function(outputs["logits"], targets)
+    model.backward(loss)
+    return loss
+
+
+if args.resume:
+    content = smp.resume_from_checkpoint(args.ckpt_dir)
+    assert content["step"] == args.first_step, content
+
+B = args.per_rank_batch
+losses, first_params = [], None
+model.train()
+for step in range(args.first_step, args.first_step + args.steps):
+    images, labels = global_batch(step, B * smp.dp_size())
+    lo = smp.dp_rank() * B
+    optimizer.zero_grad()
+    loss_mb = train_step(model, images[lo:lo + B], labels[lo:lo + B])
+    # the loss of the whole global batch, as the single-process reference computes it
+    loss = torch.tensor(loss_mb.reduce_mean().item())
+    torch.distributed.all_reduce(loss, group=smp.get_dp_process_group())
+    losses.append(loss.item() / smp.dp_size())
+    optimizer.step()
+    if step == args.first_step and not args.resume:
+        first_params = {k: v.tolist() for k, v in model.state_dict().items()}  # collective under ZeRO-3
+    if step + 1 == args.save_at:
+        smp.save_checkpoint(args.ckpt_dir, tag=f"step{step + 1}", partial=True, user_content={"step": step + 1})
+
+engine = model.engine
+stage = engine.zero_optimization_stage()
+param_bytes = sum((p.ds_tensor.numel() + p.data.numel()) * p.element_size() if hasattr(p, "ds_tensor")
+                  else p.numel() * p.element_size() for p in model.module.parameters())
+opt = engine.optimizer
+opt_tensors = []
+for st in getattr(opt, "optimizer", opt).state.values():
+    opt_tensors += [t for t in st.values() if torch.is_tensor(t) and t.dim() > 0]
+opt_tensors += list(getattr(opt, "fp32_partitioned_groups_flat", []))
+opt_bytes = sum(t.numel() * t.element_size() for t in opt_tensors)
+write_result({"losses": losses, "first_params": first_params, "zero_stage": stage, "param_bytes": param_bytes,
+              "opt_bytes": opt_bytes, "total_param_bytes": total_params * 4, "dp_size": smp.dp_size(),
+              "hpz": engine.zero_hpz_partition_size() if stage == 3 else 1})
