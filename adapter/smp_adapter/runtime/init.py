@@ -184,4 +184,21 @@ def shutdown() -> None:
 
     if state.owns_process_group and dist.is_initialized():
         dist.destroy_process_group()
+        _reset_deepspeed_group_caches()
     state.reset()
+
+
+def _reset_deepspeed_group_caches() -> None:
+    """DeepSpeed caches process groups in module globals; after the process group is destroyed a
+    later smp.init must not reuse them."""
+    import sys
+
+    groups = sys.modules.get("deepspeed.utils.groups")
+    if groups is None:
+        return
+    for name, value in list(vars(groups).items()):
+        if name.startswith("_") and ("GROUP" in name or name.startswith("_MPU_")):
+            if isinstance(value, dict):
+                value.clear()
+            elif not callable(value):
+                setattr(groups, name, None)

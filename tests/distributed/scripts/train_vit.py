@@ -74,14 +74,21 @@ for step in range(args.first_step, args.first_step + args.steps):
 
 engine = model.engine
 stage = engine.zero_optimization_stage()
-param_bytes = sum((p.ds_tensor.numel() + p.data.numel()) * p.element_size() if hasattr(p, "ds_tensor")
-                  else p.numel() * p.element_size() for p in model.module.parameters())
+def held_bytes(p):
+    """Bytes of this parameter held on this rank: its shard(s), plus the full tensor if it is live."""
+    if not hasattr(p, "ds_tensor"):
+        return p.numel() * p.element_size()
+    secondary = getattr(p, "ds_secondary_tensor", None)  # hpZ's second shard
+    return (p.ds_tensor.numel() + p.data.numel() + (secondary.numel() if secondary is not None else 0)) * p.element_size()
+
+
+param_bytes = sum(held_bytes(p) for p in model.module.parameters())
 opt = engine.optimizer
-opt_tensors = []
-for st in getattr(opt, "optimizer", opt).state.values():
-    opt_tensors += [t for t in st.values() if torch.is_tensor(t) and t.dim() > 0]
-opt_tensors += list(getattr(opt, "fp32_partitioned_groups_flat", []))
-opt_bytes = sum(t.numel() * t.element_size() for t in opt_tensors)
+moments = [t for st in getattr(opt, "optimizer", opt).state.values() for k, t in st.items()
+           if k in ("exp_avg", "exp_avg_sq")]
+master = list(getattr(opt, "fp32_partitioned_groups_flat", []))
+opt_bytes = sum(t.numel() * t.element_size() for t in moments + master)
 write_result({"losses": losses, "first_params": first_params, "zero_stage": stage, "param_bytes": param_bytes,
-              "opt_bytes": opt_bytes, "total_param_bytes": total_params * 4, "dp_size": smp.dp_size(),
+              "opt_bytes": opt_bytes,
+              "adam_moment_bytes": sum(t.numel() * t.element_size() for t in moments), "total_param_bytes": total_params * 4, "dp_size": smp.dp_size(),
               "hpz": engine.zero_hpz_partition_size() if stage == 3 else 1})

@@ -1,0 +1,154 @@
+"""The smp runtime in one process (world size 1): API misuse errors, @smp.step semantics,
+StepOutput, checkpoints. Multi-process behaviour lives in tests/distributed."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import smdistributed.modelparallel.torch as smp
+from smp_adapter.errors import NotInitializedError, SMPCheckpointError, SMPUsageError
+from smp_adapter.runtime.init import shutdown
+
+
+@pytest.fixture
+def fresh(monkeypatch):
+    for key in ("SM_HP_MP_PARAMETERS", "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT", "OMPI_COMM_WORLD_RANK"):
+        monkeypatch.delenv(key, raising=False)
+    shutdown()
+    yield
+    shutdown()
+
+
+def _mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+
+
+def test_api_before_init_names_the_fix(fresh):
+    with pytest.raises(NotInitializedError, match=r"smp.rank\(\) was called before smp.init\(\)"):
+        smp.rank()
+    with pytest.raises(NotInitializedError, match="DistributedModel"):
+        smp.DistributedModel(_mlp())
+    with pytest.raises(NotInitializedError, match="smp.state.cfg is only available after smp.init"):
+        smp.state.cfg.fp16
+    assert smp.is_initialized() is False
+
+
+def test_init_reads_environment_over_script_dict(fresh, monkeypatch):
+    monkeypatch.setenv("SM_HP_MP_PARAMETERS", '{"microbatches": 2}')
+    smp.init({"microbatches": 4, "ddp": True})
+    assert smp.state.cfg.microbatches == 2 and smp.state.cfg.ddp is True
+    assert (smp.rank(), smp.size(), smp.dp_size(), smp.tp_size(), smp.pp_size(), smp.rdp_size()) == (0, 1, 1, 1, 1, 1)
+    assert smp.get_dp_group() == [0] and smp.get_mp_group() == [0]
+    smp.init({"microbatches": 4, "ddp": True})  # same effective options: no-op
+    monkeypatch.setenv("SM_HP_MP_PARAMETERS", '{"microbatches": 1}')
+    with pytest.raises(SMPUsageError, match="called again with different options"):
+        smp.init({})
+
+
+def test_step_splits_batches_and_averages_gradients(fresh):
+    smp.init({"microbatches": 2})
+    model = smp.DistributedModel(_mlp())
+    reference = _mlp()
+    optimizer = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.5))
+
+    @smp.step
+    def train_step(model, x, y, scale):
+        out = model(x)
+        loss = F.cross_entropy(out, y) * scale
+        model.backward(loss)
+        return loss, out, x.shape[0]
+
+    x, y = torch.randn(6, 4), torch.randint(0, 3, (6,))
+    optimizer.zero_grad()
+    loss_mb, out_mb, sizes = train_step(model, x, y, 1.0)
+    optimizer.step()
+    assert isinstance(loss_mb, smp.StepOutput) and len(loss_mb.outputs) == 2
+    assert sizes == [3, 3]  # non-tensor returns: one entry per microbatch
+    assert out_mb.concat().shape == (6, 3) and out_mb.stack().shape == (2, 3, 3)
+    assert isinstance(loss_mb.detach(), smp.StepOutput)  # tensor methods forwarded
+    # reference: one full-batch step (mean of microbatch means == full mean for equal sizes)
+    ref_loss = F.cross_entropy(reference(x), y)
+    ref_loss.backward()
+    torch.optim.SGD(reference.parameters(), lr=0.5).step()
+    assert loss_mb.reduce_mean().item() == pytest.approx(ref_loss.item(), rel=1e-6)
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-6, atol=1e-7)
+
+
+def test_step_misuse_errors(fresh):
+    smp.init({"microbatches": 4})
+    model = smp.DistributedModel(_mlp())
+    optimizer = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+
+    @smp.step
+    def train_step(model, x):
+        loss = model(x).sum()
+        model.backward(loss)
+        optimizer.step()  # wrong place
+        return loss
+
+    with pytest.raises(SMPUsageError, match=r"has 6 samples on axis 0, which does not divide into microbatches=4"):
+        train_step(model, torch.randn(6, 4))
+    with pytest.raises(SMPUsageError, match=r"optimizer.step\(\) was called inside an @smp.step"):
+        train_step(model, torch.randn(8, 4))
+    with pytest.raises(SMPUsageError, match="not an argument of"):
+        smp.step(non_split_inputs=["nope"])(lambda model, x: x)
+    with pytest.raises(SMPUsageError, match="only one smp.DistributedModel per script"):
+        smp.DistributedModel(_mlp())
+    with pytest.raises(SMPUsageError, match="already an smp.DistributedModel"):
+        smp.DistributedModel(model)
+    with pytest.raises(SMPUsageError, match="partition index must be an integer between 0 and"):
+        with smp.partition(1):
+            pass
+
+
+def test_optimizer_before_model_is_rejected(fresh):
+    smp.init({})
+    with pytest.raises(SMPUsageError, match="create smp.DistributedModel first"):
+        smp.DistributedOptimizer(torch.optim.SGD(_mlp().parameters(), lr=0.1))
+
+
+def test_plain_style_training_matches_reference(fresh):
+    smp.init({})
+    model = smp.DistributedModel(_mlp())
+    reference = _mlp()
+    optimizer = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.5))
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.5)
+    for _ in range(3):
+        x, y = torch.randn(5, 4), torch.randint(0, 3, (5,))
+        optimizer.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        optimizer.step()
+        ref_opt.zero_grad()
+        ref = F.cross_entropy(reference(x), y)
+        ref.backward()
+        ref_opt.step()
+        assert loss.item() == pytest.approx(ref.item(), rel=1e-6)
+
+
+def test_checkpoint_round_trip_and_bad_files(fresh, tmp_path):
+    smp.init({})
+    model = smp.DistributedModel(_mlp())
+    optimizer = smp.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.1))
+    smp.save_checkpoint(str(tmp_path), tag="t1", partial=True, user_content={"epoch": 3})
+    smp.save_checkpoint(str(tmp_path), tag="full.pt", partial=False)
+    assert (tmp_path / "newest").read_text().strip() == "full.pt"
+    assert set(torch.load(tmp_path / "full.pt", weights_only=True)) == set(_mlp().state_dict())
+    assert smp.resume_from_checkpoint(str(tmp_path), tag="t1") == {"epoch": 3}
+    (tmp_path / "junk.pt").write_bytes(b"not a checkpoint")
+    with pytest.raises(SMPCheckpointError, match="is not a loadable checkpoint"):
+        smp.load(str(tmp_path / "junk.pt"), partial=False)
+    with pytest.raises(SMPCheckpointError, match="no partial checkpoint file for this rank"):
+        smp.load(str(tmp_path / "absent.pt"))
+    partial = model.local_state_dict()
+    partial["_smp_layout"] = dict(partial["_smp_layout"], tp=2)
+    with pytest.raises(SMPCheckpointError, match=r"saved with another parallel layout \(tp: saved 2 vs now 1\)"):
+        model.load_state_dict(partial)
+    smp.save(model.local_state_dict(), str(tmp_path / "m.pt"), partial=True)
+    model.load_state_dict(smp.load(str(tmp_path / "m.pt")))
+    (tmp_path / "t2_partial").mkdir()
+    with pytest.raises(SMPCheckpointError, match="not a complete smp-adapter partial checkpoint"):
+        smp.resume_from_checkpoint(str(tmp_path), tag="t2")
