@@ -18,9 +18,23 @@ from typing import Any, Mapping
 from smp_adapter.config.options import SMPConfig
 from smp_adapter.config.problems import ConfigProblem, raise_if_any
 
-# The options SageMaker's toolkit already puts on the mpirun line (spec §1.6); repeating one makes
-# Open MPI fail with "MCA parameters can only be listed once" (spec §5.4), so we drop repeats.
-BASE_MCA_PARAMETERS = ("btl_vader_single_copy_mechanism",)
+
+
+def _yaml_loader():
+    """yaml.SafeLoader that also reads YAML 1.2 floats such as 5e8 (YAML 1.1 reads them as strings,
+    and smp's docs write int defaults that way)."""
+    import re
+
+    import yaml
+
+    class Loader(yaml.SafeLoader):
+        pass
+
+    Loader.add_implicit_resolver(
+        "tag:yaml.org,2002:float",
+        re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)(?:[eE][-+]?[0-9]+)$"),
+        list("-+0123456789."))
+    return Loader
 
 
 @dataclass(frozen=True)
@@ -51,7 +65,7 @@ def load_mapping(path: str | Path) -> dict[str, Any]:
         else:
             import yaml
 
-            data = yaml.safe_load(text)
+            data = yaml.load(text, Loader=_yaml_loader())
     except Exception as exc:  # json.JSONDecodeError, yaml.YAMLError: both are user input problems
         raise_if_any([ConfigProblem(str(path), f"is not valid {'JSON' if p.suffix.lower() == '.json' else 'YAML/JSON'} ({exc})",
                                     "fix the file's syntax")])
@@ -67,10 +81,10 @@ def parse_inline_or_file(text: str) -> dict[str, Any]:
         try:
             data = json.loads(text)
         except json.JSONDecodeError as exc:
-            raise_if_any([ConfigProblem("--options", f"is not valid JSON ({exc.msg} at char {exc.pos})",
+            raise_if_any([ConfigProblem("INPUT", f"is not valid inline JSON ({exc.msg} at char {exc.pos})",
                                         "quote the JSON for your shell, e.g. '{\"ddp\": true}'", text)])
         if not isinstance(data, dict):
-            raise_if_any([ConfigProblem("--options", "must be a JSON object", "e.g. '{\"ddp\": true}'", text)])
+            raise_if_any([ConfigProblem("INPUT", "must be a JSON object", "e.g. '{\"ddp\": true}'", text)])
         return data
     return load_mapping(text)
 

@@ -202,13 +202,13 @@ def _fold_aliases(values: dict[str, Any], problems: list[ConfigProblem]) -> None
     for key in [k for k in values if KEYS[k].policy is Policy.ALIAS]:
         target = KEYS[key].alias_of
         value = values.pop(key)
+        if key == "fp16_params" and value is False:
+            continue  # fp16_params: false says nothing about fp16
         if target in values and values[target] != value:
             problems.append(ConfigProblem(
                 key, f"disagrees with {target} = {values[target]!r} (they are the same setting)",
                 f"give only {target}, or the same value for both", value))
             continue
-        if key == "fp16_params" and value is False:
-            continue  # fp16_params: false says nothing about fp16
         values[target] = value
 
 

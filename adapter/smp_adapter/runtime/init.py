@@ -71,6 +71,13 @@ def init(config: Mapping[str, Any] | None = None) -> None:
             "pipeline_parallel_degree > 1 is not carried out by the smp-adapter runtime yet. Use "
             "sharded_data_parallel_degree (ZeRO-3) or tensor_parallel_degree to fit the model, or translate the "
             "options with `smp-adapter translate` and run DeepSpeed's PipelineModule directly")
+    if dims.tp > 1 and dims.hpz_partition_size > 1:
+        # DeepSpeed builds hpZ groups from consecutive global ranks; with tp > 1 smp's sharding
+        # groups are chunks of the RDP group instead, so the two would disagree.
+        raise UnsupportedFeatureError(
+            f"sharded_data_parallel_degree ({dims.sdp}) smaller than the rdp size ({dims.rdp}) together with "
+            "tensor_parallel_degree > 1 is not supported: use sharded_data_parallel_degree = rdp size "
+            f"({dims.rdp}), or tensor_parallel_degree: 1")
     _warn_once(cfg.warnings, launch.rank)
     import torch
 

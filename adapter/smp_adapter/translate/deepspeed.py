@@ -17,6 +17,7 @@ Batch arithmetic: per optimizer step each data-parallel rank runs `microbatches`
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,7 +48,7 @@ def fp16_section(loss: LossScaleArgs) -> dict[str, Any]:
         power = max(0, round(float(loss.init_scale)).bit_length() - 1)
         return {"enabled": True, "loss_scale": 0, "initial_scale_power": power,
                 "loss_scale_window": int(loss.scale_window), "hysteresis": int(loss.delayed_shift),
-                "consecutive_hysteresis": bool(loss.consecutive_hysteresis), "min_loss_scale": float(loss.min_scale)}
+                "consecutive_hysteresis": bool(loss.consecutive_hysteresis), "min_loss_scale": max(1, math.ceil(loss.min_scale))}  # DeepSpeed takes an int
     return {"enabled": True, "loss_scale": float(loss.static_loss_scale)}
 
 

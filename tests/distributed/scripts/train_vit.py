@@ -26,6 +26,8 @@ parser.add_argument("--resume", action="store_true")
 parser.add_argument("--ckpt-dir", default="ckpt")
 parser.add_argument("--checkpoint-activations", action="store_true")
 parser.add_argument("--init-weights", default=None, help="state dict to load after wrapping (fine-tune style)")
+parser.add_argument("--raise-at-step", type=int, default=-1, help="failure test: rank 1 raises at this step")
+parser.add_argument("--die-in-save", action="store_true", help="failure test: rank 1 is SIGKILLed mid-save")
 args, _ = parser.parse_known_args()
 
 smp.init({"ddp": True})
@@ -50,6 +52,22 @@ def train_step(model, inputs, targets):
     return loss
 
 
+if args.die_in_save and int(os.environ["RANK"]) == 1:
+    import signal
+
+    _real_save = torch.save
+
+    saves = []
+
+    def dying_save(obj, f, *a, **k):  # in the 2nd checkpoint, DeepSpeed's shards are written: die
+        if "rng_rank" in str(f):
+            saves.append(f)
+            if len(saves) == 2:
+                os.kill(os.getpid(), signal.SIGKILL)
+        return _real_save(obj, f, *a, **k)
+
+    torch.save = dying_save
+
 if args.resume:
     content = smp.resume_from_checkpoint(args.ckpt_dir)
     assert content["step"] == args.first_step, content
@@ -60,6 +78,8 @@ model.train()
 for step in range(args.first_step, args.first_step + args.steps):
     images, labels = global_batch(step, B * smp.dp_size())
     lo = smp.dp_rank() * B
+    if step == args.raise_at_step and smp.rank() == 1:
+        raise RuntimeError(f"injected failure in rank 1 at step {step}")
     optimizer.zero_grad()
     loss_mb = train_step(model, images[lo:lo + B], labels[lo:lo + B])
     # the loss of the whole global batch, as the single-process reference computes it
@@ -69,7 +89,7 @@ for step in range(args.first_step, args.first_step + args.steps):
     optimizer.step()
     if step == args.first_step and not args.resume:
         first_params = {k: v.tolist() for k, v in model.state_dict().items()}  # collective under ZeRO-3
-    if step + 1 == args.save_at:
+    if step + 1 == args.save_at or (args.die_in_save and step + 1 == 2):
         smp.save_checkpoint(args.ckpt_dir, tag=f"step{step + 1}", partial=True, user_content={"step": step + 1})
 
 engine = model.engine

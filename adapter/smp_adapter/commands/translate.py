@@ -1,0 +1,145 @@
+"""``smp-adapter translate INPUT``: show what a SageMaker smp job becomes on DeepSpeed/Megatron.
+
+INPUT is a JSON/YAML file or inline JSON holding plain smp options, a SageMaker distribution dict
+(optionally with instance_count), or a file with an ``smp_options:`` section. Prints the DeepSpeed
+config, the Megatron-core settings with the equivalent Megatron-LM arguments, and the deepspeed,
+torchrun and mpirun launch commands with their environment; ``--explain`` adds the mapping table.
+``--format json`` prints the same as one JSON document (the format of configs/golden/*.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from smp_adapter.config.dims import ParallelDims
+from smp_adapter.config.distribution import JobSpec, load_job
+from smp_adapter.config.problems import ConfigProblem, raise_if_any
+from smp_adapter.errors import SMPAdapterError
+from smp_adapter.translate.deepspeed import to_deepspeed_config
+from smp_adapter.translate.explain import ExplainRow, explain, format_table
+from smp_adapter.translate.launch import DEFAULT_MASTER_PORT, LAUNCHERS, LaunchPlan, resolve_processes, to_launch_plan
+from smp_adapter.translate.megatron import to_megatron_plan
+
+NAME = "translate"
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(NAME, help="translate smp options to DeepSpeed / Megatron settings and launch commands",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("input", metavar="INPUT", help="JSON/YAML file or inline JSON ('{\"ddp\": true, ...}')")
+    procs = p.add_mutually_exclusive_group()
+    procs.add_argument("--world-size", type=int, metavar="N",
+                       help="total processes (default: instance_count x processes_per_host of a distribution dict, "
+                            "else pipeline x tensor x sharded-data-parallel degree)")
+    procs.add_argument("--processes-per-host", type=int, metavar="N", help="processes per instance (mpi.processes_per_host)")
+    p.add_argument("--instance-count", type=int, metavar="K", help="number of instances (nodes)")
+    p.add_argument("--batch-size", type=int, metavar="B",
+                   help="per-rank batch passed to smp.step (default: microbatches, one sample per microbatch)")
+    p.add_argument("--script", default="train.py", help="training script in the launch commands (default: train.py)")
+    p.add_argument("--master-port", type=int, metavar="P",
+                   help=f"rendezvous port (default: ddp_port, else {DEFAULT_MASTER_PORT})")
+    p.add_argument("--cpu", action="store_true", help="launch commands for CPU processes (DS_ACCELERATOR=cpu, gloo)")
+    p.add_argument("--explain", action="store_true", help="print the smp -> engine mapping table")
+    p.add_argument("--out", metavar="DIR", help="write deepspeed_config.json, megatron.json, launch.json (+ explain.txt)")
+    p.add_argument("--format", choices=("text", "json"), default="text", help="output format (default: text)")
+    return p
+
+
+def translation_bundle(job: JobSpec, world_size: int | None = None, instance_count: int | None = None,
+                       processes_per_host: int | None = None, batch_size: int | None = None,
+                       script: str = "train.py", master_port: int | None = None, cpu: bool = False) -> dict[str, Any]:
+    """Everything ``translate`` shows, as JSON-ready data (also what configs/golden/*.json hold)."""
+    cfg = job.config()
+    if world_size is not None:
+        nnodes = job.instance_count if instance_count is None else instance_count
+        if not isinstance(nnodes, int) or nnodes < 1 or world_size % nnodes:
+            raise_if_any([ConfigProblem("--world-size", f"must be a multiple of the instance count ({nnodes})",
+                                        "give a world size that splits evenly over the instances", world_size)])
+        nprocs = world_size // nnodes
+    else:
+        nnodes, nprocs = resolve_processes(job, cfg, processes_per_host, instance_count)
+    dims = ParallelDims.from_config(cfg, nnodes * nprocs)
+    ds = to_deepspeed_config(dims, batch_size)
+    plan = to_megatron_plan(dims, batch_size)
+    launch = {name: to_launch_plan(job, cfg, script, launcher=name, nprocs_per_node=nprocs, nnodes=nnodes,
+                                   master_port=master_port, cpu=cpu).to_dict() for name in LAUNCHERS}
+    return {
+        "world_size": dims.world_size,
+        "nnodes": nnodes,
+        "nprocs_per_node": nprocs,
+        "per_rank_batch": cfg.microbatches if batch_size is None else batch_size,
+        "smp_options": dict(job.options),
+        "effective_options": cfg.to_dict(),
+        "warnings": list(cfg.warnings),
+        "deepspeed": ds,
+        "megatron": {**plan.to_dict(), "megatron_lm_args": plan.to_megatron_lm_args(),
+                     "megatron_lm_note": plan.megatron_lm_note()},
+        "launch": launch,
+        "explain": [row.to_dict() for row in explain(job, dims, ds, plan)],
+    }
+
+
+def _shell(plan: dict[str, Any]) -> str:
+    return LaunchPlan(plan["launcher"], tuple(plan["command"]), plan["env"], plan["nprocs_per_node"], plan["nnodes"]).shell()
+
+
+def _megatron_text(mg: dict[str, Any]) -> str:
+    skip = {"megatron_lm_args", "megatron_lm_note"}
+    lines = [f"  {k}: {json.dumps(v)}" for k, v in mg.items() if k not in skip]
+    lines.append("Megatron-LM arguments: " + " ".join(mg["megatron_lm_args"]))
+    if mg["megatron_lm_note"]:
+        lines.append(f"  note: {mg['megatron_lm_note']}")
+    return "\n".join(lines)
+
+
+def _text(bundle: dict[str, Any], table: str | None) -> str:
+    parts = [f"# world size {bundle['world_size']} = {bundle['nnodes']} node(s) x {bundle['nprocs_per_node']} processes, "
+             f"per-rank batch {bundle['per_rank_batch']}",
+             "", "DeepSpeed config:", json.dumps(bundle["deepspeed"], indent=2),
+             "", "Megatron-core settings:", _megatron_text(bundle["megatron"])]
+    for name, plan in bundle["launch"].items():
+        parts += ["", f"Launch with {name}:", "  " + _shell(plan)]
+        parts += [f"  note: {note}" for note in plan["notes"]]
+    if table is not None:
+        parts += ["", "Mapping (smp -> engines):", table]
+    return "\n".join(parts)
+
+
+def _write_outputs(out: str, bundle: dict[str, Any], table: str | None) -> list[Path]:
+    directory = Path(out)
+    files = {"deepspeed_config.json": json.dumps(bundle["deepspeed"], indent=2) + "\n",
+             "megatron.json": json.dumps(bundle["megatron"], indent=2) + "\n",
+             "launch.json": json.dumps(bundle["launch"], indent=2) + "\n"}
+    if table is not None:
+        files["explain.txt"] = table + "\n"
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        for name, text in files.items():
+            (directory / name).write_text(text)
+    except OSError as exc:
+        raise SMPAdapterError(f"--out {out}: cannot write ({exc.strerror or exc}); give a writable directory") from None
+    return [directory / name for name in files]
+
+
+def run(args: argparse.Namespace) -> int:
+    job = load_job(args.input)
+    bundle = translation_bundle(job, world_size=args.world_size, instance_count=args.instance_count,
+                                processes_per_host=args.processes_per_host, batch_size=args.batch_size,
+                                script=args.script, master_port=args.master_port, cpu=args.cpu)
+    for warning in bundle["warnings"]:
+        print(f"smp-adapter: warning: {warning}", file=sys.stderr)
+    table = None
+    if args.explain:
+        table = format_table([ExplainRow(**row) for row in bundle["explain"]])
+    if args.format == "json":
+        print(json.dumps(bundle, indent=2))
+    else:
+        print(_text(bundle, table))
+    if args.out:
+        for path in _write_outputs(args.out, bundle, table):
+            print(f"wrote {path}", file=sys.stderr)
+    return 0

@@ -1,0 +1,236 @@
+"""How each smp option was carried out: one row per option, as data and as a text table.
+
+Status of a row:
+  exact         the engine setting does what smp did
+  approximated  the engine does something close; the note says how it differs
+  ignored       accepted without effect; the note says why (the policy note from keys.py)
+  default       the user did not give the key; its default is in effect and maps as shown
+Rows come for every key the user gave, for the main keys left at their default, and for the
+derived settings (world and rdp size, ZeRO stage, hpZ, batch arithmetic, gradient clipping).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from typing import Any, Mapping
+
+from smp_adapter.config.dims import ParallelDims
+from smp_adapter.config.distribution import JobSpec
+from smp_adapter.config.keys import KEYS, Policy
+from smp_adapter.config.options import SMPConfig
+from smp_adapter.translate.megatron import MegatronPlan
+
+STATUSES = ("exact", "approximated", "ignored", "default")
+# Keys shown even when left at their default: they decide the layout and the engines.
+CORE_KEYS = ("pipeline_parallel_degree", "tensor_parallel_degree", "microbatches", "placement_strategy", "ddp",
+             "shard_optimizer_state", "sharded_data_parallel_degree", "prescaled_batch", "fp16", "bf16")
+# sdp_* key -> DeepSpeed key (the zero_optimization section, except gradient_clipping: top level)
+SDP_KEYS = {"sdp_reduce_bucket_size": "zero_optimization.reduce_bucket_size",
+            "sdp_param_persistence_threshold": "zero_optimization.stage3_param_persistence_threshold",
+            "sdp_max_live_parameters": "zero_optimization.stage3_max_live_parameters",
+            "sdp_gradient_clipping": "gradient_clipping"}
+
+
+@dataclass(frozen=True)
+class ExplainRow:
+    key: str  # smp key, "mpi.<key>", or "(derived) <what>"
+    value: Any  # as given, or the default / derived value
+    source: str  # "given", "default" or "derived"
+    engine_key: str
+    engine_value: Any
+    status: str  # one of STATUSES
+    note: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def explain(job_or_cfg: JobSpec | SMPConfig, dims: ParallelDims, ds_config: Mapping[str, Any],
+            megatron_plan: MegatronPlan) -> list[ExplainRow]:
+    given = dict(job_or_cfg.options if isinstance(job_or_cfg, JobSpec) else job_or_cfg.given)
+    cfg = dims.cfg
+    rows: list[ExplainRow] = []
+    shown = set()
+    keys = list(given) + [k for k in CORE_KEYS if k not in given and not _alias_given(k, given)]
+    if dims.sdp > 1:
+        keys += [k for k in SDP_KEYS if k not in given]
+    if dims.pp > 1:
+        keys += [k for k in ("pipeline", "active_microbatches") if k not in given]
+    for key in keys:
+        if key in shown:
+            continue
+        shown.add(key)
+        source = "given" if key in given else "default"
+        value = given[key] if key in given else getattr(cfg, key)
+        engine_key, engine_value, status, note = _map_key(key, cfg, dims, ds_config, megatron_plan)
+        if source == "default" and status == "exact":
+            status = "default"
+        rows.append(ExplainRow(key, value, source, engine_key, engine_value, status, note))
+    if isinstance(job_or_cfg, JobSpec):
+        rows += _mpi_rows(job_or_cfg)
+    rows += _derived_rows(dims, ds_config, megatron_plan)
+    return rows
+
+
+def _alias_given(key: str, given: Mapping[str, Any]) -> bool:
+    return any(KEYS[k].alias_of == key for k in given if k in KEYS)
+
+
+def _map_key(key: str, cfg: SMPConfig, dims: ParallelDims, ds: Mapping[str, Any], mg: MegatronPlan) -> tuple:
+    """(engine key, engine value, status, note) for one smp key."""
+    row = KEYS.get(key)
+    zero = ds.get("zero_optimization", {})
+    if row is not None and row.policy is Policy.IGNORED:
+        return "-", "-", "ignored", row.note
+    if row is not None and row.policy is Policy.REJECTED:  # only the default value gets this far
+        return "-", "-", "ignored", f"default value accepted; {row.note}"
+    if key in ("pipeline_parallel_degree", "partitions"):
+        note = "alias of pipeline_parallel_degree (pre-v1.6 name)" if key == "partitions" else ""
+        return "megatron pipeline_model_parallel_size; deepspeed pipeline.stages", dims.pp, "exact", note
+    if key == "tensor_parallel_degree":
+        return "megatron tensor_model_parallel_size", dims.tp, "exact", "Megatron-core parallel layers for marked modules"
+    if key == "microbatches":
+        how = "pipeline microbatches" if dims.pp > 1 else "gradient accumulation inside one smp.step call"
+        return "deepspeed gradient_accumulation_steps; megatron num_microbatches", ds["gradient_accumulation_steps"], "exact", how
+    if key == "pipeline":
+        if dims.pp == 1:
+            return "-", "-", "ignored", "no pipeline with pipeline_parallel_degree 1"
+        if cfg.pipeline == "simple":
+            return "pipeline schedule", "all forward, then all backward", "approximated", \
+                "GPipe-style order; the smp execution server's dynamic scheduling is not reproduced"
+        return "pipeline schedule", "1F1B", "approximated", \
+            "interleaved = backward first whenever possible, i.e. one-forward-one-backward; smp's dynamic order is not reproduced"
+    if key == "active_microbatches":
+        return "microbatches in flight", cfg.active_microbatches, "approximated", \
+            "default partitions + 2, clamped to microbatches (spec §5.5); the 1F1B schedule also bounds it by the stage count"
+    if key == "placement_strategy":
+        flag = mg.megatron_lm_order_flag()
+        cli = ("Megatron-LM CLI: default order" if flag == "" else f"Megatron-LM CLI: {flag}" if flag
+               else "no Megatron-LM CLI equivalent; order passed to initialize_model_parallel")
+        return "megatron order; deepspeed ProcessTopology axes", \
+            f"{mg.order}; {'-'.join(dims.grid.deepspeed_topology_axes())}", "exact", f"{cfg.placement_order}; {cli}"
+    if key == "auto_partition":
+        if dims.pp == 1:
+            return "-", "-", "ignored", "no pipeline with pipeline_parallel_degree 1"
+        if cfg.auto_partition:
+            return "stage assignment", "automatic", "approximated", \
+                "balanced by parameter sizes weighted with memory_weight, not by traced execution time"
+        return "stage assignment", "manual (smp.partition / set_partition)", "exact", ""
+    if key == "default_partition":
+        if dims.pp == 1 or cfg.auto_partition:
+            return "-", "-", "ignored", "only used with auto_partition: false and pipeline_parallel_degree > 1"
+        return "stage of unplaced modules", cfg.default_partition, "exact", ""
+    if key in ("optimize", "memory_weight"):
+        return "auto-partition memory_weight", cfg.memory_weight, "approximated", KEYS["optimize"].note if key == "optimize" else row.note
+    if key == "ddp":
+        return "data-parallel gradient reduction (DeepSpeed engine)", cfg.ddp, "exact", f"over {dims.rdp} model replicas"
+    if key == "ddp_port":
+        return "launch --master_port / MASTER_PORT", cfg.ddp_port, "exact", "used when no master port is given to the launcher"
+    if key == "ddp_dist_backend":
+        if cfg.ddp_dist_backend == "auto":
+            return "torch.distributed backend", "nccl (GPU) / gloo (CPU)", "approximated", "no SMDDP collectives outside SageMaker"
+        return "torch.distributed backend", cfg.ddp_dist_backend, "exact", ""
+    if key == "shard_optimizer_state":
+        note = ("ZeRO-1: optimizer state sharded over the data-parallel ranks holding the same parameters"
+                if cfg.shard_optimizer_state else "sharded data parallel shards optimizer state already"
+                if dims.sdp > 1 else "optimizer state not sharded")
+        return "deepspeed zero_optimization.stage; megatron use_distributed_optimizer", zero.get("stage"), "exact", note
+    if key == "offload_activations":
+        return "deepspeed activation_checkpointing.cpu_checkpointing", cfg.offload_activations, "approximated", \
+            "checkpointed activations go to CPU, but are copied back synchronously (no prefetch horizon)"
+    if key == "delayed_parameter_initialization":
+        how = "deepspeed.zero.Init" if dims.zero_stage == 3 else "meta-device init, materialised after partitioning"
+        return "model creation", how, "approximated", "parameters are allocated only for the local shard/stage"
+    if key == "prescaled_batch":
+        return "megatron global_batch_size", mg.global_batch_size, "exact", \
+            "rdp x batch (TP group shares a batch)" if cfg.prescaled_batch else "dp x batch (each TP rank reads its own batch)"
+    if key in ("fp16", "fp16_params"):
+        note = "loss scale from DistributedOptimizer(static_loss_scale/dynamic_loss_scale)"
+        if key == "fp16_params":
+            return "deepspeed fp16.enabled; megatron fp16", cfg.fp16, "approximated", f"{row.note}; {note}"
+        return "deepspeed fp16.enabled; megatron fp16", cfg.fp16, "exact", note
+    if key == "bf16":
+        note = "smp v1 allowed bf16 only with sharded data parallel; accepted without it here" if cfg.bf16 and dims.sdp == 1 else ""
+        return "deepspeed bf16.enabled; megatron bf16", cfg.bf16, "exact", note
+    if key == "sharded_data_parallel_degree":
+        if dims.sdp == 1:
+            return "deepspeed zero_optimization.stage", zero.get("stage"), "exact", "sharded data parallel off"
+        if dims.hpz_partition_size > 1:
+            return "deepspeed zero_optimization.stage + zero_hpz_partition_size", f"3 + {dims.hpz_partition_size}", "approximated", \
+                (f"MiCS groups of {dims.sdp} ranks approximated by ZeRO-3 + hpZ: parameters gathered inside each group, "
+                 f"optimizer state sharded over all {dims.rdp} replicas (less memory than MiCS)")
+        return "deepspeed zero_optimization.stage", 3, "exact", f"ZeRO-3 over all {dims.rdp} replicas"
+    if key in SDP_KEYS:
+        if dims.sdp == 1:
+            return "-", "-", "ignored", "only used with sharded_data_parallel_degree > 1"
+        path = SDP_KEYS[key]
+        value: Any = ds
+        for part in path.split("."):
+            value = value.get(part)
+        return f"deepspeed {path}", value, "exact", ""
+    return "-", "-", "ignored", row.note if row else "not an smp option"
+
+
+def _mpi_rows(job: JobSpec) -> list[ExplainRow]:
+    rows = []
+    if job.source != "distribution":
+        return rows
+    rows.append(ExplainRow("instance_count", job.instance_count, "given", "--num_nodes / --nnodes / mpirun hosts",
+                           job.instance_count, "exact", ""))
+    if job.processes_per_host is not None:
+        rows.append(ExplainRow("mpi.processes_per_host", job.processes_per_host, "given",
+                               "--num_gpus / --nproc_per_node / mpirun host slots", job.processes_per_host, "exact", ""))
+    if job.custom_mpi_options.strip():
+        rows.append(ExplainRow("mpi.custom_mpi_options", job.custom_mpi_options, "given", "mpirun flags",
+                               "appended", "approximated",
+                               "appended to the mpirun line without repeating its MCA parameters; -x VAR=VALUE "
+                               "also set for deepspeed/torchrun, other flags apply to mpirun only"))
+    return rows
+
+
+def _derived_rows(dims: ParallelDims, ds: Mapping[str, Any], mg: MegatronPlan) -> list[ExplainRow]:
+    zero = ds.get("zero_optimization", {})
+    stage = zero.get("stage")
+    why = {0: "plain data parallel (ddp, no sharding)", 1: "shard_optimizer_state", 3: "sharded_data_parallel_degree > 1"}
+    rows = [
+        ExplainRow("(derived) world size", dims.world_size, "derived", "launch processes", dims.world_size, "exact",
+                   f"pp {dims.pp} x tp {dims.tp} x rdp {dims.rdp}"),
+        ExplainRow("(derived) rdp size", dims.rdp, "derived", "megatron data_parallel_size", mg.data_parallel_size, "exact",
+                   "model replicas = world / (pp x tp)"),
+        ExplainRow("(derived) ZeRO stage", stage, "derived", "deepspeed zero_optimization.stage", stage, "exact", why.get(stage, "")),
+    ]
+    if zero.get("zero_hpz_partition_size", 1) > 1:
+        rows.append(ExplainRow("(derived) hpZ partition", dims.hpz_partition_size, "derived",
+                               "deepspeed zero_optimization.zero_hpz_partition_size", zero["zero_hpz_partition_size"],
+                               "approximated", "stands in for MiCS (removed from DeepSpeed 0.19)"))
+    micro = ds["train_micro_batch_size_per_gpu"]
+    rows += [
+        ExplainRow("(derived) micro batch", micro, "derived", "deepspeed train_micro_batch_size_per_gpu", micro, "exact",
+                   f"per-rank batch {micro * dims.cfg.microbatches} / microbatches {dims.cfg.microbatches}"),
+        ExplainRow("(derived) replica micro batch", mg.micro_batch_size, "derived", "megatron micro_batch_size",
+                   mg.micro_batch_size, "exact", "samples per model replica per microbatch"),
+        ExplainRow("(derived) global batch", mg.global_batch_size, "derived", "megatron global_batch_size", mg.global_batch_size,
+                   "exact", ("rdp" if dims.cfg.prescaled_batch else "dp") + " x per-rank batch (spec §3.6)"),
+        ExplainRow("(derived) gradient clipping", ds.get("gradient_clipping"), "derived", "deepspeed gradient_clipping",
+                   ds.get("gradient_clipping"), "exact",
+                   "sdp_gradient_clipping" if dims.sdp > 1 else "smp clips only under sharded data parallel: 0.0 = off"),
+    ]
+    return rows
+
+
+def _cell(value: Any) -> str:
+    return value if isinstance(value, str) else json.dumps(value)
+
+
+def format_table(rows: list[ExplainRow]) -> str:
+    """Plain aligned text; the note column is last and not padded."""
+    header = ("smp key", "value", "source", "engine key", "engine value", "status", "note")
+    cells = [header] + [(r.key, _cell(r.value), r.source, r.engine_key, _cell(r.engine_value), r.status, r.note) for r in rows]
+    widths = [max(len(c[i]) for c in cells) for i in range(len(header) - 1)]
+    lines = []
+    for n, c in enumerate(cells):
+        lines.append("  ".join(v.ljust(w) for v, w in zip(c, widths)) + "  " + c[-1])
+        if n == 0:
+            lines.append("  ".join("-" * w for w in widths) + "  " + "-" * len(header[-1]))
+    return "\n".join(line.rstrip() for line in lines)

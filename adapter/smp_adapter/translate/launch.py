@@ -1,0 +1,224 @@
+"""A SageMaker job (distribution dict / smp options) -> a launch command (pure; runs nothing).
+
+Three launchers, one world: ``nnodes x nprocs_per_node`` processes, validated against the
+degrees with ParallelDims before any command is built.
+
+  deepspeed  deepspeed --num_gpus N [--num_nodes K --hostfile H] [--master_addr A] --master_port P
+             --no_local_rank script args
+             ``--num_gpus`` (not ``--include``): on CPU DeepSpeed's resource pool has one slot per
+             NUMA node (or $LOCAL_SIZE), and --num_gpus N replaces the slot list by range(N)
+             whatever the pool says, while --include rejects slots missing from the pool
+             (deepspeed/launcher/runner.py). One node needs no hostfile and no pdsh: without
+             /job/hostfile the runner starts the processes locally. ``--no_local_rank``: smp
+             scripts do not parse ``--local_rank``; the runtime reads $LOCAL_RANK.
+  torchrun   torchrun --nproc_per_node N --nnodes K --node_rank R --master_addr A --master_port P
+             script args       (R is 0 on one node, the literal ${NODE_RANK} on several)
+  mpirun     the SageMaker toolkit's line (spec §1.6) minus its SageMaker-only parts (network
+             interface names, the gethostname LD_PRELOAD shim, smddpmprun, EFA and NCCL tuning),
+             then ``python script args``: no ``-m mpi4py``, the runtime reads OMPI_COMM_WORLD_*
+             and ``-mca orte_abort_on_non_zero_status 1`` already ends the job when a rank fails.
+
+Environment (as the SageMaker SDK/toolkit set it): SM_HP_MP_PARAMETERS (compact key-sorted JSON
+of the options as given), SM_FRAMEWORK_PARAMS, SM_NUM_GPUS (0 with cpu=True), DS_ACCELERATOR=cpu
+with cpu=True; ``-x VAR=VALUE`` exports from custom_mpi_options also go into the environment of
+the deepspeed/torchrun launches (on the mpirun line they stay flags).
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+from smp_adapter.config.dims import ParallelDims
+from smp_adapter.config.distribution import JobSpec
+from smp_adapter.config.options import ENV_MP_PARAMETERS, SMPConfig
+from smp_adapter.config.problems import ConfigProblem, raise_if_any
+
+LAUNCHERS = ("deepspeed", "torchrun", "mpirun")
+DEFAULT_MASTER_PORT = 29500  # torch.distributed's and DeepSpeed's default (SageMaker used 7777)
+NODE_RANK_PLACEHOLDER = "${NODE_RANK}"  # expanded by the shell on each node
+
+# MCA parameters on the toolkit's base line, in order. A custom option naming one of them is not
+# repeated (Open MPI: "MCA parameters can only be listed once", spec §5.4): the same value is
+# dropped, a different value replaces the base value.
+BASE_MCA = (("plm_rsh_no_tree_spawn", "1"), ("pml", "ob1"), ("btl", "^openib"),
+            ("orte_abort_on_non_zero_status", "1"), ("btl_vader_single_copy_mechanism", "none"))
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    launcher: str
+    command: tuple[str, ...]
+    env: Mapping[str, str]  # set these in the launcher's environment
+    nprocs_per_node: int
+    nnodes: int
+    notes: tuple[str, ...] = field(default=())  # what the user must know or do by hand
+
+    @property
+    def world_size(self) -> int:
+        return self.nprocs_per_node * self.nnodes
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"launcher": self.launcher, "command": list(self.command), "env": dict(self.env),
+                "nprocs_per_node": self.nprocs_per_node, "nnodes": self.nnodes, "notes": list(self.notes)}
+
+    def shell(self) -> str:
+        """One shell line: ``VAR=value ... command``; ${NODE_RANK} stays unquoted for the shell."""
+        env = [f"{k}={shlex.quote(v)}" for k, v in self.env.items()]
+        cmd = [a if a == NODE_RANK_PLACEHOLDER else shlex.quote(a) for a in self.command]
+        return " ".join(env + cmd)
+
+
+def resolve_processes(job: JobSpec, cfg: SMPConfig, nprocs_per_node: int | None = None,
+                      nnodes: int | None = None) -> tuple[int, int]:
+    """(nnodes, nprocs_per_node): explicit values, else the job's instance_count and
+    mpi.processes_per_host, else the smallest valid world pp x tp x sdp spread over the nodes."""
+    nnodes = job.instance_count if nnodes is None else nnodes
+    _check_count("instance_count", nnodes)
+    if nprocs_per_node is None:
+        nprocs_per_node = job.processes_per_host
+    if nprocs_per_node is None:
+        world = cfg.pipeline_parallel_degree * cfg.tensor_parallel_degree * cfg.sharded_data_parallel_degree
+        if world % nnodes:
+            raise_if_any([ConfigProblem("mpi.processes_per_host", f"is not given and the smallest valid world size "
+                                        f"({world} = pp x tp x sdp) does not split over {nnodes} instances",
+                                        "give processes_per_host (GPUs per instance)")])
+        nprocs_per_node = world // nnodes
+    _check_count("processes_per_host", nprocs_per_node)
+    return nnodes, nprocs_per_node
+
+
+def _check_count(key: str, value: Any) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise_if_any([ConfigProblem(key, "must be an integer >= 1", "give a positive number of processes/instances", value)])
+
+
+def to_launch_plan(job: JobSpec, cfg: SMPConfig | None, script: str, script_args: Sequence[str] = (),
+                   launcher: str = "deepspeed", nprocs_per_node: int | None = None, hostfile: str | None = None,
+                   master_addr: str | None = None, master_port: int | None = None, cpu: bool = False,
+                   nnodes: int | None = None, hosts: Sequence[str] | None = None,
+                   python: str = "python") -> LaunchPlan:
+    """The command that starts ``script`` as this job. Raises SMPConfigError when the world
+    size does not fit the degrees (ParallelDims.from_config) or an argument is invalid."""
+    cfg = job.config() if cfg is None else cfg
+    if launcher not in LAUNCHERS:
+        raise_if_any([ConfigProblem("launcher", "is not a known launcher", f"Available: {', '.join(LAUNCHERS)}", launcher)])
+    nnodes, nprocs = resolve_processes(job, cfg, nprocs_per_node, nnodes)
+    ParallelDims.from_config(cfg, nnodes * nprocs)  # the degrees must fit this world
+    port = master_port if master_port is not None else (cfg.ddp_port or DEFAULT_MASTER_PORT)
+    if not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536:
+        raise_if_any([ConfigProblem("master_port", "must be a TCP port (1-65535)", "e.g. 29500", port)])
+    hosts = list(hosts) if hosts else (["localhost"] if nnodes == 1 else [f"algo-{i + 1}" for i in range(nnodes)])
+    if len(hosts) != nnodes:
+        raise_if_any([ConfigProblem("hosts", f"must name {nnodes} hosts (instance_count)", "give one host per instance", hosts)])
+    addr = master_addr or ("127.0.0.1" if nnodes == 1 else hosts[0])
+    custom = parse_custom_mpi_options(job.custom_mpi_options)
+    env = {
+        ENV_MP_PARAMETERS: json.dumps(dict(job.options), sort_keys=True, separators=(",", ":")),
+        "SM_FRAMEWORK_PARAMS": json.dumps({
+            "sagemaker_distributed_dataparallel_enabled": False,
+            "sagemaker_mpi_custom_mpi_options": job.custom_mpi_options,
+            "sagemaker_mpi_enabled": True,
+            "sagemaker_mpi_num_of_processes_per_host": nprocs,
+        }, sort_keys=True, separators=(",", ":")),
+        "SM_NUM_GPUS": "0" if cpu else str(nprocs),
+    }
+    if cpu:
+        env["DS_ACCELERATOR"] = "cpu"
+    notes: list[str] = []
+    args = [script, *map(str, script_args)]
+    if launcher == "mpirun":
+        env.update({"MASTER_ADDR": addr, "MASTER_PORT": str(port)})
+        command, mpi_notes = _mpirun(hosts, nprocs, hostfile, custom, list(env), python, args)
+        notes += mpi_notes
+    else:
+        env.update(custom.exports)  # what custom_mpi_options exported with -x VAR=VALUE
+        if custom.nccl_debug:
+            env["NCCL_DEBUG"] = custom.nccl_debug
+        if custom.other_flags():
+            notes.append(f"custom_mpi_options flags {' '.join(custom.other_flags())!r} only apply to the mpirun launcher")
+        if launcher == "deepspeed":
+            command = ["deepspeed", "--num_gpus", str(nprocs)]
+            if nnodes > 1:
+                command += ["--num_nodes", str(nnodes), "--hostfile", hostfile or "hostfile"]
+                notes.append("several nodes: the deepspeed launcher needs a hostfile ('<host> slots=N' per line), "
+                             "passwordless ssh and pdsh, and forwards only the variables listed in .deepspeed_env")
+            if master_addr:
+                command += ["--master_addr", master_addr]
+            command += ["--master_port", str(port), "--no_local_rank", *args]
+        else:
+            command = ["torchrun", "--nproc_per_node", str(nprocs), "--nnodes", str(nnodes),
+                       "--node_rank", "0" if nnodes == 1 else NODE_RANK_PLACEHOLDER,
+                       "--master_addr", addr, "--master_port", str(port), *args]
+            if nnodes > 1:
+                notes.append("several nodes: run the same command on every node with NODE_RANK set to 0..nnodes-1")
+    return LaunchPlan(launcher, tuple(command), env, nprocs, nnodes, tuple(notes))
+
+
+@dataclass
+class CustomMPIOptions:
+    """custom_mpi_options split the way the SageMaker toolkit reads them."""
+
+    nccl_debug: str | None = None  # "--NCCL_DEBUG X" is the toolkit's own flag, not mpirun's
+    mca: dict[str, str] = field(default_factory=dict)  # -mca/--mca NAME VALUE (last one wins)
+    exports: dict[str, str] = field(default_factory=dict)  # -x VAR=VALUE
+    tokens: list[str] = field(default_factory=list)  # everything else, in order (including -x VAR)
+
+    def other_flags(self) -> list[str]:
+        return [*self.tokens, *(t for name, value in self.mca.items() for t in ("-mca", name, value))]
+
+
+def parse_custom_mpi_options(text: str) -> CustomMPIOptions:
+    try:
+        tokens = shlex.split(text or "")
+    except ValueError as exc:
+        raise_if_any([ConfigProblem("mpi.custom_mpi_options", f"cannot be split into flags ({exc})",
+                                    "balance the quotes", text)])
+    out = CustomMPIOptions()
+    i = 0
+    while i < len(tokens):
+        tok = tokens[i]
+        if tok.startswith("--NCCL_DEBUG"):
+            if "=" in tok:
+                out.nccl_debug = tok.split("=", 1)[1]
+            elif i + 1 < len(tokens):
+                out.nccl_debug, i = tokens[i + 1], i + 1
+        elif tok in ("-mca", "--mca") and i + 2 < len(tokens):
+            out.mca.pop(tokens[i + 1], None)  # keep the last value, at its position
+            out.mca[tokens[i + 1]] = tokens[i + 2]
+            i += 2
+        elif tok == "-x" and i + 1 < len(tokens) and "=" in tokens[i + 1]:
+            name, value = tokens[i + 1].split("=", 1)
+            out.exports[name] = value
+            out.tokens += [tok, tokens[i + 1]]
+            i += 1
+        else:
+            out.tokens.append(tok)
+        i += 1
+    return out
+
+
+def _mpirun(hosts: list[str], nprocs: int, hostfile: str | None, custom: CustomMPIOptions,
+            env_names: list[str], python: str, args: list[str]) -> tuple[list[str], list[str]]:
+    notes: list[str] = []
+    base = dict(BASE_MCA)
+    extra_mca = {}
+    for name, value in custom.mca.items():
+        if name not in base:
+            extra_mca[name] = value
+        elif value == base[name]:
+            notes.append(f"custom_mpi_options repeats '-mca {name} {value}', already on the base line: not repeated")
+        else:
+            notes.append(f"custom_mpi_options sets '-mca {name} {value}': replaces the base line's value {base[name]!r}")
+            base[name] = value
+    placement = ["--hostfile", hostfile] if hostfile else ["--host", ",".join(f"{h}:{nprocs}" for h in hosts)]
+    cmd = ["mpirun", *placement, "-np", str(nprocs * len(hosts)), "--allow-run-as-root", "--display-map", "--tag-output",
+           "-bind-to", "none", "-map-by", "slot"]
+    for name, value in {**base, **extra_mca}.items():
+        cmd += ["-mca", name, value]
+    cmd += ["-x", f"NCCL_DEBUG={custom.nccl_debug or 'INFO'}", "-x", "LD_LIBRARY_PATH", "-x", "PATH", *custom.tokens]
+    for name in env_names:
+        cmd += ["-x", name]
+    return [*cmd, python, *args], notes
