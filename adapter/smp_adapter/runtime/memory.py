@@ -35,9 +35,42 @@ def delay_param_initialization(enabled: bool = True):
 
     from smp_adapter.translate.deepspeed import to_deepspeed_config
 
-    with deepspeed.zero.Init(config_dict_or_path=to_deepspeed_config(s.dims), dtype=_param_dtype(),
-                             data_parallel_group=s.groups.rdp, remote_device=None, enabled=True):
-        yield
+    ds_config = to_deepspeed_config(s.dims)
+    try:
+        with deepspeed.zero.Init(config_dict_or_path=ds_config, dtype=_param_dtype(),
+                                 data_parallel_group=s.groups.rdp, remote_device=None, enabled=True):
+            _announce_zero3_to_transformers(ds_config)
+            yield
+    finally:
+        # Only while creating: afterwards a plain HF model built on one rank (e.g. to save a full
+        # checkpoint) must not think it is sharded, or its collectives would wait for other ranks.
+        state.hf_deepspeed_config = None
+
+
+def _announce_zero3_to_transformers(ds_config: dict) -> None:
+    """Tell transformers that parameters are ZeRO-3 shards, so ``from_pretrained`` inside the
+    context gathers each shard while loading checkpoint weights (its DeepSpeed integration).
+    transformers keeps only a weak reference: the object lives in ``state`` while we create."""
+    try:
+        from transformers.integrations import HfDeepSpeedConfig
+    except ImportError:
+        return
+    state.hf_deepspeed_config = HfDeepSpeedConfig(dict(ds_config))
+
+
+def initialize_hf_weights_if_random(module: nn.Module) -> None:
+    """A Hugging Face model built from a config under zero.Init got PyTorch's default init (its own
+    ``_init_weights`` ran on empty shards). Re-run the model's init with gathered shards, as
+    transformers does for its own ZeRO-3 path. Models loaded with from_pretrained keep their weights."""
+    config = getattr(module, "config", None)
+    if config is None or not hasattr(module, "_initialize_weights") or getattr(config, "_name_or_path", ""):
+        return
+    if not any(hasattr(p, "ds_id") for p in module.parameters()):
+        return
+    from transformers.integrations.deepspeed import initialize_weights_zero3
+
+    initialize_weights_zero3(module)
+    module.tie_weights()
 
 
 def _param_dtype():

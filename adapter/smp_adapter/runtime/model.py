@@ -50,7 +50,11 @@ class DistributedModel(nn.Module):
         self._distributed_modules: list[str] = []
         if s.dims.tp > 1:
             self._distributed_modules = _apply_tensor_parallelism(module)
-        if not _is_zero3_partitioned(module):
+        if _is_zero3_partitioned(module):
+            from smp_adapter.runtime.memory import initialize_hf_weights_if_random
+
+            initialize_hf_weights_if_random(module)
+        else:
             module.to(s.device)
         _sync_initial_state(module)
         s.model = self

@@ -48,6 +48,7 @@ class State:
         self.tracing = False
         self.launcher = None
         self.owns_process_group = False
+        self.hf_deepspeed_config = None  # keeps transformers' ZeRO-3 awareness alive
 
     @property
     def cfg(self):
