@@ -105,9 +105,9 @@ def load_model_state_dict(model, state_dict, strict: bool = True):
         with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=0):
             return module.load_state_dict(sd, strict=strict)
     if state.dims.tp > 1:
-        from smp_adapter.parallel.tensor import current_tp_context, load_full_state_dict
+        from smp_adapter.parallel.tensor import current_tp_context, shard_state_dict
 
-        return load_full_state_dict(module, sd, current_tp_context(), strict=strict)
+        return module.load_state_dict(shard_state_dict(module, sd, current_tp_context()), strict=strict)
     return module.load_state_dict(sd, strict=strict)
 
 

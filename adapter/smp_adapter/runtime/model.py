@@ -45,18 +45,25 @@ class DistributedModel(nn.Module):
         self.partitioned = False
         self._engine = None
         self._plain_backward_pending = False
+        self._reduce_after_backward = True
         self._post_partition_hooks: list = []
         self._post_step_hooks: list = []
         self._distributed_modules: list[str] = []
-        if s.dims.tp > 1:
-            self._distributed_modules = _apply_tensor_parallelism(module)
         if _is_zero3_partitioned(module):
             from smp_adapter.runtime.memory import initialize_hf_weights_if_random
 
             initialize_hf_weights_if_random(module)
         else:
             module.to(s.device)
+        # Every replica starts from dp rank 0's weights (users seed with dp_rank); done before the
+        # tensor-parallel split, so each TP rank's shard is a slice of the same matrix.
         _sync_initial_state(module)
+        # Without prescaled_batch each TP rank trains on its own samples, so replicated parameters
+        # must also be averaged over the TP group before DeepSpeed averages over RDP: we then own
+        # the reduction (see _reduce_gradients).
+        self._manual_reduction = s.dims.tp > 1 and not s.cfg.prescaled_batch
+        if s.dims.tp > 1:
+            self._distributed_modules = _apply_tensor_parallelism(module)
         s.model = self
 
     # -- engine ----------------------------------------------------------------------------------
@@ -90,21 +97,36 @@ class DistributedModel(nn.Module):
             _broadcast_buffers(self.module)
         if state.in_step:
             return engine(*args, **kwargs)
-        # plain style (spec §5.6): the next optimizer.step() is the reduction boundary
+        # plain style (spec §5.6): gradients are reduced in the next optimizer.step()
         if torch.is_grad_enabled() and self.training:
             self._plain_backward_pending = True
-            engine.set_gradient_accumulation_boundary(True)
-            if engine.zero_optimization_stage() == 0:
+            if engine.zero_optimization_stage() < 3:
+                # DeepSpeed's own hooks on engine outputs would reduce (or, for ZeRO 0, refuse)
+                # a direct loss.backward(); run the module and reduce in optimizer.step()
+                engine.set_gradient_accumulation_boundary(False)
                 return self.module(*args, **kwargs)
+            engine.set_gradient_accumulation_boundary(True)
         return engine(*args, **kwargs)
+
+    def _reduce_gradients(self) -> None:
+        """Average gradients over data-parallel ranks now: replicated parameters over the TP group
+        first when each TP rank had its own samples, then everything over DeepSpeed's group."""
+        engine = self.engine
+        if self._manual_reduction:
+            from smp_adapter.parallel.tensor import current_tp_context, tp_gradient_sync
+
+            tp_gradient_sync(self.module.parameters(), current_tp_context())
+        engine.set_gradient_accumulation_boundary(True)
+        engine.allreduce_gradients()
 
     def _before_microbatch(self, mb: int, num_microbatches: int) -> None:
         """Called by @smp.step: reduce gradients only after the last microbatch of every
         backward_passes_per_step-th step call."""
         last_call = (state.step_calls + 1) % self.backward_passes_per_step == 0
-        boundary = last_call and mb == num_microbatches - 1
+        self._reduce_after_backward = last_call and mb == num_microbatches - 1
         if self._engine is not None:
-            self._engine.set_gradient_accumulation_boundary(boundary)
+            self._engine.set_gradient_accumulation_boundary(self._reduce_after_backward
+                                                            and not self._manual_reduction)
 
     def backward(self, tensors, grad_tensors=None, retain_graph=None, create_graph=None):
         if retain_graph or create_graph:
@@ -120,9 +142,11 @@ class DistributedModel(nn.Module):
         if tensors.dim() != 0:
             raise SMPUsageError(f"model.backward needs a scalar loss, got a tensor of shape {tuple(tensors.shape)}: "
                                 "reduce it (e.g. loss.mean()) or pass grad_tensors")
-        if not state.in_step:
-            engine.set_gradient_accumulation_boundary(True)
+        reduce_now = self._reduce_after_backward if state.in_step else True
+        engine.set_gradient_accumulation_boundary(reduce_now and not self._manual_reduction)
         engine.backward(tensors, scale_wrt_gas=self.average_grads_across_microbatches)
+        if reduce_now and self._manual_reduction:
+            self._reduce_gradients()
 
     # -- parameters ------------------------------------------------------------------------------
     def get_module(self) -> nn.Module:
@@ -255,25 +279,21 @@ def _cast_floats(obj, dtype):
 
 
 def _sync_initial_state(module) -> None:
-    """Start every replica from the same weights, as smp's constructor did: tensor-split parameters
-    from rdp rank 0 over the RDP group, all others from dp rank 0 over the DP group."""
+    """Start every replica from the same weights, as smp's constructor did: everything from dp rank
+    0 over the DP group (which holds the TP group), before any tensor-parallel split."""
     import torch.distributed as dist
 
     s = state
     if s.world_size == 1 or _is_zero3_partitioned(module):
         return
-    from smp_adapter.runtime.comm import get_dp_group, get_rdp_group
+    from smp_adapter.runtime.comm import get_dp_group
 
-    dp_src, rdp_src = get_dp_group()[0], get_rdp_group()[0]
+    if dist.get_world_size(s.groups.dp) == 1:
+        return
+    src = get_dp_group()[0]
     with torch.no_grad():
-        for p in module.parameters():
-            split = _is_split(p)
-            group, src = (s.groups.rdp, rdp_src) if split else (s.groups.dp, dp_src)
-            if dist.get_world_size(group) > 1:
-                dist.broadcast(p.data, src=src, group=group)
-        for b in module.buffers():
-            if dist.get_world_size(s.groups.dp) > 1:
-                dist.broadcast(b.data, src=dp_src, group=s.groups.dp)
+        for tensor in list(module.parameters()) + list(module.buffers()):
+            dist.broadcast(tensor.data, src=src, group=s.groups.dp)
 
 
 def _broadcast_buffers(module) -> None:

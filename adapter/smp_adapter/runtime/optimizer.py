@@ -84,9 +84,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             raise SMPUsageError("optimizer.step() was called inside an @smp.step function; call it after the step "
                                 "function returns (gradients are complete only then)")
         engine, model = self.engine, self._model
-        if model._plain_backward_pending and engine.zero_optimization_stage() == 0:
-            engine.set_gradient_accumulation_boundary(True)
-            engine.allreduce_gradients()  # plain style, ZeRO 0: gradients were only local so far
+        if model._plain_backward_pending and engine.zero_optimization_stage() < 3:
+            model._reduce_gradients()  # plain style: gradients were only local so far
         model._plain_backward_pending = False
         if self._clip_norm is not None:
             self._apply_clip(self._clip_norm)

@@ -1,0 +1,242 @@
+"""Autograd-aware collectives over the tensor-parallel group, written for CPU (gloo) and GPU (NCCL).
+
+Megatron-core's own versions of the batch (first-dim) gather / reduce-scatter and of the last-dim
+gather allocate their buffers with ``torch.cuda.current_device()`` (``mappings._gather_along_first_dim``,
+``_reduce_scatter_along_first_dim``, ``_gather_along_last_dim``), so they are CUDA-only; the ones
+here allocate with ``torch.empty_like`` on the input's device and run on gloo as well. Where
+Megatron's op is device-neutral (all-reduce: ``copy_to_tensor_model_parallel_region`` /
+``reduce_from_tensor_model_parallel_region``) we call Megatron's (see ``copy_to_tp`` / ``reduce_from_tp``).
+
+Layout convention (smp semantics, spec section 3.5/3.6): tensors are batch-first. "Batch" ops move
+samples between TP ranks along dim 0; rank ``r``'s own samples are block ``r`` of the gathered batch.
+All ranks of a TP group must pass equally shaped tensors (smp requires equal batches per TP group).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as dist
+
+# Split modules keep their TP group (Megatron's layers as ``tp_group``, ours in a TPContext), and a
+# ProcessGroup cannot be pickled, so ``copy.deepcopy(model)`` (EMA copies, HF utilities) would fail.
+# A process group is a handle to shared state: a deep copy refers to the same group.
+if hasattr(dist, "ProcessGroup"):
+    copy._deepcopy_dispatch.setdefault(dist.ProcessGroup, lambda group, memo: group)
+
+# torch >= 2.13 renames the tensor collectives; keep working on the older names too.
+_all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def _size(group) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def _rank(group) -> int:
+    return 0 if group is None else dist.get_rank(group)
+
+
+# ---------------------------------------------------------------- plain (no autograd) helpers
+
+
+def all_gather_batch(x: torch.Tensor, group) -> torch.Tensor:
+    """[B, ...] on every rank -> [tp*B, ...] (rank order), no autograd."""
+    tp = _size(group)
+    if tp == 1:
+        return x
+    if x.dtype == torch.bool:  # not every backend reduces/gathers bool: move it as bytes
+        return all_gather_batch(x.to(torch.uint8), group).bool()
+    x = x.contiguous()
+    out = torch.empty((tp * x.shape[0],) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
+    _all_gather_tensor(out, x, group=group)
+    return out
+
+
+def reduce_scatter_batch_(x: torch.Tensor, group) -> torch.Tensor:
+    """[tp*B, ...] partial sums -> [B, ...] summed over ranks, block of the caller; no autograd."""
+    tp = _size(group)
+    if tp == 1:
+        return x
+    x = x.contiguous()
+    if x.shape[0] % tp:
+        raise RuntimeError(f"dim 0 ({x.shape[0]}) is not divisible by the TP size {tp}")
+    out = torch.empty((x.shape[0] // tp,) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
+    _reduce_scatter_tensor(out, x, group=group)
+    return out
+
+
+def all_gather_last(x: torch.Tensor, group) -> torch.Tensor:
+    """[..., F/tp] -> [..., F] (rank order along the last dim), no autograd."""
+    tp = _size(group)
+    if tp == 1:
+        return x
+    stacked = all_gather_batch(x.unsqueeze(0), group)  # [tp, ..., F/tp]
+    return torch.cat(stacked.unbind(0), dim=-1)
+
+
+def _all_to_all(x: torch.Tensor, group) -> torch.Tensor:
+    """Block j of dim 0 goes to rank j; block j of the result came from rank j."""
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    dist.all_to_all_single(out, x, group=group)
+    return out
+
+
+def _features_to_batch(x: torch.Tensor, group) -> torch.Tensor:
+    # [B, ..., F] (own samples, all features) -> [tp*B, ..., F/tp] (all samples, own feature slice)
+    tp = _size(group)
+    chunks = torch.stack(x.chunk(tp, dim=-1), dim=0)  # [tp, B, ..., F/tp]; chunk j -> rank j
+    out = _all_to_all(chunks, group)  # block j = rank j's samples, my slice
+    return out.reshape((tp * x.shape[0],) + tuple(out.shape[2:]))
+
+
+def _batch_to_features(x: torch.Tensor, group) -> torch.Tensor:
+    # [tp*B, ..., F/tp] -> [B, ..., F]: inverse of _features_to_batch
+    tp = _size(group)
+    blocks = x.reshape((tp, x.shape[0] // tp) + tuple(x.shape[1:]))  # block j = rank j's samples
+    out = _all_to_all(blocks, group)  # block j = my samples, rank j's feature slice
+    return torch.cat(out.unbind(0), dim=-1)
+
+
+# ---------------------------------------------------------------- autograd functions
+
+
+class _GatherBatch(torch.autograd.Function):
+    """forward: all-gather along dim 0; backward: reduce-scatter (sum) along dim 0."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return all_gather_batch(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return reduce_scatter_batch_(grad, ctx.group), None
+
+
+class _ReduceScatterBatch(torch.autograd.Function):
+    """forward: reduce-scatter (sum) along dim 0; backward: all-gather along dim 0."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return reduce_scatter_batch_(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_gather_batch(grad, ctx.group), None
+
+
+class _FeaturesToBatch(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _features_to_batch(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _batch_to_features(grad, ctx.group), None
+
+
+class _BatchToFeatures(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _batch_to_features(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _features_to_batch(grad, ctx.group), None
+
+
+class _GatherLast(torch.autograd.Function):
+    """forward: all-gather along the last dim; backward: keep the caller's slice.
+    (Megatron's gather_from_tensor_model_parallel_region, which allocates on CUDA.)"""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return all_gather_last(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        g = ctx.group
+        return grad.chunk(_size(g), dim=-1)[_rank(g)].contiguous(), None
+
+
+class _ScatterLast(torch.autograd.Function):
+    """forward: keep the caller's slice of the last dim; backward: all-gather along the last dim.
+    (Megatron's scatter_to_tensor_model_parallel_region, whose backward allocates on CUDA.)"""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.chunk(_size(group), dim=-1)[_rank(group)].contiguous()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_gather_last(grad, ctx.group), None
+
+
+def _grad_path(x: torch.Tensor) -> bool:
+    return torch.is_grad_enabled() and x.requires_grad
+
+
+def gather_batch(x, group):
+    """[B, ...] -> [tp*B, ...]; gradients are summed back to the owning rank."""
+    if _size(group) == 1:
+        return x
+    return _GatherBatch.apply(x, group) if _grad_path(x) else all_gather_batch(x, group)
+
+
+def reduce_scatter_batch(x, group):
+    """[tp*B, ...] partial sums -> [B, ...] (own samples, summed over the TP group)."""
+    if _size(group) == 1:
+        return x
+    return _ReduceScatterBatch.apply(x, group) if _grad_path(x) else reduce_scatter_batch_(x, group)
+
+
+def features_to_batch(x, group):
+    """[B, ..., F] -> [tp*B, ..., F/tp] with one all-to-all."""
+    if _size(group) == 1:
+        return x
+    return _FeaturesToBatch.apply(x, group) if _grad_path(x) else _features_to_batch(x, group)
+
+
+def batch_to_features(x, group):
+    """[tp*B, ..., F/tp] -> [B, ..., F] with one all-to-all."""
+    if _size(group) == 1:
+        return x
+    return _BatchToFeatures.apply(x, group) if _grad_path(x) else _batch_to_features(x, group)
+
+
+def gather_last(x, group):
+    if _size(group) == 1:
+        return x
+    return _GatherLast.apply(x, group) if _grad_path(x) else all_gather_last(x, group)
+
+
+def scatter_last(x, group):
+    if _size(group) == 1:
+        return x
+    return _ScatterLast.apply(x, group)
+
+
+def copy_to_tp(x, group):
+    """Identity forward, all-reduce backward (Megatron's copy_to_tensor_model_parallel_region)."""
+    if _size(group) == 1:
+        return x
+    from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
+
+    return copy_to_tensor_model_parallel_region(x, group=group)
+
+
+def reduce_from_tp(x, group):
+    """All-reduce forward, identity backward (Megatron's reduce_from_tensor_model_parallel_region)."""
+    if _size(group) == 1:
+        return x
+    from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
+
+    return reduce_from_tensor_model_parallel_region(x, group=group)

@@ -1,0 +1,317 @@
+"""The tensor-parallel engine: split marked modules of a model in place (spec sections 3.5, 3.6).
+
+Interface for the runtime (``DistributedModel``):
+
+* ``TPContext(group, rank, size, prescaled_batch)`` and ``set_current_tp_context`` /
+  ``current_tp_context``: the caller's TP group, set by the runtime after ``smp.init``;
+  ``smp.nn`` modules read it at construction.
+* ``apply_tensor_parallelism(module, ctx) -> list[str]``: replace the marked supported modules of
+  ``module`` in place; returns the qualified names of the distributed modules.
+* ``is_distributed_parameter(p)``: True for parameters split across TP ranks.
+* ``tp_gradient_sync(params, ctx)``: the TP part of the gradient reduction (see its docstring).
+* ``gather_full_state_dict(module, ctx)`` / ``shard_state_dict(module, full, ctx)``: unsplit
+  (original key names and shapes) <-> this rank's split state dict.
+
+Replacement rules: only the outermost *supported* module of a subtree whose own mark is enabled is
+distributed (a disabled or unsupported module is descended into; its children carry their own marks).
+Supported: classes registered with ``tp_register``; the transformer blocks of the Hugging Face
+families in ``hf.py`` (plus their input embedding / LM head); ``nn.Linear`` -> ``DistributedLinear``
+(input dimension split, spec 2.10); ``nn.Embedding`` -> vocab-parallel embedding. A module whose
+sizes do not divide by the TP size, or whose parameters are shared with another module, stays whole
+and a ``UserWarning`` names it and the reason. With ``size == 1`` nothing is replaced.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from dataclasses import dataclass
+from typing import Iterable, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from smp_adapter.errors import NotInitializedError
+from smp_adapter.parallel import marking
+from smp_adapter.parallel.layers import DISTRIBUTED_ATTR, LAYOUT_ATTR
+
+
+@dataclass(frozen=True)
+class TPContext:
+    group: "torch.distributed.ProcessGroup | None"  # the caller's TP group (None when size == 1)
+    rank: int  # tp_rank
+    size: int  # tp_size
+    prescaled_batch: bool = False
+
+
+_current: Optional[TPContext] = None
+
+
+def set_current_tp_context(ctx: Optional[TPContext]) -> None:
+    """Set (or clear, with None) the process-wide TP context; the runtime calls it after smp.init."""
+    global _current
+    if ctx is not None and not isinstance(ctx, TPContext):
+        raise TypeError(f"expected a TPContext, got {type(ctx).__name__}")
+    _current = ctx
+
+
+def current_tp_context() -> Optional[TPContext]:
+    """The TP context set by the runtime, or None before ``smp.init``."""
+    return _current
+
+
+def require_tp_context(what: str) -> TPContext:
+    if _current is None:
+        raise NotInitializedError(
+            f"{what} needs the tensor-parallel group: call smp.init() before creating it"
+        )
+    return _current
+
+
+@contextlib.contextmanager
+def using_tp_context(ctx: TPContext):
+    """Temporarily make ``ctx`` current (apply_tensor_parallelism builds registered modules in it)."""
+    global _current
+    prev, _current = _current, ctx
+    try:
+        yield ctx
+    finally:
+        _current = prev
+
+
+def is_distributed_parameter(p) -> bool:
+    """True for parameters split across the TP ranks (reduce them over the RDP group)."""
+    return bool(getattr(p, DISTRIBUTED_ATTR, False))
+
+
+def mark_distributed_parameter(p: nn.Parameter, layout=None, ctx: Optional[TPContext] = None) -> None:
+    """For custom ``DistributedModule``s: declare ``p`` split across TP ranks (optionally with a
+    ``layers.ShardLayout`` so ``gather_full_state_dict`` can reassemble it). Without
+    ``prescaled_batch`` the parameter is assumed to compute on the TP group's gathered batch, and
+    its gradient is divided by tp (see ``layers.mark_distributed``). ``ctx`` defaults to the current one."""
+    from smp_adapter.parallel.layers import mark_distributed
+
+    mark_distributed(p, layout, ctx or require_tp_context("mark_distributed_parameter"))
+
+
+# ---------------------------------------------------------------- replacement
+
+
+class _Walk:
+    def __init__(self, root: nn.Module, ctx: TPContext):
+        self.root, self.ctx, self.names = root, ctx, []
+        self.settled: set = set()  # ids of modules already decided (left whole, with a warning)
+        # distinct module objects owning each parameter directly: >1 means shared weights
+        self.owners: dict[int, list] = {}
+        seen = set()
+        for qname, m in root.named_modules(remove_duplicate=False):
+            if id(m) in seen:
+                continue
+            seen.add(id(m))
+            for p in m.parameters(recurse=False):
+                self.owners.setdefault(id(p), []).append((qname, m))
+
+    # --- helpers used by the handlers (also by hf.py)
+    def shared_with(self, module: nn.Module) -> Optional[str]:
+        """Name of a module outside ``module``'s subtree that owns one of its parameters, else None."""
+        inside = {id(m) for m in module.modules()}
+        for p in module.parameters():
+            for qname, owner in self.owners.get(id(p), []):
+                if id(owner) not in inside:
+                    return qname or "<root>"
+        return None
+
+    def replace(self, old: nn.Module, new: nn.Module) -> None:
+        """Swap ``old`` for ``new`` wherever it is registered (a module may be used twice)."""
+        new.train(old.training)
+        for m in self.root.modules():
+            for key, child in list(m._modules.items()):
+                if child is old:
+                    m._modules[key] = new
+
+    def warn(self, qname: str, module: nn.Module, why: str) -> None:
+        """Leave ``module`` whole (it is not visited again) and say why."""
+        self.settled.add(id(module))
+        warnings.warn(
+            f"tensor parallelism: {qname or '<root>'} ({type(module).__name__}) is not distributed "
+            f"and stays whole on every rank: {why}",
+            UserWarning,
+            stacklevel=4,
+        )
+
+    # --- traversal
+    def visit_children(self, parent: nn.Module, prefix: str) -> None:
+        for name, child in list(parent.named_children()):
+            self.visit(child, prefix + name)
+
+    def visit(self, module: nn.Module, qname: str) -> None:
+        if id(module) in self.settled:
+            return
+        mark = marking.get_mark(module)
+        if mark is not None and mark.enabled:
+            outcome = self.distribute(module, qname, mark)
+            if outcome == "done":
+                return
+        self.visit_children(module, qname + "." if qname else "")
+
+    def distribute(self, module: nn.Module, qname: str, mark) -> str:
+        """Returns "done" (handled or deliberately left whole) or "descend"."""
+        from smp_adapter.parallel import hf
+        from smp_adapter.parallel.nn import DistributedLinear, DistributedModule
+
+        if isinstance(module, DistributedModule) or getattr(module, "_smp_tp_ctx", None) is not None:
+            return "done"  # already distributed (built by the user or by a previous handler)
+        reg = marking.registration_for(module)
+        if reg is not None:
+            return self._registered(module, qname, mark, reg)
+        spec = hf.unit_spec_for(module)
+        if spec is not None:
+            hf.split_unit(self, module, qname, spec)
+            return "descend" if spec.descend else "done"
+        if hf.is_hf_model(module):
+            hf.split_embeddings(self, module, qname)
+            return "descend"
+        if isinstance(module, nn.Linear):
+            why = self._linear_problem(module)
+            if why:
+                self.warn(qname, module, why)
+                return "done"
+            if self._is_root(module, qname):
+                return "done"
+            # mark kwargs do not apply: the replacement copies the original's configuration and weights
+            self.replace(module, DistributedLinear.from_linear(module, self.ctx))
+            self.names.append(qname)
+            return "done"
+        if isinstance(module, nn.Embedding):
+            why = self._embedding_problem(module)
+            if why:
+                self.warn(qname, module, why)
+                return "done"
+            if self._is_root(module, qname):
+                return "done"
+            from smp_adapter.parallel.layers import vocab_from_embedding
+
+            self.replace(module, vocab_from_embedding(module, self.ctx))
+            self.names.append(qname)
+            return "done"
+        return "descend"
+
+    def _is_root(self, module, qname) -> bool:
+        if module is self.root:
+            self.warn(qname, module, "the model itself cannot be replaced in place; wrap it in a container module")
+            return True
+        return False
+
+    def _linear_problem(self, m: nn.Linear) -> Optional[str]:
+        tp = self.ctx.size
+        if m.in_features % tp:
+            return f"in_features={m.in_features} is not divisible by the tensor-parallel degree {tp}"
+        other = self.shared_with(m)
+        if other is not None:
+            return f"it shares parameters with {other}"
+        return None
+
+    def _embedding_problem(self, m: nn.Embedding) -> Optional[str]:
+        tp = self.ctx.size
+        if m.num_embeddings % tp:
+            return f"num_embeddings={m.num_embeddings} is not divisible by the tensor-parallel degree {tp}"
+        if m.max_norm is not None or m.sparse or m.scale_grad_by_freq:
+            return "max_norm, sparse and scale_grad_by_freq are not supported by the vocab-parallel embedding"
+        other = self.shared_with(m)
+        if other is not None:
+            return f"it shares parameters with {other}"
+        return None
+
+    def _registered(self, module, qname, mark, reg) -> str:
+        from smp_adapter.parallel.nn import build_registered
+
+        other = self.shared_with(module)
+        if other is not None:
+            self.warn(qname, module, f"it shares parameters with {other}")
+            return "done"
+        if self._is_root(module, qname):
+            return "done"
+        new, why = build_registered(module, reg, mark.kwargs)
+        if new is None:
+            if why:
+                self.warn(qname, module, why)
+            return "done"  # declined by init_hook (returned None): left whole on purpose
+        self.replace(module, new)
+        self.names.append(qname)
+        return "done"
+
+
+def apply_tensor_parallelism(module: nn.Module, ctx: TPContext) -> list:
+    """Replace the marked supported modules of ``module`` in place; return their qualified names."""
+    if not isinstance(ctx, TPContext):
+        raise TypeError(f"expected a TPContext, got {type(ctx).__name__}")
+    object.__setattr__(module, "_smp_tp_applied", True)
+    if ctx.size == 1:
+        return []
+    walk = _Walk(module, ctx)
+    with using_tp_context(ctx):
+        walk.visit(module, "")
+    return walk.names
+
+
+# ---------------------------------------------------------------- gradients
+
+
+def tp_gradient_sync(parameters: Iterable[nn.Parameter], ctx: TPContext) -> None:
+    """The TP part of smp's gradient reduction, for runtimes that reduce every gradient over one
+    group: call after backward, then average *all* gradients over the RDP group (e.g. DeepSpeed with
+    an mpu whose data-parallel group is the RDP group).
+
+    smp's rule (spec 3.5): split parameters are averaged over the RDP group, the others over the DP
+    group. Split parameters' gradients already average the TP group's losses (see
+    ``layers.mark_distributed``). Replicated parameters: with ``prescaled_batch=True`` every TP rank
+    computed the same gradient, nothing to do; without it each TP rank holds the gradient of its own
+    samples, so they are averaged over the TP group here (AVG over TP, then over RDP = AVG over DP).
+    """
+    if ctx.size == 1 or ctx.prescaled_batch:
+        return
+    for p in parameters:
+        if p.grad is not None and not is_distributed_parameter(p):
+            dist.all_reduce(p.grad, op=dist.ReduceOp.SUM, group=ctx.group)
+            p.grad.div_(ctx.size)
+
+
+# ---------------------------------------------------------------- state dicts
+
+
+def gather_full_state_dict(module: nn.Module, ctx: TPContext) -> dict:
+    """The unsplit state dict (original key names and shapes, e.g. Hugging Face's), on every TP rank.
+
+    Collective over the TP group: all its ranks must call it. Tensors of replicated entries are the
+    module's own (detached, like ``state_dict()``); split ones are freshly gathered.
+    """
+    sd = module.state_dict(keep_vars=True)
+    out, done = {}, {}
+    for key, t in sd.items():
+        layout = getattr(t, LAYOUT_ATTR, None) if isinstance(t, torch.Tensor) else None
+        if layout is None or ctx.size == 1:
+            out[key] = t.detach() if isinstance(t, torch.Tensor) else t
+            continue
+        if id(t) not in done:  # tied parameters are gathered once
+            local = t.detach().contiguous()
+            parts = [torch.empty_like(local) for _ in range(ctx.size)]
+            dist.all_gather(parts, local, group=ctx.group)
+            done[id(t)] = layout.unshard(parts)
+        out[key] = done[id(t)]
+    return out
+
+
+def shard_state_dict(module: nn.Module, full_state_dict: dict, ctx: TPContext) -> dict:
+    """This rank's slice of an unsplit state dict, ready for ``module.load_state_dict``.
+
+    Keys of ``full_state_dict`` that the module does not have pass through unchanged (so a strict
+    load reports them); local, no communication.
+    """
+    own = module.state_dict(keep_vars=True)
+    out = dict(full_state_dict)
+    for key, t in own.items():
+        layout = getattr(t, LAYOUT_ATTR, None) if isinstance(t, torch.Tensor) else None
+        if layout is not None and key in full_state_dict and ctx.size > 1:
+            out[key] = layout.shard(full_state_dict[key], ctx.rank, ctx.size)
+    return out

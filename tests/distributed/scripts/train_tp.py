@@ -1,0 +1,71 @@
+"""Seed-style tensor-parallel scripts (shared/seeds/000): the conv + linear net created inside
+smp.tensor_parallelism() and trained with plain loss.backward()/optimizer.step(), or a tiny GPT-2
+marked with smp.tensor_parallelism() and trained with @smp.step. Data is sharded by dp_rank, as in
+the seed (each TP rank reads its own batch unless prescaled_batch, then by rdp_rank)."""
+
+import argparse
+import os
+import sys
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from launch_util import write_result  # noqa: E402
+from tp_common import Net, batch_for, tiny_gpt2  # noqa: E402
+
+import smdistributed.modelparallel.torch as smp  # noqa: E402
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--model", default="convnet")
+parser.add_argument("--steps", type=int, default=3)
+parser.add_argument("--per-rank-batch", type=int, default=4)
+parser.add_argument("--save-hf", default=None)
+args, _ = parser.parse_known_args()
+
+smp.init()
+torch.manual_seed(42 + smp.dp_rank())  # the seeding smp asks for; the model is synced from dp rank 0
+with smp.tensor_parallelism():
+    model = Net() if args.model == "convnet" else tiny_gpt2()
+model = smp.DistributedModel(model)
+optimizer = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05))
+split = {n: tuple(p.shape) for n, p in model.module.named_parameters() if model.is_distributed_parameter(p)}
+
+prescaled = smp.state.cfg.prescaled_batch
+readers, reader_rank = (smp.rdp_size(), smp.rdp_rank()) if prescaled else (smp.dp_size(), smp.dp_rank())
+B = args.per_rank_batch
+losses = []
+
+
+@smp.step
+def train_step(model, data, target):
+    out = model(input_ids=data, labels=data)
+    model.backward(out["loss"])
+    return out["loss"]
+
+
+model.train()
+for step in range(args.steps):
+    data, target = batch_for(args.model, step, B * readers)
+    data, target = data[reader_rank * B:(reader_rank + 1) * B], target[reader_rank * B:(reader_rank + 1) * B]
+    optimizer.zero_grad()
+    if args.model == "convnet":  # the seed's plain PyTorch style
+        output = model(data)
+        loss = F.nll_loss(output, target, reduction="mean")
+        loss.backward()
+        loss = loss.detach()
+    else:
+        loss = train_step(model, data, target).reduce_mean()
+    optimizer.step()
+    # mean over the readers = the loss of the whole global batch
+    losses.append(sum(smp.allgather(loss.item(), smp.WORLD)) / smp.size())
+
+state = model.state_dict()  # gathered, original layout (collective over TP)
+if args.save_hf and smp.rank() == 0:
+    plain = tiny_gpt2()
+    plain.load_state_dict(state)
+    plain.save_pretrained(args.save_hf)
+write_result({"losses": losses, "split": split, "final_state": {k: v.tolist() for k, v in state.items()},
+              "readers": readers})
