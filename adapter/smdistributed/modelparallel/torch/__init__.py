@@ -60,7 +60,7 @@ from smp_adapter.runtime.optimizer import DistributedOptimizer
 from smp_adapter.runtime.state import state
 from smp_adapter.runtime.step import StepOutput, step
 
-from . import amp, exceptions, optimizers  # noqa: F401
+from . import amp, exceptions, nn, optimizers  # noqa: F401  (nn resolves its classes lazily)
 
 
 def is_initialized() -> bool:
@@ -103,10 +103,3 @@ set_tensor_parallelism = _marking("set_tensor_parallelism")
 tp_register = _marking("tp_register")
 tp_register_with_module = _marking("tp_register_with_module")
 
-
-def __getattr__(name):
-    if name == "nn":
-        from . import nn
-
-        return nn
-    raise AttributeError(f"module 'smdistributed.modelparallel.torch' has no attribute {name!r}")

@@ -1,0 +1,6 @@
+"""smp.nn.huggingface.bert: see smp_adapter.parallel.hf_translate (smp format == HF format here)."""
+
+from smp_adapter.parallel.hf_translate import FAMILY_FUNCTIONS as _F
+
+globals().update(_F["bert"])
+__all__ = sorted(_F["bert"])

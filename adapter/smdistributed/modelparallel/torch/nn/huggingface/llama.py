@@ -1,0 +1,6 @@
+"""smp.nn.huggingface.llama: see smp_adapter.parallel.hf_translate (smp format == HF format here)."""
+
+from smp_adapter.parallel.hf_translate import FAMILY_FUNCTIONS as _F
+
+globals().update(_F["llama"])
+__all__ = sorted(_F["llama"])
