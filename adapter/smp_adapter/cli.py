@@ -15,7 +15,7 @@ import sys
 from smp_adapter import __version__
 from smp_adapter.errors import SMPAdapterError
 
-COMMANDS = ("translate",)  # add a command: create commands/<name>.py and list it here
+COMMANDS = ("translate", "launch", "check", "report")  # add a command: create commands/<name>.py and list it here
 EXIT_USAGE = 2  # same status as argparse usage errors
 
 
@@ -43,6 +43,11 @@ def main(argv: list[str] | None = None) -> int:
     except SMPAdapterError as exc:
         print(f"smp-adapter {args.command}: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    except BrokenPipeError:  # `smp-adapter check x.py | head`: the reader left, nothing is wrong
+        import os
+
+        sys.stdout = open(os.devnull, "w")
+        return 1
 
 
 if __name__ == "__main__":

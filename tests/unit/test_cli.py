@@ -71,7 +71,7 @@ def test_world_size_sources(capsys):
 
 
 def test_adding_a_command_is_one_line():
-    assert COMMANDS == ("translate",)
+    assert COMMANDS == ("translate", "launch", "check", "report")
 
 
 # -- invalid inputs: exit 2, message names the key, no traceback --------------------------------------

@@ -1,0 +1,282 @@
+"""``smp-adapter launch SCRIPT [ARGS...]``: run a SageMaker smp v1 training script, unchanged, under
+deepspeed (default), torchrun or mpirun, with the environment its SageMaker job had.
+
+The script gets SM_HP_MP_PARAMETERS (the smp options), SM_FRAMEWORK_PARAMS, SM_CHANNEL_<NAME> and
+SM_CHANNELS, SM_MODEL_DIR, SM_OUTPUT_DATA_DIR, SM_OUTPUT_DIR, SM_NUM_GPUS, SM_NUM_CPUS, SM_HOSTS,
+SM_CURRENT_HOST, SM_HPS, SM_HP_<NAME>, SM_USER_ARGS, SM_USER_ENTRY_POINT and SM_TRAINING_ENV;
+hyperparameters (and, with smp options, ``--mp_parameters k=v,...`` as SageMaker passed it) come
+first on the command line, as ``--key value`` sorted by key, then the script's own arguments.
+Without a GPU (torch.cuda.is_available() false, or --cpu) the ranks use gloo and DS_ACCELERATOR=cpu.
+
+Every rank's output is streamed; when a rank fails all ranks are stopped (SIGTERM, SIGKILL after
+--grace seconds) and the exit status is the failing rank's (128+N if killed by signal N), 124 after
+--timeout, 2 for bad options. --dry-run prints the environment it sets and the exact command.
+A --recipe YAML holds ``script`` (relative to the YAML), ``smp_options``, ``nproc_per_node``,
+``hyperparameters`` and optionally ``launcher``; command-line options win over it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shlex
+import socket
+import sys
+from pathlib import Path
+from typing import Any
+
+from smp_adapter.config.distribution import JobSpec, job_from_mapping, load_job, load_mapping
+from smp_adapter.config.options import SMPConfig
+from smp_adapter.config.problems import ConfigProblem, raise_if_any
+from smp_adapter.errors import SMPAdapterError
+from smp_adapter.translate.launch import LAUNCHERS, NODE_RANK_PLACEHOLDER, to_launch_plan
+
+NAME = "launch"
+# run the launchers with this interpreter, so the ranks get it too (both use sys.executable)
+LAUNCHER_MODULES = {"deepspeed": "deepspeed.launcher.runner", "torchrun": "torch.distributed.run"}
+# rank variables of an enclosing launcher must not leak into this job
+SCRUB = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "LOCAL_SIZE", "GROUP_RANK", "ROLE_RANK", "NODE_RANK")
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(NAME, help="run a training script under deepspeed/torchrun/mpirun with SageMaker's environment",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--launcher", choices=LAUNCHERS, help="default: the recipe's launcher, else deepspeed")
+    p.add_argument("--nproc-per-node", type=int, metavar="N",
+                   help="processes per node (default: recipe, mpi.processes_per_host, #GPUs, else pp x tp x sdp)")
+    p.add_argument("--nnodes", type=int, metavar="K", help="nodes (default: hosts in --hostfile, else instance_count)")
+    p.add_argument("--hostfile", metavar="H", help="'<host> slots=N' per line (deepspeed and mpirun on several nodes)")
+    p.add_argument("--node-rank", type=int, metavar="R", help="this node's rank (torchrun on several nodes)")
+    p.add_argument("--master-addr", metavar="A", help="rendezvous address (torchrun on several nodes: node 0)")
+    p.add_argument("--master-port", type=int, metavar="P", help="rendezvous port (default: ddp_port, else a free port)")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--options", metavar="FILE_OR_JSON", help="smp options or a distribution dict (file or inline JSON)")
+    src.add_argument("--distribution", metavar="FILE", help="the estimator's distribution dict (JSON/YAML file)")
+    src.add_argument("--recipe", metavar="RECIPE.yaml", help="recipe: script, smp_options, nproc_per_node, hyperparameters")
+    p.add_argument("--channel", action="append", default=[], metavar="NAME=PATH", help="data channel (repeatable)")
+    p.add_argument("--job-dir", default="smp-job", metavar="DIR",
+                   help="default home of the model, output and rank-log directories (default: ./smp-job)")
+    p.add_argument("--model-dir", metavar="DIR", help="SM_MODEL_DIR (default: JOB_DIR/model)")
+    p.add_argument("--output-data-dir", metavar="DIR", help="SM_OUTPUT_DATA_DIR (default: JOB_DIR/output/data)")
+    p.add_argument("--hyperparameter", "--hp", action="append", default=[], metavar="KEY=VALUE",
+                   help="hyperparameter, passed as --KEY VALUE (VALUE is read as JSON when it parses; repeatable)")
+    dev = p.add_mutually_exclusive_group()
+    dev.add_argument("--cpu", dest="device", action="store_const", const="cpu", help="CPU ranks (gloo)")
+    dev.add_argument("--gpu", dest="device", action="store_const", const="gpu", help="GPU ranks (default if CUDA works)")
+    p.add_argument("--timeout", type=float, metavar="S", help="stop the job after S seconds (exit 124)")
+    p.add_argument("--grace", type=float, default=10.0, metavar="S",
+                   help="seconds between SIGTERM and SIGKILL once a rank failed (default 10)")
+    p.add_argument("--dry-run", action="store_true", help="print the environment and command, run nothing")
+    p.add_argument("script", nargs="?", metavar="SCRIPT",
+                   help="training script (with a --recipe naming one, all positional arguments are the script's)")
+    p.add_argument("script_args", nargs=argparse.REMAINDER, metavar="ARGS", help="the script's own arguments")
+    return p
+
+
+def load_recipe(path: str) -> dict[str, Any]:
+    data, base, problems, out = load_mapping(path), Path(path).resolve().parent, [], {}
+    checks = {"script": (str, "a path relative to the recipe"), "smp_options": (dict, "a mapping of smp options"),
+              "nproc_per_node": (int, "a positive integer"), "hyperparameters": (dict, "a mapping"),
+              "launcher": (str, f"one of {', '.join(LAUNCHERS)}")}
+    for key, (kind, what) in checks.items():
+        value = data.get(key)
+        if value is None:
+            continue
+        if not isinstance(value, kind) or isinstance(value, bool) or key == "launcher" and value not in LAUNCHERS:
+            problems.append(ConfigProblem(f"{path}: {key}", f"must be {what}", f"write {key}: <{what}>", value))
+        else:
+            out[key] = str(base / value) if key == "script" else value
+    raise_if_any(problems)
+    out["job"] = job_from_mapping(out.pop("smp_options", {}), base)
+    return out
+
+
+def parse_pairs(items: list[str], flag: str, form: str) -> dict[str, str]:
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise SMPAdapterError(f"{flag} {item!r}: write {flag} {form}")
+        out[key] = value
+    return out
+
+
+def _json_or_text(value: str) -> Any:
+    try:
+        return json.loads(value)
+    except ValueError:
+        return value
+
+
+def _arg(value: Any) -> str:  # the SageMaker toolkit's rendering of a hyperparameter on the command line
+    if isinstance(value, dict):
+        return ",".join(f"{k}={v}" for k, v in sorted(value.items()))
+    return value if isinstance(value, str) else str(value)
+
+
+def _env_name(key: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_]", "_", key).upper()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _hosts(hostfile: str) -> list[str]:
+    try:
+        lines = Path(hostfile).read_text().splitlines()
+    except OSError as exc:
+        raise SMPAdapterError(f"--hostfile {hostfile}: cannot be read ({exc.strerror}); write '<host> slots=N' lines") from None
+    return [line.split()[0] for line in lines if line.strip() and not line.lstrip().startswith("#")]
+
+
+def _script_options(script: str) -> dict:
+    """The options the script gives smp.init, read statically; launch-time options are checked merged
+    with them. Unknown (no smp.init call found, or not a literal dict): assume ddp, smp.init checks."""
+    from smp_adapter.script_check import check_source
+
+    try:
+        options = check_source(Path(script).read_text(), script).init_options
+    except (SyntaxError, ValueError, OSError, SMPAdapterError):
+        options = None
+    return {"ddp": True} if options is None else options
+
+
+def build(args: argparse.Namespace) -> dict[str, Any]:
+    """Everything a launch needs: command, the variables set, directories, supervision settings."""
+    recipe = load_recipe(args.recipe) if args.recipe else {}
+    positional = [*([args.script] if args.script else []), *args.script_args]
+    positional = positional[1:] if positional[:1] == ["--"] else positional
+    if recipe.get("script"):  # the recipe names the script: every positional argument is the script's
+        script, script_args = recipe["script"], positional
+    elif positional:
+        script, script_args = positional[0], positional[1:]
+    else:
+        raise SMPAdapterError("no training script: give SCRIPT (or a --recipe with a 'script' key)")
+    if not Path(script).is_file():
+        raise SMPAdapterError(f"training script {script} not found: give the path of an existing file")
+    job: JobSpec = recipe.get("job", JobSpec(options={}))
+    if args.options or args.distribution:
+        job = load_job(args.options or args.distribution)
+        if args.distribution and job.source != "distribution":
+            raise SMPAdapterError(f"--distribution {args.distribution}: not a SageMaker distribution dict "
+                                  "(smdistributed + mpi); use --options for plain smp options")
+    launcher = args.launcher or recipe.get("launcher", "deepspeed")
+    if args.device:
+        cpu = args.device == "cpu"
+    else:
+        import torch
+
+        cpu = not torch.cuda.is_available()
+    hosts = _hosts(args.hostfile) if args.hostfile else None
+    nnodes = args.nnodes or (len(hosts) if hosts else job.instance_count)
+    if hosts is not None:
+        if len(hosts) < nnodes:
+            raise SMPAdapterError(f"--hostfile {args.hostfile} names {len(hosts)} hosts, fewer than --nnodes {nnodes}")
+        hosts = hosts[:nnodes]
+    if nnodes > 1 and launcher != "torchrun" and not args.hostfile:
+        raise SMPAdapterError(f"{nnodes} nodes with {launcher}: give --hostfile (or use --launcher torchrun with --node-rank)")
+    if nnodes > 1 and launcher == "torchrun" and (args.node_rank is None or not args.master_addr):
+        raise SMPAdapterError("torchrun on several nodes: run this command on every node with --node-rank R "
+                              "(0..nnodes-1) and --master-addr <address of node 0>")
+    if args.node_rank is not None and launcher != "torchrun":
+        raise SMPAdapterError("--node-rank is for --launcher torchrun (deepspeed and mpirun start every node themselves)")
+    nprocs = args.nproc_per_node or recipe.get("nproc_per_node") or job.processes_per_host
+    if nprocs is None and not cpu:
+        import torch
+
+        nprocs = torch.cuda.device_count() or None
+    cfg = SMPConfig.from_dict({**_script_options(script), **job.options})
+    hps = {**recipe.get("hyperparameters", {}), **{k: _json_or_text(v) for k, v in
+                                                    parse_pairs(args.hyperparameter, "--hyperparameter", "KEY=VALUE").items()}}
+    if job.options:
+        hps.setdefault("mp_parameters", dict(job.options))  # as the SageMaker toolkit passes it
+    hp_args = [token for key in sorted(hps) for token in (f"--{key}", _arg(hps[key]))]
+    port = args.master_port or (None if cfg.ddp_port or nnodes > 1 else _free_port())
+    plan = to_launch_plan(job, cfg, script, [*hp_args, *script_args], launcher=launcher, nprocs_per_node=nprocs,
+                          hostfile=args.hostfile, master_addr=args.master_addr, master_port=port, cpu=cpu,
+                          nnodes=nnodes, hosts=hosts, python=sys.executable)
+    node_rank = args.node_rank or 0
+    if not 0 <= node_rank < plan.nnodes:
+        raise SMPAdapterError(f"--node-rank {node_rank}: must be between 0 and nnodes - 1 = {plan.nnodes - 1}")
+    job_dir = Path(args.job_dir).resolve()
+    dirs = {"model": Path(args.model_dir or job_dir / "model").resolve(),
+            "output": Path(args.output_data_dir or job_dir / "output" / "data").resolve(),
+            "logs": job_dir / "output" / "rank-logs"}
+    channels = {name: str(Path(path).resolve()) for name, path in parse_pairs(args.channel, "--channel", "NAME=PATH").items()}
+    hosts = hosts or (["algo-1"] if nnodes == 1 else [f"algo-{i + 1}" for i in range(nnodes)])
+    sm = {"SM_MODEL_DIR": str(dirs["model"]), "SM_OUTPUT_DATA_DIR": str(dirs["output"]),
+          "SM_OUTPUT_DIR": str(dirs["output"].parent), "SM_CHANNELS": json.dumps(sorted(channels)),
+          **{f"SM_CHANNEL_{_env_name(n)}": p for n, p in channels.items()},
+          "SM_HPS": json.dumps(hps, sort_keys=True),
+          **{f"SM_HP_{_env_name(k)}": v if isinstance(v, str) else json.dumps(v) for k, v in hps.items()},
+          "SM_USER_ARGS": json.dumps(hp_args), "SM_HOSTS": json.dumps(hosts), "SM_CURRENT_HOST": hosts[node_rank],
+          "SM_NUM_CPUS": str(os.cpu_count() or 1), "SM_USER_ENTRY_POINT": Path(script).name,
+          "SM_MODULE_DIR": str(Path(script).resolve().parent)}
+    sm.update(plan.env)  # SM_HP_MP_PARAMETERS (compact JSON), SM_FRAMEWORK_PARAMS, SM_NUM_GPUS, DS_ACCELERATOR
+    sm["SM_TRAINING_ENV"] = json.dumps({
+        "channel_input_dirs": channels, "current_host": sm["SM_CURRENT_HOST"], "hosts": hosts, "hyperparameters": hps,
+        "model_dir": sm["SM_MODEL_DIR"], "output_data_dir": sm["SM_OUTPUT_DATA_DIR"], "output_dir": sm["SM_OUTPUT_DIR"],
+        "num_gpus": int(sm["SM_NUM_GPUS"]), "num_cpus": int(sm["SM_NUM_CPUS"]), "user_entry_point": Path(script).name,
+        "additional_framework_parameters": json.loads(sm["SM_FRAMEWORK_PARAMS"])}, sort_keys=True)
+    root = Path(__file__).resolve().parents[2]  # the directory holding smp_adapter/ and smdistributed/
+    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if root.name not in ("site-packages", "dist-packages"):  # ranks import smp_adapter without pip install
+        sm["PYTHONPATH"] = os.pathsep.join([str(root), *(p for p in paths if p != str(root))])
+    sm["PYTHONUNBUFFERED"] = "1"
+    if cpu and "OMP_NUM_THREADS" not in os.environ:  # torch's default (all cores per rank) oversubscribes
+        sm["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // plan.nprocs_per_node))
+    if args.device == "cpu":
+        sm["CUDA_VISIBLE_DEVICES"] = ""
+    command = list(plan.command)
+    tail = len(hp_args) + len(script_args) + 1  # the script and its arguments end every command
+    head, rest = command[:-tail], command[-tail:]
+    if launcher == "deepspeed":
+        head = [sys.executable, "-m", LAUNCHER_MODULES[launcher], *head[1:], "--enable_each_rank_log", str(dirs["logs"])]
+    elif launcher == "torchrun":
+        head = [sys.executable, "-m", LAUNCHER_MODULES[launcher], *head[1:], "--tee", "3", "--log-dir", str(dirs["logs"])]
+        head = [str(node_rank) if a == NODE_RANK_PLACEHOLDER else a for a in head]
+    else:  # mpirun exports only what -x names (plan.env is named already); the interpreter ends head
+        extra = [t for name in sm if name not in plan.env for t in ("-x", name)]
+        head = [*head[:-1], *extra, head[-1]]
+    return {"command": [*head, *rest], "set": sm, "plan": plan, "dirs": dirs, "launcher": launcher, "cpu": cpu,
+            "rank_offset": node_rank * plan.nprocs_per_node, "channels": channels}
+
+
+def run(args: argparse.Namespace) -> int:
+    b = build(args)
+    plan = b["plan"]
+    summary = (f"{plan.nnodes} node(s) x {plan.nprocs_per_node} processes, launcher {b['launcher']}, "
+               f"{'CPU (gloo)' if b['cpu'] else 'GPU'}")
+    if args.dry_run:
+        print(f"# smp-adapter launch: {summary}")
+        print("# environment set for the job (on top of the current one):")
+        for name, value in b["set"].items():
+            print(f"export {name}={shlex.quote(value)}")
+        print(shlex.join(b["command"]))
+        for note in plan.notes:
+            print(f"# note: {note}")
+        return 0
+    for name, path in b["channels"].items():
+        if not Path(path).exists():
+            raise SMPAdapterError(f"--channel {name}={path}: the directory does not exist")
+    try:
+        for d in b["dirs"].values():
+            d.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise SMPAdapterError(f"cannot create {exc.filename} ({exc.strerror}): give writable --job-dir/--model-dir") from None
+    for note in plan.notes:
+        print(f"smp-adapter launch: note: {note}", file=sys.stderr)
+    print(f"smp-adapter launch: {summary}; rank logs in {b['dirs']['logs']}", file=sys.stderr, flush=True)
+    env = {k: v for k, v in os.environ.items() if k not in SCRUB and not k.startswith("OMPI_COMM_WORLD")}
+    env.update(b["set"])
+    from smp_adapter.launcher import Supervisor
+
+    sup = Supervisor(b["command"], env, b["launcher"], rank_offset=b["rank_offset"],
+                     rank_log_dir=b["dirs"]["logs"] if b["launcher"] == "deepspeed" else None,
+                     timeout=args.timeout, grace=args.grace)
+    return sup.run()

@@ -1,0 +1,259 @@
+"""Process supervisor of ``smp-adapter launch``: run a launcher command, stream every rank's output,
+stop the whole job when a rank fails, and never hang.
+
+* The launcher starts in its own session (``start_new_session=True``); its process group holds the
+  launcher, every rank and their children, so one ``killpg`` stops everything.
+* Output: the launcher's stdout+stderr come through a pipe. Rank lines are attributed to ranks by
+  the launcher's own prefix (torchrun ``--tee 3``: ``[default<local rank>]:``; mpirun
+  ``--tag-output``: ``[1,<rank>]<stdout>:``) or, for the deepspeed launcher, by tailing the
+  per-rank files of ``--enable_each_rank_log`` and printing them as ``[rank R] ...``.
+* Failure detection: every ~0.1 s the supervisor lists the launcher's descendants (psutil), maps
+  rank processes (environment RANK / OMPI_COMM_WORLD_RANK, parent not itself a rank) and reads the
+  exit status of a rank that has exited but is not reaped yet (a zombie: /proc/<pid>/stat). The
+  first non-zero status marks the failure: the launcher gets HEAD_START (2 s) to stop the job
+  itself, then the group gets SIGTERM, and SIGKILL ``grace`` seconds later. Independently, the launcher exiting (torchrun, deepspeed's launch.py and mpirun with
+  orte_abort_on_non_zero_status all stop the other ranks themselves) ends the job; leftovers in
+  the group are killed.
+* Which rank failed: the zombie status above; else torchrun's "Root Cause" block or mpirun's
+  message; else the first rank whose output holds a traceback that is not a communication error
+  (a peer's death shows up on healthy ranks as "Connection closed by peer" and the like).
+* Exit status: the failing rank's code (128 + N for a rank killed by signal N), 124 on
+  ``timeout``, 128 + N when the supervisor itself got SIGINT/SIGTERM (forwarded to the group).
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+EXIT_TIMEOUT = 124
+POLL_S = 0.1
+HEAD_START = 2.0  # seconds the launcher gets to stop the other ranks itself after a rank failed
+TAIL_LINES = 30
+_PREFIX = {"torchrun": re.compile(r"^\[default(\d+)\]:"), "mpirun": re.compile(r"^\[\d+,(\d+)\]<std(?:out|err)>:")}
+_FAILURE_BLOCK = re.compile(r"^\s*rank\s*:\s*(\d+) \(local_rank.*\n\s*exitcode\s*:\s*(-?\d+)", re.M)  # torchrun
+_MPI_FAILED = (re.compile(r"process rank (\d+) with PID \d+ on node \S+ exited on signal (\d+)"),
+               re.compile(r"Process name:\s*\[\[\d+,\d+\],(\d+)\]\s*Exit code:\s*(\d+)"))
+_COMM = re.compile(r"Connection (closed|reset) by peer|Broken pipe|SMPCommError|DistBackendError|timed out|"
+                   r"ProcessGroup|gloo|NCCL|connect|socket", re.I)
+_TRACEBACK = "Traceback (most recent call last)"
+
+
+def describe(code: int) -> str:
+    return f"killed by signal {signal.Signals(-code).name}" if code < 0 and -code in signal.valid_signals() \
+        else f"exit code {code}"
+
+
+class Supervisor:
+    def __init__(self, command, env, launcher: str, rank_offset: int = 0, rank_log_dir: Path | None = None,
+                 timeout: float | None = None, grace: float = 10.0, out=None):
+        self.command, self.env, self.launcher = list(command), dict(env), launcher
+        self.rank_offset, self.rank_log_dir, self.timeout, self.grace = rank_offset, rank_log_dir, timeout, grace
+        self.out = out or sys.stdout
+        self.lock = threading.Lock()
+        self.rank_lines: dict[int, collections.deque] = collections.defaultdict(lambda: collections.deque(maxlen=400))
+        self.launcher_lines: collections.deque = collections.deque(maxlen=400)
+        self.events: dict[int, int] = {}  # rank -> sequence number of its first sign of failure
+        self.seq = 0
+        self.pid_rank: dict[int, int] = {}  # rank processes seen
+        self.exits: dict[int, int] = {}  # rank -> exit status read from its zombie
+        self.failure: tuple[int, int] | None = None  # (rank, status) of the first failing rank
+        self.files: dict[Path, list] = {}  # deepspeed per-rank log -> [rank, handle, partial line]
+        self.old_logs: set[Path] = set()
+        self.proc: subprocess.Popen | None = None
+        self.signalled: int | None = None
+
+    # -- output ------------------------------------------------------------------------------------
+    def emit(self, text: str, rank: int | None, shown: str | None = None) -> None:
+        with self.lock:
+            self.out.write((text if shown is None else shown) + "\n")
+            self.out.flush()
+            self.seq += 1
+            if rank is None:
+                self.launcher_lines.append(text)
+                return
+            self.rank_lines[rank].append(text)
+            if _TRACEBACK in text:
+                self.events.setdefault(rank, self.seq)
+
+    def _read_pipe(self) -> None:
+        prefix = _PREFIX.get(self.launcher)
+        for raw in iter(self.proc.stdout.readline, b""):
+            line = raw.decode("utf-8", "replace").rstrip("\r\n")
+            m = prefix.match(line) if prefix else None
+            if m:
+                local = int(m.group(1))
+                self.emit(line[m.end():], local + (self.rank_offset if self.launcher == "torchrun" else 0), line)
+            else:
+                self.emit(line, None)
+
+    def _tail_rank_logs(self, final: bool = False) -> None:
+        if self.rank_log_dir is None:
+            return
+        for path in self.rank_log_dir.glob("*_rank*.log"):
+            m = re.search(r"_rank(\d+)\.log$", path.name)
+            if m and path not in self.files and path not in self.old_logs:
+                self.files[path] = [int(m.group(1)), open(path, "rb"), b""]
+        for entry in self.files.values():
+            rank, handle, partial = entry
+            data = partial + handle.read()
+            *lines, entry[2] = data.split(b"\n")
+            if final and entry[2]:
+                lines, entry[2] = [*lines, entry[2]], b""
+            for raw in lines:
+                text = raw.decode("utf-8", "replace").rstrip("\r")
+                self.emit(text, rank, f"[rank {rank}] {text}")
+
+    # -- rank processes ----------------------------------------------------------------------------
+    def _watch_ranks(self) -> None:
+        try:
+            import psutil
+        except ImportError:  # pragma: no cover - psutil comes with deepspeed
+            return
+        try:
+            children = sorted(psutil.Process(self.proc.pid).children(recursive=True), key=lambda p: p.pid)
+        except psutil.Error:
+            return
+        for child in children:
+            if child.pid in self.pid_rank:
+                continue
+            try:
+                env = child.environ()
+                rank = env.get("RANK", env.get("OMPI_COMM_WORLD_RANK"))
+                if rank is not None and child.ppid() not in self.pid_rank and rank.isdigit():
+                    self.pid_rank[child.pid] = int(rank)
+            except psutil.Error:
+                continue
+        for pid, rank in self.pid_rank.items():
+            if rank in self.exits:
+                continue
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:  # reaped before we saw its status: the launcher's report or the output tells
+                self._event(rank)
+                continue
+            if fields[0] == "Z":
+                status = int(fields[-1])
+                self.exits[rank] = -(status & 0x7F) if status & 0x7F else status >> 8
+                if self.exits[rank] != 0:
+                    self._event(rank)
+                    self.failure = self.failure or (rank, self.exits[rank])
+
+    def _event(self, rank: int) -> None:
+        with self.lock:
+            self.seq += 1
+            self.events.setdefault(rank, self.seq)
+
+    # -- signals -----------------------------------------------------------------------------------
+    def _killpg(self, sig: int) -> None:
+        try:
+            os.killpg(self.proc.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def _on_signal(self, signum, frame) -> None:
+        if self.signalled is not None:  # second Ctrl-C: no more waiting
+            self._killpg(signal.SIGKILL)
+        self.signalled = signum
+        self._killpg(signum)
+
+    # -- main loop ---------------------------------------------------------------------------------
+    def run(self) -> int:
+        if self.rank_log_dir is not None:
+            self.old_logs = set(self.rank_log_dir.glob("*_rank*.log"))
+        start = time.monotonic()
+        self.proc = subprocess.Popen(self.command, env=self.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, start_new_session=True)
+        reader = threading.Thread(target=self._read_pipe, daemon=True)
+        reader.start()
+        previous = {}
+        if threading.current_thread() is threading.main_thread():
+            previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        kill_at, timed_out, failed_at = None, False, None
+        try:
+            while self.proc.poll() is None:
+                self._tail_rank_logs()
+                self._watch_ranks()
+                now = time.monotonic()
+                if self.timeout and not timed_out and now - start > self.timeout:
+                    timed_out = True
+                    print(f"smp-adapter launch: timeout: the job ran longer than {self.timeout:g} s; "
+                          "stopping all ranks", file=sys.stderr, flush=True)
+                if self.failure and failed_at is None:
+                    failed_at = now
+                # the launcher gets HEAD_START s to stop the job itself (and say so), then the group is stopped
+                if kill_at is None and (failed_at is not None and now - failed_at > HEAD_START or timed_out
+                                        or self.signalled):
+                    if not self.signalled:
+                        self._killpg(signal.SIGTERM)
+                    kill_at = now + self.grace
+                if kill_at is not None and now > kill_at:
+                    self._killpg(signal.SIGKILL)
+                    kill_at = float("inf")
+                time.sleep(POLL_S)
+            self._watch_ranks()
+        finally:
+            self._killpg(signal.SIGKILL)  # leftovers (e.g. ranks of a launcher that died)
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+            reader.join(timeout=5)
+            self._tail_rank_logs(final=True)
+            for _, handle, _ in self.files.values():
+                handle.close()
+        self.elapsed = time.monotonic() - start
+        self.stop_delay = None if failed_at is None else time.monotonic() - failed_at  # failure seen -> all gone
+        if timed_out:
+            return EXIT_TIMEOUT
+        if self.signalled is not None:
+            print(f"smp-adapter launch: interrupted ({signal.Signals(self.signalled).name}, forwarded to every "
+                  "process of the job); all ranks were stopped", file=sys.stderr)
+            return 128 + self.signalled
+        return self.report(self.proc.returncode)
+
+    def report(self, launcher_code: int) -> int:
+        if launcher_code == 0 and self.failure is None:
+            return 0
+        codes = {**self._reported_codes(), **self.exits}
+        rank = self._blamed_rank(codes)
+        code = codes.get(rank)
+        if code is None:  # the launcher's status: deepspeed passes a rank's -N on as 256 - N
+            code = launcher_code - 256 if launcher_code > 192 and self.launcher == "deepspeed" else launcher_code
+        code = code or 1
+        who = f"rank {rank}" if rank is not None else "a rank"
+        err = sys.stderr
+        when = f" {self.stop_delay:.1f} s after the failure" if self.stop_delay is not None else ""
+        print(f"smp-adapter launch: {who} failed ({describe(code)}); all ranks were stopped{when}", file=err)
+        lines = list(self.rank_lines.get(rank, ())) if rank is not None else \
+            [t for t in self.launcher_lines if re.search(r"Error|Traceback|error", t)]
+        if rank is not None and any(_TRACEBACK in t for t in lines):
+            lines = lines[max(i for i, t in enumerate(lines) if _TRACEBACK in t):]
+        if lines:
+            print(f"--- last {min(len(lines), TAIL_LINES)} lines of {who} ---", file=err)
+            print("\n".join(lines[-TAIL_LINES:]), file=err)
+        return 128 - code if code < 0 else min(code, 255)
+
+    def _reported_codes(self) -> dict[int, int]:
+        """rank -> exit status from torchrun's failure report or mpirun's messages."""
+        text, codes = "\n".join(self.launcher_lines), {}
+        for pattern in (_FAILURE_BLOCK, *_MPI_FAILED):
+            for m in pattern.finditer(text):
+                codes.setdefault(int(m.group(1)), -int(m.group(2)) if "signal" in pattern.pattern else int(m.group(2)))
+        return codes
+
+    def _blamed_rank(self, codes: dict[int, int]) -> int | None:
+        """The first rank (in the order its failure showed) whose failure is not a consequence of another's:
+        killed with SIGTERM (by the launcher), or a communication error (a peer died)."""
+        def secondary(rank: int) -> bool:
+            errors = [t for t in self.rank_lines.get(rank, ()) if "Error" in t or "Exception" in t]
+            return codes.get(rank) in (0, -signal.SIGTERM) or bool(errors and _COMM.search(errors[-1]))
+
+        order = sorted(self.events, key=self.events.get) + [r for r in codes if r not in self.events]
+        return next((r for r in order if not secondary(r)), order[0] if order else None)

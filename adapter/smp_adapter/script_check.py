@@ -1,0 +1,323 @@
+"""Static check of a training script: which smp v1 APIs it uses and whether smp-adapter runs them.
+
+The script is parsed with ``ast``, never executed. Reported, with line numbers:
+  * every ``smp.<name>`` (whatever alias ``smdistributed.modelparallel.torch`` was imported as),
+    names imported ``from smdistributed.modelparallel.torch[.sub] import X``, ``smp.nn.X``,
+    ``smp.amp.GradScaler``, ``smp.optimizers.X``, ``...patches.checkpoint``;
+  * methods called on objects made by ``smp.DistributedModel(...)`` / ``smp.DistributedOptimizer(...)``;
+  * option dicts given to ``smp.init({...})`` (literal, or a name bound to a literal), validated
+    with ``SMPConfig.from_dict``;
+  * CPU blockers (``torch.cuda.set_device``, ``torch.device("cuda")``, ``.cuda()``) not guarded by
+    ``torch.cuda.is_available()``, and known slips (``vit.encoder.layer``, ``optim.AdaDelta``).
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+from dataclasses import asdict, dataclass
+from typing import Any
+
+SMP = "smdistributed.modelparallel.torch"
+SUPPORTED, PARTIAL, UNSUPPORTED, NEEDS_GPU, ERROR, UNKNOWN = (
+    "supported", "partial", "unsupported", "needs-gpu", "error", "unknown")
+FAILING = (UNSUPPORTED, ERROR, UNKNOWN)  # a script using any of these does not run as-is
+
+_TP = "Megatron-core tensor-parallel layers; see docs"
+# Pipeline parallelism is being integrated (smp_adapter.pipeline, torch.distributed.pipelining): with it
+# installed, pp > 1 runs within the limits smp.init itself checks (pipeline.support); without it smp.init
+# raises UnsupportedFeatureError for pp > 1.
+PIPELINE = importlib.util.find_spec("smp_adapter.pipeline") is not None
+_PP = ("stage marks for pipeline_parallel_degree > 1, carried out by torch.distributed.pipelining (see "
+       "docs/pipeline.md)" if PIPELINE else "recorded, but pipeline_parallel_degree > 1 is unsupported: smp.init "
+       "raises UnsupportedFeatureError (with pp = 1 only index 0 is valid)")
+_S, _P, _U = SUPPORTED, PARTIAL, UNSUPPORTED
+
+# THE support table: API name (relative to smdistributed.modelparallel.torch) -> (status, note).
+# "DistributedModel.x" / "DistributedOptimizer.x" are methods of the wrapped objects.
+SUPPORT: dict[str, tuple[str, str]] = {
+    **{n: (_S, "") for n in ("init", "is_initialized", "step", "StepOutput", "state", "model_creation",
+                             "set_activation_checkpointing", "register_parameter", "save", "load",
+                             "save_checkpoint", "resume_from_checkpoint", "exceptions")},
+    "is_tracing": (_S, "always False: there is no tracing pass"),
+    "DistributedModel": (_S, "a DeepSpeed engine (ZeRO stage from the options)"),
+    "DistributedOptimizer": (_S, "the DeepSpeed engine's optimizer"),
+    "delay_param_initialization": (_S, "deepspeed.zero.Init under sharded data parallel, otherwise no effect"),
+    **{f"{g}{w}": (_S, "") for g in ("", "local_", "dp_", "mp_", "pp_", "tp_", "rdp_") for w in ("rank", "size")},
+    **{f"get_{g}_group": (_S, "list of global ranks") for g in ("dp", "mp", "pp", "tp", "rdp")},
+    **{f"get_{g}_process_group": (_S, "") for g in ("world", "dp", "mp", "pp", "tp", "rdp")},
+    **{n: (_S, "") for n in ("CommGroup", "RankType", "WORLD", "MP_GROUP", "DP_GROUP", "PP_GROUP", "TP_GROUP",
+                             "RDP_GROUP")},
+    **{n: (_S, "pickled objects over a gloo group") for n in ("broadcast", "send", "recv_from", "allgather")},
+    **{n: (_S, "") for n in ("barrier", "dp_barrier", "mp_barrier")},
+    "partition": (_P, _PP), "set_partition": (_P, _PP),
+    **{n: (_P, _TP) for n in ("tensor_parallelism", "set_tensor_parallelism", "tp_register", "tp_register_with_module")},
+    "nn": (_P, _TP),
+    **{f"nn.{n}": (_P, _TP) for n in ("DistributedModule", "DistributedLinear", "DistributedEmbedding",
+                                       "DistributedTransformerLMHead", "DistributedTransformer",
+                                       "DistributedTransformerLayer", "DistributedAttentionLayer",
+                                       "DistributedTransformerOutputLayer")},
+    "nn.FusedLayerNorm": (_U, "use torch.nn.LayerNorm"),
+    "nn.FlashAttentionLayer": (_U, "use torch.nn.functional.scaled_dot_product_attention"),
+    "nn.huggingface": (_U, "the smp <-> Hugging Face state-dict translation functions are not provided: save and "
+                           "load the model's own state dict (DistributedModel.state_dict())"),
+    "amp": (_S, ""), "amp.GradScaler": (_S, "torch.amp.GradScaler on the rank's device"),
+    "optimizers": (_S, ""), "optimizers.FusedAdam": (_S, "torch.optim.AdamW (fused kernel on CUDA)"),
+    "optimizers.FusedLamb": (_P, "GPU only (DeepSpeed FusedLamb); on CPU use torch.optim.AdamW"),
+    "optimizers.FusedLAMB": (_P, "GPU only (DeepSpeed FusedLamb); on CPU use torch.optim.AdamW"),
+    "optimizers.FusedNovoGrad": (_U, "use torch.optim.AdamW or smp.optimizers.FusedAdam"),
+    "patches": (_S, ""), "patches.checkpoint": (_S, ""),
+    "patches.checkpoint.checkpoint": (_S, "torch.utils.checkpoint (non-reentrant)"),
+    "patches.checkpoint.checkpoint_sequential": (_S, "torch.utils.checkpoint per segment"),
+    **{f"DistributedModel.{m}": (_S, "") for m in (
+        "backward", "get_module", "module", "partitioned", "local_parameters", "local_named_parameters",
+        "local_buffers", "local_named_buffers", "local_modules", "local_named_modules", "state_dict",
+        "local_state_dict", "load_state_dict", "register_post_partition_hook", "register_post_step_hook", "cpu",
+        "distributed_modules", "is_distributed_parameter", "is_distributed_buffer", "is_scaled_batch_parameter",
+        "is_scaled_batch_buffer", "default_reducer_named_parameters", "scaled_batch_reducer_named_parameters")},
+    "DistributedModel.join": (_U, "give every data-parallel rank the same number of batches "
+                                  "(DistributedSampler, drop_last=True)"),
+    "DistributedModel.register_comm_hook": (_U, "remove it: the engine averages gradients over the data-parallel group"),
+    **{f"DistributedOptimizer.{m}": (_S, "") for m in ("step", "zero_grad", "local_state_dict", "load_state_dict",
+                                                         "clip_master_grads")},
+    "DistributedOptimizer.state_dict": (_S, "full state; under optimizer-state sharding (shard_optimizer_state, "
+                                            "sharded_data_parallel_degree > 1) it raises: use local_state_dict() "
+                                            "or smp.save_checkpoint"),
+}
+_NAMESPACES = {"nn", "amp", "optimizers", "patches", "patches.checkpoint"}  # their unknown members are unknown
+_WRAPPERS = ("DistributedModel", "DistributedOptimizer")
+_GPU_CALLS = ("torch.cuda.set_device", "torch.cuda.current_device", "torch.cuda.synchronize")
+GPU_NOTE = "needs a GPU (on CPU guard with torch.cuda.is_available())"
+
+
+@dataclass(frozen=True)
+class Use:
+    line: int
+    col: int
+    expr: str  # as written in the script
+    name: str  # table key, option key, or what was flagged
+    kind: str  # api | import | method | options | gpu | compat
+    status: str
+    note: str = ""
+
+
+def lookup(name: str) -> tuple[str, str, str]:
+    """(table key, status, note) of an API name: the longest table entry covering it (attribute
+    chains such as ``state.cfg.fp16`` -> ``state``), or UNKNOWN."""
+    parts = name.split(".")
+    for i in range(len(parts), 0, -1):
+        key = ".".join(parts[:i])
+        if key in SUPPORT:
+            if i < len(parts) and key in _NAMESPACES:
+                break
+            return (key, *SUPPORT[key])
+    return name, UNKNOWN, f"not an smp v1 API that smp-adapter knows: smp.{name} fails with AttributeError"
+
+
+class _Checker:
+    def __init__(self, tree: ast.Module):
+        self.tree, self.uses = tree, []
+        self.parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
+        self.bindings: dict[str, str] = {}  # local name -> full dotted path it was imported as
+        self.wrapped: dict[str, str] = {}  # source text of a variable -> "DistributedModel" / "DistributedOptimizer"
+        self.literals: dict[str, list[tuple[int, ast.AST]]] = {}  # name -> [(line, value)] of assignments
+        self.sharded = False  # the options shard optimizer state: a full optimizer state_dict raises
+        self.init_options: dict | None = None  # the literal dict given to smp.init, if any
+
+    def add(self, node: ast.AST, expr: str, name: str, kind: str, status: str, note: str = "") -> None:
+        self.uses.append(Use(node.lineno, node.col_offset + 1, expr, name, kind, status, note))
+
+    def run(self) -> list[Use]:
+        for node in ast.walk(self.tree):
+            if isinstance(node, ast.Import):
+                for a in node.names:
+                    self.bindings[a.asname or a.name.split(".")[0]] = a.name if a.asname else a.name.split(".")[0]
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                for a in node.names:
+                    self.bindings[a.asname or a.name] = f"{node.module}.{a.name}"
+                    if (f"{node.module}.{a.name}" + ".").startswith(SMP + "."):
+                        key, status, note = lookup(f"{node.module}.{a.name}"[len(SMP) + 1:])
+                        self.add(node, f"from {node.module} import {a.name}", key, "import", status, note)
+        for node in ast.walk(self.tree):
+            if isinstance(node, ast.Assign):
+                wrapper = self.smp_api(node.value.func) if isinstance(node.value, ast.Call) else None
+                for target in node.targets:
+                    if wrapper in _WRAPPERS:
+                        self.wrapped[ast.unparse(target)] = wrapper
+                    if isinstance(target, ast.Name):
+                        self.literals.setdefault(target.id, []).append((node.lineno, node.value))
+        for node in ast.walk(self.tree):
+            if isinstance(node, (ast.Attribute, ast.Name)):
+                self.visit_ref(node)
+            if isinstance(node, ast.Call):
+                self.visit_call(node)
+        seen, uses = set(), []
+        if self.sharded:
+            self.uses = [Use(u.line, u.col, u.expr, u.name, u.kind, PARTIAL, u.note)
+                         if u.name == "DistributedOptimizer.state_dict" else u for u in self.uses]
+        for u in sorted(self.uses, key=lambda u: (u.line, u.col)):  # stable: a line's uses in found order
+            if (u.line, u.expr, u.name, u.status) not in seen:  # the same call twice on one line: once
+                seen.add((u.line, u.expr, u.name, u.status))
+                uses.append(u)
+        return uses
+
+    def full_path(self, node: ast.AST) -> str | None:
+        parts = []
+        while isinstance(node, ast.Attribute):
+            parts.append(node.attr)
+            node = node.value
+        if not isinstance(node, ast.Name) or node.id not in self.bindings:
+            return None
+        return ".".join([self.bindings[node.id], *reversed(parts)])
+
+    def smp_api(self, node: ast.AST) -> str | None:
+        path = self.full_path(node)
+        return path[len(SMP) + 1:] if path and path.startswith(SMP + ".") else None
+
+    def visit_ref(self, node: ast.AST) -> None:
+        parent = self.parents.get(node)
+        if isinstance(node, ast.Attribute):
+            owner = self.wrapped.get(ast.unparse(node.value))
+            if owner and f"{owner}.{node.attr}" in SUPPORT:
+                self.add(node, ast.unparse(node), f"{owner}.{node.attr}", "method", *SUPPORT[f"{owner}.{node.attr}"])
+        if isinstance(parent, ast.Attribute) and parent.value is node or isinstance(getattr(node, "ctx", None), ast.Store):
+            return  # only whole attribute chains, and no assignment targets
+        text = ast.unparse(node)
+        api = self.smp_api(node)
+        if api in ("partition", "set_partition") and not PIPELINE and isinstance(parent, ast.Call) and parent.func is node:
+            index = _literal_arg(parent, 0 if api == "partition" else 1, ("index", "partition"))
+            if isinstance(index, int) and index >= 1:
+                self.add(node, text, api, "api", UNSUPPORTED,
+                         f"stage {index} needs pipeline_parallel_degree > {index}: smp.init raises "
+                         "UnsupportedFeatureError for pp > 1 (drop the partition marks to run with pp = 1)")
+                return
+        if api:
+            key, status, note = lookup(api)
+            self.add(node, text, key, "api", status, note)
+        if ".encoder.layer" in text and "vit" in text.split(".encoder.layer")[0].split(".")[-1].lower():
+            self.add(node, text, "vit.encoder.layer", "compat", ERROR,
+                     "transformers 5 moved ViT's encoder layers to vit.layers: use "
+                     "getattr(vit, 'layers', None) or vit.encoder.layer")
+        if (self.full_path(node) or "").endswith("optim.AdaDelta"):
+            self.add(node, text, "torch.optim.AdaDelta", "compat", ERROR, "torch spells it torch.optim.Adadelta")
+
+    def visit_call(self, node: ast.Call) -> None:
+        path = self.full_path(node.func) or ""
+        first = node.args[0] if node.args else None
+        cuda_arg = isinstance(first, ast.Constant) and isinstance(first.value, str) and first.value.startswith("cuda")
+        attr = node.func.attr if isinstance(node.func, ast.Attribute) else None
+        if (path in _GPU_CALLS or path == "torch.device" and cuda_arg or attr == "cuda" and not path
+                or attr == "to" and cuda_arg) and not self.guarded(node):
+            self.add(node, ast.unparse(node), path or f".{attr}()", "gpu", NEEDS_GPU, GPU_NOTE)
+        if self.smp_api(node.func) == "init" and node.args:
+            self.check_options(node, node.args[0])
+        elif self.smp_api(node.func) == "init" and not node.keywords and self.init_options is None:
+            self.init_options = {}
+
+    def guarded(self, node: ast.AST) -> bool:
+        while node in self.parents:
+            node = self.parents[node]
+            if isinstance(node, (ast.If, ast.IfExp, ast.While)) and "is_available" in ast.unparse(node.test):
+                return True
+        return False
+
+    def check_options(self, call: ast.Call, arg: ast.AST) -> None:
+        from smp_adapter.config.options import SMPConfig
+        from smp_adapter.errors import SMPConfigError
+
+        if isinstance(arg, ast.Name):  # the last assignment before the call
+            earlier = [v for line, v in self.literals.get(arg.id, []) if line <= call.lineno]
+            arg = earlier[-1] if earlier else arg
+        try:
+            options = ast.literal_eval(arg)
+            assert isinstance(options, dict)
+        except (ValueError, TypeError, SyntaxError, AssertionError):
+            self.add(call, ast.unparse(call), "options", "options", SUPPORTED,
+                     "options not checked (not a literal dict); launch-time SM_HP_MP_PARAMETERS override them")
+            return
+        self.init_options = options
+        expr = f"smp.init({', '.join(f'{k}={v!r}' for k, v in options.items())})"
+        try:
+            cfg = SMPConfig.from_dict(options)
+        except SMPConfigError as exc:
+            for problem in exc.problems:
+                self.add(call, expr, problem.key, "options", ERROR, str(problem))
+            return
+        if cfg.pipeline_parallel_degree > 1:
+            self.add(call, expr, "pipeline_parallel_degree", "options", *_pipeline_status(cfg))
+        if cfg.tensor_parallel_degree > 1:
+            self.add(call, expr, "tensor_parallel_degree", "options", PARTIAL, _TP)
+        for warning in cfg.warnings:
+            self.add(call, expr, "options", "options", PARTIAL, warning)
+        self.sharded |= cfg.shard_optimizer_state or cfg.sharded_data_parallel_degree > 1
+        if not any(u.kind == "options" and u.line == call.lineno for u in self.uses):
+            self.add(call, expr, "options", "options", SUPPORTED, "valid smp options")
+
+
+def _pipeline_status(cfg) -> tuple[str, str]:
+    pp = cfg.pipeline_parallel_degree
+    if not PIPELINE:
+        return UNSUPPORTED, (f"pipeline_parallel_degree/partitions = {pp} > 1: smp.init raises UnsupportedFeatureError; "
+                             "use sharded_data_parallel_degree or tensor_parallel_degree")
+    from smp_adapter.config.dims import ParallelDims
+    from smp_adapter.errors import SMPConfigError, UnsupportedFeatureError
+    from smp_adapter.pipeline.support import check_pipeline_config
+
+    try:  # the runtime's own rule, on the smallest world these degrees allow
+        check_pipeline_config(cfg, ParallelDims.from_config(cfg, pp * cfg.tensor_parallel_degree *
+                                                            cfg.sharded_data_parallel_degree))
+    except UnsupportedFeatureError as exc:
+        return UNSUPPORTED, str(exc)
+    except SMPConfigError:
+        pass
+    return PARTIAL, (f"pipeline_parallel_degree = {pp}: stages on torch.distributed.pipelining, not smp's "
+                     "execution server (see docs/pipeline.md)")
+
+
+def _literal_arg(call: ast.Call, position: int, names: tuple[str, ...]) -> Any:
+    node = call.args[position] if len(call.args) > position else next(
+        (k.value for k in call.keywords if k.arg in names), None)
+    try:
+        return ast.literal_eval(node) if node is not None else None
+    except ValueError:
+        return None
+
+
+@dataclass
+class Report:
+    path: str
+    uses: list[Use]
+    init_options: dict | None = None  # what the script passes to smp.init: a literal dict, {} for none, None: unknown
+
+    def counts(self) -> dict[str, int]:
+        return {s: sum(u.status == s for u in self.uses) for s in (SUPPORTED, PARTIAL, UNSUPPORTED, NEEDS_GPU, ERROR, UNKNOWN)}
+
+    def exit_status(self, cpu: bool = False) -> int:
+        failing = FAILING + ((NEEDS_GPU,) if cpu else ())
+        return 1 if any(u.status in failing for u in self.uses) else 0
+
+    def to_dict(self, cpu: bool = False) -> dict[str, Any]:
+        return {"script": self.path, "uses": [asdict(u) for u in self.uses], "counts": self.counts(),
+                "runs_as_is": self.exit_status(cpu) == 0, "exit_status": self.exit_status(cpu)}
+
+    def text(self, cpu: bool = False) -> str:
+        width = min(48, max([len(u.expr) for u in self.uses] + [10]))
+        lines = [f"{self.path}: {len(self.uses)} uses checked"]
+        for u in self.uses:
+            expr = u.expr if len(u.expr) <= width else u.expr[:width - 3] + "..."
+            lines.append(f"  line {u.line:<5} {expr:<{width}}  {u.status:<11}  {u.note}".rstrip())
+        c = self.counts()
+        lines.append("summary: " + ", ".join(f"{n} {s}" for s, n in c.items() if n))
+        if self.exit_status(cpu):
+            lines.append("verdict: does not run as-is (fix the unsupported/unknown/error uses above)")
+        elif c[NEEDS_GPU]:
+            lines.append("verdict: runs as-is on GPU machines; on CPU guard the needs-gpu lines")
+        else:
+            lines.append("verdict: runs as-is")
+        return "\n".join(lines)
+
+
+def check_source(source: str, path: str = "<script>") -> Report:
+    """Raises SyntaxError for a script that does not parse."""
+    checker = _Checker(ast.parse(source, filename=path))
+    return Report(path, checker.run(), checker.init_options)

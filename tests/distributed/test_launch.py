@@ -1,0 +1,182 @@
+"""``smp-adapter launch``: --dry-run for the three launchers, real 2-rank CPU jobs through the deepspeed
+launcher and torchrun, and the failure paths (a rank raising, a rank SIGKILLed, a timeout) ending
+the whole job quickly with the rank's error. The CLI runs as a separate process, like a user's."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "tests/fixtures/launch_train.py"
+MAIN = "from smp_adapter.cli import main; raise SystemExit(main())"
+
+
+def cli_env() -> dict:
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("SM_", "OMPI_", "RANK", "LOCAL_", "WORLD_", "MASTER_", "PYTHONPATH"))}
+    env.update({"PYTHONPATH": str(ROOT / "adapter"), "CUDA_VISIBLE_DEVICES": ""})
+    env.pop("DS_ACCELERATOR", None)  # launch must set it by itself on a machine without GPU
+    return env
+
+
+def launch(*argv, cwd: Path, timeout: float = 120) -> tuple[subprocess.CompletedProcess, float]:
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", MAIN, "launch", *map(str, argv)], cwd=cwd, env=cli_env(),
+                          capture_output=True, text=True, timeout=timeout)
+    return proc, time.monotonic() - start
+
+
+@pytest.fixture
+def job(tmp_path) -> Path:
+    """A job directory with a 'train' channel holding 8 samples."""
+    (tmp_path / "train").mkdir()
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(8, 4, generator=g)
+    torch.save({"x": x, "y": x.sum(1, keepdim=True)}, tmp_path / "train" / "data.pt")
+    return tmp_path
+
+
+def dry_run(cwd: Path, *argv) -> tuple[dict, list[str], str]:
+    proc, _ = launch("--dry-run", *argv, cwd=cwd, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    env, command = {}, None
+    for line in proc.stdout.splitlines():
+        if line.startswith("export "):
+            name, _, value = line[len("export "):].partition("=")
+            env[name] = shlex.split(value)[0] if value else ""
+        elif line and not line.startswith("#"):
+            command = shlex.split(line)
+    return env, command, proc.stdout
+
+
+@pytest.mark.parametrize("launcher", ["deepspeed", "torchrun", "mpirun"])
+def test_dry_run_prints_environment_and_command(launcher, job):
+    env, cmd, _ = dry_run(job, "--launcher", launcher, "--nproc-per-node", 2, "--cpu", "--options", '{"ddp": true}',
+                          "--channel", "train=train", "--hyperparameter", "epochs=3", "--hp", "name=run 1",
+                          "--model-dir", "m", SCRIPT, "--extra", "x")
+    assert json.loads(env["SM_HP_MP_PARAMETERS"]) == {"ddp": True}
+    assert json.loads(env["SM_FRAMEWORK_PARAMS"])["sagemaker_mpi_enabled"] is True
+    assert env["SM_CHANNEL_TRAIN"] == str(job / "train") and json.loads(env["SM_CHANNELS"]) == ["train"]
+    assert env["SM_MODEL_DIR"] == str(job / "m") and env["SM_OUTPUT_DATA_DIR"] == str(job / "smp-job/output/data")
+    assert env["SM_NUM_GPUS"] == "0" and env["DS_ACCELERATOR"] == "cpu"
+    assert json.loads(env["SM_HPS"]) == {"epochs": 3, "name": "run 1", "mp_parameters": {"ddp": True}}
+    assert env["SM_HP_EPOCHS"] == "3" and env["SM_HP_NAME"] == "run 1"
+    hp_args = ["--epochs", "3", "--mp_parameters", "ddp=True", "--name", "run 1"]
+    assert json.loads(env["SM_USER_ARGS"]) == hp_args
+    assert env["PYTHONPATH"].split(os.pathsep)[0] == str(ROOT / "adapter")
+    assert json.loads(env["SM_TRAINING_ENV"])["channel_input_dirs"] == {"train": str(job / "train")}
+    assert cmd[-len(hp_args) - 3:] == [str(SCRIPT), *hp_args, "--extra", "x"]  # hyperparameters first
+    if launcher == "deepspeed":
+        assert cmd[:3] == [sys.executable, "-m", "deepspeed.launcher.runner"]
+        assert cmd[3:5] == ["--num_gpus", "2"] and "--no_local_rank" in cmd and "--enable_each_rank_log" in cmd
+    elif launcher == "torchrun":
+        assert cmd[:3] == [sys.executable, "-m", "torch.distributed.run"]
+        assert cmd[3:9] == ["--nproc_per_node", "2", "--nnodes", "1", "--node_rank", "0"] and "--tee" in cmd
+    else:
+        assert cmd[0] == "mpirun" and cmd[cmd.index("-np") + 1] == "2" and "--tag-output" in cmd
+        assert cmd[cmd.index(str(SCRIPT)) - 1] == sys.executable
+        exported = {cmd[i + 1] for i, a in enumerate(cmd) if a == "-x"}
+        assert {"SM_CHANNEL_TRAIN", "SM_MODEL_DIR", "SM_HP_MP_PARAMETERS", "DS_ACCELERATOR"} <= exported
+    assert not (job / "smp-job").exists() and not (job / "m").exists()  # a dry run creates nothing
+
+
+def test_dry_run_of_a_recipe_and_torchrun_on_several_nodes(job):
+    (job / "code").mkdir()
+    (job / "code/train.py").write_text("import smdistributed.modelparallel.torch as smp\nsmp.init()\n")
+    recipe = job / "recipe.yaml"
+    recipe.write_text("script: code/train.py\nlauncher: torchrun\nnproc_per_node: 2\ndescription: ignored\n"
+                      "smp_options: {ddp: true, tensor_parallel_degree: 2}\nhyperparameters: {lr: 0.5}\n")
+    env, cmd, _ = dry_run(job, "--recipe", recipe, "--cpu", "--nnodes", 2, "--node-rank", 1,
+                          "--master-addr", "10.0.0.1", "--master-port", 29999, "--", "--tail")
+    assert cmd[:3] == [sys.executable, "-m", "torch.distributed.run"]
+    assert cmd[3:13] == ["--nproc_per_node", "2", "--nnodes", "2", "--node_rank", "1", "--master_addr", "10.0.0.1",
+                         "--master_port", "29999"]
+    assert cmd[-6:] == [str(job / "code/train.py"), "--lr", "0.5", "--mp_parameters",
+                        "ddp=True,tensor_parallel_degree=2", "--tail"]
+    assert json.loads(env["SM_HP_MP_PARAMETERS"]) == {"ddp": True, "tensor_parallel_degree": 2}
+    assert json.loads(env["SM_HOSTS"]) == ["algo-1", "algo-2"] and env["SM_CURRENT_HOST"] == "algo-2"
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--options", '{"ddp": "yes"}', SCRIPT], "ddp"),
+    (["--options", '{"ddp": true, "pipeline_parallel_degree": 3}', SCRIPT], "pipeline_parallel_degree"),
+    (["missing.py"], "not found"),
+    (["--hp", "novalue", SCRIPT], "KEY=VALUE"),
+    (["--nnodes", "2", SCRIPT], "--hostfile"),
+])
+def test_bad_options_exit_2_without_traceback(argv, message, job):
+    proc, _ = launch("--dry-run", "--cpu", "--nproc-per-node", 2, *argv, cwd=job, timeout=60)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert message in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("launcher", ["deepspeed", "torchrun"])
+def test_two_rank_data_parallel_job_on_cpu(launcher, job):
+    proc, elapsed = launch("--launcher", launcher, "--nproc-per-node", 2, "--options", '{"ddp": true}',
+                           "--channel", "train=train", "--hp", "steps=3", "--hp", "lr=0.05", SCRIPT, "--extra", 1,
+                           cwd=job)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    model_dir = job / "smp-job/model"
+    results = [json.loads((model_dir / f"rank{r}.json").read_text()) for r in range(2)]
+    assert (model_dir / "model.pt").exists()
+    for r, res in enumerate(results):
+        assert res["rank"] == r and res["size"] == res["dp_size"] == 2 and res["backend"] == "gloo"
+        assert res["args"]["steps"] == 3 and res["args"]["lr"] == 0.05 and len(res["losses"]) == 3
+        assert res["unknown_args"] == ["--mp_parameters", "ddp=True", "--extra", "1"]
+        assert res["launcher_env"]["DS_ACCELERATOR"] == "cpu" and res["num_gpus"] == "0"
+        assert json.loads(res["mp_parameters"]) == {"ddp": True}
+    assert results[0]["weights_sum"] == results[1]["weights_sum"]
+    assert results[0]["losses"] != results[1]["losses"]  # each rank saw its own half of the batch
+    prefix = "[rank 1] " if launcher == "deepspeed" else "[default1]:"
+    assert f"{prefix}rank 1 finished" in proc.stdout
+
+
+@pytest.mark.parametrize("launcher, mode", [("deepspeed", "raise"), ("torchrun", "kill")])
+def test_failing_rank_stops_the_job_with_its_error(launcher, mode, job):
+    proc, elapsed = launch("--launcher", launcher, "--nproc-per-node", 2, "--channel", "train=train",
+                           "--hp", "steps=6", "--hp", "fail_rank=1", "--hp", "fail_step=2", "--hp", f"fail_mode={mode}",
+                           SCRIPT, cwd=job, timeout=90)
+    assert elapsed < 60, f"the job took {elapsed:.0f}s to end after rank 1 failed"
+    if mode == "raise":
+        assert proc.returncode == 1
+        assert "smp-adapter launch: rank 1 failed (exit code 1)" in proc.stderr
+        tail = proc.stderr.split("--- last", 1)[1]
+        assert "RuntimeError: injected failure in rank 1 at step 2" in tail
+    else:
+        assert proc.returncode == 128 + 9
+        assert "smp-adapter launch: rank 1 failed (killed by signal SIGKILL)" in proc.stderr
+    assert not (job / "smp-job/model/rank0.json").exists()  # rank 0 never finished
+    assert not running_ranks(job), "ranks left running"
+
+
+def running_ranks(job: Path, wait: float = 5.0) -> list:
+    """Rank processes of this job still alive (not zombies) after ``wait`` seconds."""
+    import psutil
+
+    deadline = time.monotonic() + wait
+    while True:
+        alive = []
+        for p in psutil.process_iter(["cmdline", "status", "cwd"]):
+            if str(SCRIPT) in (p.info["cmdline"] or []) and p.info["status"] != psutil.STATUS_ZOMBIE \
+                    and p.info["cwd"] == str(job):
+                alive.append(p)
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.2)
+
+
+def test_timeout_stops_the_job_with_124(job):
+    (job / "sleep.py").write_text("import time\nprint('sleeping', flush=True)\ntime.sleep(120)\n")
+    proc, elapsed = launch("--launcher", "torchrun", "--nproc-per-node", 2, "--timeout", 3, "--grace", 2,
+                           "--cpu", "sleep.py", cwd=job, timeout=60)
+    assert proc.returncode == 124, proc.stderr
+    assert "timeout" in proc.stderr and elapsed < 20
