@@ -86,10 +86,17 @@ class Progress:
     """tqdm bar with loss, tokens/s and ETA on rank 0; one JSON line per step in metrics.jsonl."""
 
     def __init__(self, total: int, run_dir: Path, enabled: bool):
+        import sys
+
         from tqdm import tqdm
 
         self.enabled = enabled
-        self.bar = tqdm(total=total, disable=not enabled, dynamic_ncols=True, unit="step")
+        # Under a launcher stderr is a pipe: a redrawn bar would become thousands of lines, so
+        # print a plain progress line every 5% instead.
+        self.interactive = sys.stderr.isatty()
+        self.bar = tqdm(total=total, disable=not (enabled and self.interactive), dynamic_ncols=True, unit="step")
+        self.total, self.done, self.start = total, 0, time.perf_counter()
+        self.every = max(1, total // 20)
         self.metrics = open(run_dir / "metrics.jsonl", "a") if enabled else None
         self.last = time.perf_counter()
 
@@ -104,6 +111,12 @@ class Progress:
         self.metrics.flush()
         self.bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{record['tokens_per_s']:.0f}")
         self.bar.update(1)
+        self.done += 1
+        if not self.interactive and (self.done % self.every == 0 or self.done == self.total):
+            spent = now - self.start
+            eta = spent / self.done * (self.total - self.done)
+            print(f"step {step} ({self.done}/{self.total}) loss {loss:.4f} tokens/s {record['tokens_per_s']:.0f} "
+                  f"eta {eta:.0f}s", flush=True)
 
     def close(self) -> None:
         if self.enabled:
