@@ -25,8 +25,16 @@ class ProcessGroups:
     objects: Any = None  # gloo group over the world for pickled-object collectives (NCCL jobs too)
 
 
+class ModuleManager:
+    """What transformers reads on its SageMaker-MP path (``smp.state.module_manager``): pairs of
+    (smp -> HF, HF -> smp) state-dict translations. Our smp format *is* the HF format: none."""
+
+    translate_functions: list = []
+
+
 class State:
     def __init__(self):
+        self.module_manager = ModuleManager()
         self.reset()
 
     def reset(self) -> None:
