@@ -60,7 +60,7 @@ from smp_adapter.runtime.optimizer import DistributedOptimizer
 from smp_adapter.runtime.state import state
 from smp_adapter.runtime.step import StepOutput, step
 
-from . import amp, exceptions, nn, optimizers, patches  # noqa: F401  (nn resolves its classes lazily)
+from . import amp, exceptions, model, nn, optimizers, patches  # noqa: F401  (nn resolves its classes lazily)
 from .patches import checkpoint as _checkpoint  # noqa: F401  (smp.patches.checkpoint)
 
 
