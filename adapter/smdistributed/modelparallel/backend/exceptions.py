@@ -11,3 +11,6 @@ from smp_adapter.errors import (  # noqa: F401
 )
 
 SMPValidationError = SMPConfigError
+
+__all__ = ["NotInitializedError", "SMPAdapterError", "SMPCheckpointError", "SMPCommError", "SMPConfigError",
+           "SMPUsageError", "UnsupportedFeatureError", "SMPValidationError"]

@@ -1,13 +1,5 @@
-"""Exception classes the SageMaker training toolkit looks up to classify user-script errors."""
+"""Exception classes the SageMaker training toolkit looks up to classify user-script errors
+(the same hierarchy as smdistributed.modelparallel.backend.exceptions)."""
 
-from smp_adapter.errors import (  # noqa: F401
-    NotInitializedError,
-    SMPAdapterError,
-    SMPCheckpointError,
-    SMPCommError,
-    SMPConfigError,
-    SMPUsageError,
-    UnsupportedFeatureError,
-)
-
-SMPValidationError = SMPConfigError
+from smdistributed.modelparallel.backend.exceptions import *  # noqa: F401,F403
+from smdistributed.modelparallel.backend.exceptions import SMPValidationError, UnsupportedFeatureError  # noqa: F401
