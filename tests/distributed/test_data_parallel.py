@@ -94,3 +94,10 @@ def test_resume_reproduces_uninterrupted_run_exactly(tmp_path, init_weights):
                    "--optimizer", "adam", "--resume", "--ckpt-dir", ckpt)
     assert (ckpt / "newest").read_text().strip() == "step4"
     assert resumed[0]["losses"] == full[0]["losses"][4:]  # exact, not approximate
+
+
+def test_two_runs_with_the_same_seeds_give_identical_losses(tmp_path, init_weights):
+    options = {"ddp": True, "sharded_data_parallel_degree": 2, **SDP_EXACT}
+    first = _run(tmp_path / "a", options, 2, init_weights, "--optimizer", "adam", "--lr", LR["adam"])
+    second = _run(tmp_path / "b", options, 2, init_weights, "--optimizer", "adam", "--lr", LR["adam"])
+    assert first[0]["losses"] == second[0]["losses"]  # bitwise, on CPU
