@@ -59,8 +59,9 @@ SUPPORT: dict[str, tuple[str, str]] = {
                                        "DistributedTransformerOutputLayer")},
     "nn.FusedLayerNorm": (_U, "use torch.nn.LayerNorm"),
     "nn.FlashAttentionLayer": (_U, "use torch.nn.functional.scaled_dot_product_attention"),
-    "nn.huggingface": (_U, "the smp <-> Hugging Face state-dict translation functions are not provided: save and "
-                           "load the model's own state dict (DistributedModel.state_dict())"),
+    "nn.huggingface": (_S, "translation functions validate and pass through: smp-adapter's full state dict "
+                           "already has the Hugging Face layout"),
+    "model": (_S, "smp.model.DistributedModel, the module path transformers' Trainer checks"),
     "amp": (_S, ""), "amp.GradScaler": (_S, "torch.amp.GradScaler on the rank's device"),
     "optimizers": (_S, ""), "optimizers.FusedAdam": (_S, "torch.optim.AdamW (fused kernel on CUDA)"),
     "optimizers.FusedLamb": (_P, "GPU only (DeepSpeed FusedLamb); on CPU use torch.optim.AdamW"),
