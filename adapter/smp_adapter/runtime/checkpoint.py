@@ -68,6 +68,8 @@ def full_model_state_dict(model, gather_to_rank0: bool = False) -> dict:
         sd = gather_full_state_dict(module, current_tp_context())
     else:
         sd = {k: v.detach().clone().cpu() for k, v in module.state_dict().items()}
+    if getattr(model, "_pipeline", None) is not None:  # pp > 1: each stage contributes its entries
+        sd = model._pipeline.full_state_dict(sd)
     if gather_to_rank0 and state.rank != 0:
         return {}
     return sd
@@ -80,6 +82,8 @@ def local_model_state_dict(model) -> dict:
         sd.update({n: b.detach().clone().cpu() for n, b in module.named_buffers()})
     else:
         sd = {k: v.detach().clone().cpu() for k, v in module.state_dict().items()}
+    if getattr(model, "_pipeline", None) is not None:
+        sd = model._pipeline.local_state_dict(sd)
     sd[PARTIAL_MARK] = True
     sd[LAYOUT_MARK] = current_layout()
     return sd

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from smp_adapter.errors import SMPCheckpointError, SMPUsageError
+from smp_adapter.errors import SMPCheckpointError, SMPUsageError, UnsupportedFeatureError
 from smp_adapter.runtime import checkpoint as ckpt
 from smp_adapter.runtime.state import require_initialized, state
 
@@ -68,6 +68,11 @@ def _save_partial(path: Path, tag: str, model, optimizer, user_content) -> None:
     if s.rank == 0 and staging.exists():
         shutil.rmtree(staging)  # left by a crash during an earlier save
     _barrier()
+    if s.dims.pp > 1:
+        raise UnsupportedFeatureError(
+            "partial checkpoints (save_checkpoint(..., partial=True)) are not supported with "
+            "pipeline_parallel_degree > 1 yet: save a full checkpoint with partial=False (model weights; resume "
+            "with resume_from_checkpoint(path, tag, partial=False))")
     engine = model._engine
     if engine is None or optimizer is None:
         raise SMPUsageError("partial checkpoints need the optimizer: create smp.DistributedOptimizer before "

@@ -67,10 +67,9 @@ def init(config: Mapping[str, Any] | None = None) -> None:
     launch = LaunchEnv.from_environ(os.environ)
     dims = ParallelDims.from_config(cfg, launch.world_size)
     if dims.pp > 1:
-        raise UnsupportedFeatureError(
-            "pipeline_parallel_degree > 1 is not carried out by the smp-adapter runtime yet. Use "
-            "sharded_data_parallel_degree (ZeRO-3) or tensor_parallel_degree to fit the model, or translate the "
-            "options with `smp-adapter translate` and run DeepSpeed's PipelineModule directly")
+        from smp_adapter.pipeline.support import check_pipeline_config
+
+        check_pipeline_config(cfg, dims)
     if dims.tp > 1 and dims.hpz_partition_size > 1:
         # DeepSpeed builds hpZ groups from consecutive global ranks; with tp > 1 smp's sharding
         # groups are chunks of the RDP group instead, so the two would disagree.

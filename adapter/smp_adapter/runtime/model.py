@@ -62,13 +62,21 @@ class DistributedModel(nn.Module):
         # must also be averaged over the TP group before DeepSpeed averages over RDP: we then own
         # the reduction (see _reduce_gradients).
         self._manual_reduction = s.dims.tp > 1 and not s.cfg.prescaled_batch
+        before = dict(module.named_modules()) if s.dims.pp > 1 else {}
         if s.dims.tp > 1:
             self._distributed_modules = _apply_tensor_parallelism(module)
+        self._pipeline = None
+        if s.dims.pp > 1:  # stages are cut at the first step call (smp_adapter/pipeline)
+            from smp_adapter.pipeline import PipelineRunner
+
+            self._pipeline = PipelineRunner(self, {n: before[n] for n in self._distributed_modules})
         s.model = self
 
     # -- engine ----------------------------------------------------------------------------------
     @property
     def engine(self):
+        if self._pipeline is not None:
+            return None  # pp > 1: torch.distributed.pipelining runs the model, no DeepSpeed engine
         if self._engine is None:
             from smp_adapter.runtime.engine import build_engine
 
@@ -91,6 +99,8 @@ class DistributedModel(nn.Module):
 
     # -- forward / backward ----------------------------------------------------------------------
     def forward(self, *args, **kwargs):
+        if self._pipeline is not None:
+            return self._pipeline.forward(args, kwargs)
         engine = self.engine
         args, kwargs = _cast_floats((args, kwargs), _model_dtype(state.cfg))
         if self.training and self.broadcast_buffers:
@@ -131,17 +141,10 @@ class DistributedModel(nn.Module):
     def backward(self, tensors, grad_tensors=None, retain_graph=None, create_graph=None):
         if retain_graph or create_graph:
             raise SMPUsageError("DistributedModel.backward does not support retain_graph/create_graph (as smp v1)")
+        if self._pipeline is not None:
+            return self._pipeline.backward(_scalar_loss(tensors, grad_tensors))
         engine = self.engine
-        if grad_tensors is not None:
-            # backward(outputs, out_grads): the scalar sum(t * g) has exactly these gradients
-            tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
-            grads = [grad_tensors] if isinstance(grad_tensors, torch.Tensor) else list(grad_tensors)
-            tensors = sum((t * g.detach()).sum() for t, g in zip(tensors, grads))
-        elif isinstance(tensors, (list, tuple)):
-            tensors = sum(t.sum() if t.dim() else t for t in tensors)
-        if tensors.dim() != 0:
-            raise SMPUsageError(f"model.backward needs a scalar loss, got a tensor of shape {tuple(tensors.shape)}: "
-                                "reduce it (e.g. loss.mean()) or pass grad_tensors")
+        tensors = _scalar_loss(tensors, grad_tensors)
         reduce_now = self._reduce_after_backward if state.in_step else True
         engine.set_gradient_accumulation_boundary(reduce_now and not self._manual_reduction)
         engine.backward(tensors, scale_wrt_gas=self.average_grads_across_microbatches)
@@ -156,18 +159,24 @@ class DistributedModel(nn.Module):
         return (p for _, p in self.local_named_parameters())
 
     def local_named_parameters(self):
+        if self._pipeline is not None:
+            return iter(self._pipeline.local_named_parameters())
         return self.module.named_parameters()  # pp = 1: every module is on this rank
 
     def local_buffers(self):
-        return self.module.buffers()
+        return (b for _, b in self.local_named_buffers())
 
     def local_named_buffers(self):
+        if self._pipeline is not None:
+            return iter(self._pipeline.local_named_buffers())
         return self.module.named_buffers()
 
     def local_modules(self):
-        return self.module.modules()
+        return (m for _, m in self.local_named_modules())
 
     def local_named_modules(self):
+        if self._pipeline is not None:
+            return iter(self._pipeline.local_named_modules())
         return self.module.named_modules()
 
     def distributed_modules(self):
@@ -240,6 +249,20 @@ class _Handle:
     def remove(self):
         if self.hook in self.hooks:
             self.hooks.remove(self.hook)
+
+
+def _scalar_loss(tensors, grad_tensors):
+    if grad_tensors is not None:
+        # backward(outputs, out_grads): the scalar sum(t * g) has exactly these gradients
+        tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+        grads = [grad_tensors] if isinstance(grad_tensors, torch.Tensor) else list(grad_tensors)
+        tensors = sum((t * g.detach()).sum() for t, g in zip(tensors, grads))
+    elif isinstance(tensors, (list, tuple)):
+        tensors = sum(t.sum() if t.dim() else t for t in tensors)
+    if tensors.dim() != 0:
+        raise SMPUsageError(f"model.backward needs a scalar loss, got a tensor of shape {tuple(tensors.shape)}: "
+                            "reduce it (e.g. loss.mean()) or pass grad_tensors")
+    return tensors
 
 
 def _apply_tensor_parallelism(module):

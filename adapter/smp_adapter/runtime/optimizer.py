@@ -50,7 +50,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         # no Optimizer.__init__: state and param_groups belong to the client optimizer (properties below)
         self.__dict__["optimizer"] = optimizer
         self.__dict__["_model"] = s.model
-        s.model._attach_engine(build_engine(s.model, optimizer, loss_scale))
+        if s.model._pipeline is None:
+            s.model._attach_engine(build_engine(s.model, optimizer, loss_scale))
+        # pp > 1: no DeepSpeed engine; the pipeline reduces gradients in the step, step() updates
         self.__dict__["_clip_norm"] = None
         s.optimizer = self
 
@@ -84,6 +86,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
             raise SMPUsageError("optimizer.step() was called inside an @smp.step function; call it after the step "
                                 "function returns (gradients are complete only then)")
         engine, model = self.engine, self._model
+        if model._pipeline is not None:
+            if self._clip_norm is not None:
+                self._apply_clip(self._clip_norm)
+            self.optimizer.step()
+            self.__dict__["_clip_norm"] = None
+            for hook in list(model._post_step_hooks):
+                hook(model, self)
+            return
         if model._plain_backward_pending and engine.zero_optimization_stage() < 3:
             model._reduce_gradients()  # plain style: gradients were only local so far
         model._plain_backward_pending = False
@@ -97,7 +107,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True):
         engine = self.engine
-        if engine.zero_optimization_stage() > 0 or engine.fp16_enabled() or engine.bfloat16_enabled():
+        if engine is None:  # pp > 1
+            self.optimizer.zero_grad(set_to_none=set_to_none)
+        elif engine.zero_optimization_stage() > 0 or engine.fp16_enabled() or engine.bfloat16_enabled():
             engine.optimizer.zero_grad(set_to_none=set_to_none)
         else:
             self.optimizer.zero_grad(set_to_none=set_to_none)
@@ -109,17 +121,23 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def _apply_clip(self, max_norm: float) -> None:
         engine = self.engine
-        inner = engine.optimizer
-        if hasattr(inner, "clip_grad"):  # DeepSpeed fp16 / ZeRO optimizers clip master grads in step()
+        inner = engine.optimizer if engine is not None else None
+        if engine is None:  # pp > 1: the norm over all stages' parameters
+            from smp_adapter.pipeline.runtime import clip_grad_norm_pipeline
+
+            clip_grad_norm_pipeline(self._model, max_norm)
+        elif hasattr(inner, "clip_grad"):  # DeepSpeed fp16 / ZeRO optimizers clip master grads in step()
             inner.clip_grad = max_norm
         else:
             torch.nn.utils.clip_grad_norm_(self._model.module.parameters(), max_norm)
 
     @property
     def overflow(self) -> bool:
-        return bool(getattr(self.engine.optimizer, "overflow", False))
+        return bool(getattr(getattr(self.engine, "optimizer", None), "overflow", False))
 
     def state_dict(self):
+        if self.engine is None:  # pp > 1: this stage's optimizer state (parameters of other stages have none)
+            return self.optimizer.state_dict()
         if self.engine.zero_optimization_stage() > 0:
             raise UnsupportedFeatureError(
                 "a full optimizer state_dict is not available with optimizer-state sharding (as in smp v1): use "
@@ -127,7 +145,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return self.engine.optimizer.state_dict()
 
     def local_state_dict(self, gather_if_shard: bool = False):
-        sd = dict(self.engine.optimizer.state_dict())
+        sd = dict((self.engine.optimizer if self.engine is not None else self.optimizer).state_dict())
         sd["_smp_is_partial"] = True
         return sd
 
@@ -135,7 +153,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         sd = dict(state_dict)
         sd.pop("_smp_is_partial", None)
         engine = self.engine
-        if engine.zero_optimization_stage() > 0:
+        if engine is None:
+            self.optimizer.load_state_dict(sd)
+        elif engine.zero_optimization_stage() > 0:
             engine.optimizer.load_state_dict([sd], load_optimizer_states=True)
         else:
             engine.optimizer.load_state_dict(sd)

@@ -1,8 +1,9 @@
 """Manual pipeline-stage marking: ``smp.partition(i)`` and ``smp.set_partition(module, i)``.
 
 The marks are recorded (``module._smp_partition``) and validated against the pipeline degree.
-With pipeline_parallel_degree = 1 every index but 0 is an error; pipeline execution itself is not
-carried out by the runtime yet (smp.init raises UnsupportedFeatureError for pp > 1).
+With pipeline_parallel_degree = 1 every index but 0 is an error. With pp > 1 and
+``auto_partition: false`` the pipeline package (smp_adapter.pipeline.partition.manual_split) turns
+them into stages at the first step; under auto-partitioning they are ignored with a warning.
 """
 
 from __future__ import annotations

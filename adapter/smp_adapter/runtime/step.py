@@ -92,8 +92,13 @@ def step(func: Callable | None = None, *, non_split_inputs=None, input_split_axe
                  for name, value in bound.arguments.items()}
         results = []
         s.in_step = True
+        pipeline = getattr(s.model, "_pipeline", None)
         try:
-            for mb in range(m):
+            if pipeline is not None:  # pp > 1: the pipeline schedule runs the body (smp_adapter/pipeline)
+                from smp_adapter.pipeline import bound_microbatches
+
+                results = pipeline.run_step(func, bound_microbatches(bound.signature, split, m), detach_outputs)
+            for mb in range(m if pipeline is None else 0):
                 s.microbatch = mb
                 if s.model is not None:
                     s.model._before_microbatch(mb, m)

@@ -1,0 +1,460 @@
+"""Pipeline execution of a DistributedModel on torch.distributed.pipelining (docs/pipeline.md).
+
+One ``PipelineRunner`` per DistributedModel when pipeline_parallel_degree > 1. On the first
+``@smp.step`` call it profiles and partitions the model, cuts it with ``pipeline()`` (torch.export),
+keeps this rank's stage module, re-points the stage at the model's own Parameter objects (so the
+user's optimizer, built from ``model.parameters()`` before partitioning, updates them), swaps the
+tensor-parallel modules back in, and builds a traced ``PipelineStage`` over smp's PP group.
+
+Each step call:
+  1. the first stage learns the model inputs of every microbatch by running the step body up to its
+     ``model(...)`` call (the call raises ``_Captured``; nothing after it runs there);
+  2. a torch schedule runs the stage forwards/backwards: ``Schedule1F1B`` for ``interleaved``,
+     ``ScheduleGPipe`` for ``simple``, in groups of at most ``active_microbatches`` microbatches when
+     that bounds the schedule's own number in flight;
+  3. on the last stage the schedule's loss function is the step body itself: ``model(...)`` returns
+     the microbatch's pipeline output and ``model.backward(loss)`` hands the loss to the schedule
+     (divided by the number of microbatches, for smp's gradient average);
+  4. the body's per-microbatch return values are broadcast from the last stage over the PP group;
+  5. gradients: tied parameters held by several stages are summed over those stages; then the smp
+     data-parallel reduction (TP-split parameters over RDP, the others over DP).
+"""
+
+from __future__ import annotations
+
+import inspect
+import warnings
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from smp_adapter.errors import SMPUsageError, UnsupportedFeatureError
+from smp_adapter.pipeline import partition as part
+from smp_adapter.runtime.state import state
+
+
+_MODE_DEPENDENT = (nn.Dropout, nn.modules.batchnorm._BatchNorm)
+
+
+class _Captured(Exception):
+    def __init__(self, args, kwargs):
+        super().__init__("model inputs captured")
+        self.args, self.kwargs = args, kwargs
+
+
+class PipelineRunner:
+    def __init__(self, model, tp_originals: dict | None = None):
+        self.model = model
+        self.tp_originals = dict(tp_originals or {})  # qualified name -> module before the TP swap
+        self.num_stages = state.dims.pp
+        self.stage_index = state.coord.pp
+        self.group = state.groups.pp
+        self.built = False
+        self.stage = None
+        self.stage_module = None
+        self.stage_units: list[list[str]] = []
+        self.local_params: list[nn.Parameter] = []
+        self.local_keys: set[str] = set()
+        self.tied: list[tuple[nn.Parameter, object]] = []  # (parameter, group of the stages holding it)
+        self.out_spec = None
+        self._schedules: dict = {}
+        self._last_schedule = None
+        self._traced_training = True
+        self._mode_warned = False
+        self._mode = None
+        self._replay = None
+        self._loss = None
+
+    @property
+    def is_first(self) -> bool:
+        return self.stage_index == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage_index == self.num_stages - 1
+
+    # -- called by DistributedModel ----------------------------------------------------------------
+    def forward(self, args, kwargs):
+        if self._mode == "capture":
+            raise _Captured(args, kwargs)
+        if self._mode == "replay":
+            if self._replay is None:
+                raise SMPUsageError("with pipeline_parallel_degree > 1 the model may be called once per microbatch "
+                                    "inside the step function: call model(...) once and reuse its output")
+            out, self._replay = self._replay, None
+            return out
+        raise SMPUsageError("with pipeline_parallel_degree > 1 call the model inside an @smp.step function "
+                            "(out = model(x); model.backward(loss); return out, loss)")
+
+    def backward(self, loss) -> None:
+        if self._mode != "replay":
+            raise SMPUsageError("with pipeline_parallel_degree > 1 call model.backward(loss) inside the @smp.step "
+                                "function, after model(...)")
+        self._loss = loss if self._loss is None else self._loss + loss
+
+    # -- the step ----------------------------------------------------------------------------------
+    def run_step(self, func, bound_mbs: list, detach: bool):
+        m = len(bound_mbs)
+        inputs = []
+        if self.is_first or not self.built:
+            for mb in range(m if self.is_first else 1):
+                inputs.append(self._capture(func, bound_mbs[mb]))
+        if not self.built:
+            self._build(*inputs[0])
+            self._traced_training = self.model.training
+        elif self.model.training != self._traced_training and not self._mode_warned:
+            self._mode_warned = True
+            if any(isinstance(m, _MODE_DEPENDENT) for m in self.model.module.modules()) and state.rank == 0:
+                warnings.warn("pipeline parallelism: the stages were traced in "
+                              f"{'train' if self._traced_training else 'eval'} mode at the first step and keep that "
+                              "mode's dropout / batch-norm behaviour (docs/pipeline.md)")
+        training = torch.is_grad_enabled() and self.model.training
+        results: list = [None] * m
+        active = max(1, min(state.cfg.active_microbatches, m))
+        simple = state.cfg.pipeline == "simple"
+        group = active if (simple or active < self.num_stages) else m
+        self._mode = "replay"
+        try:
+            for start in range(0, m, group):
+                idx = list(range(start, min(start + group, m)))
+                self._run_group(func, bound_mbs, inputs, idx, m, training, simple, results)
+        finally:
+            self._mode, self._replay, self._loss = None, None, None
+        results = self._broadcast_results(results, detach)
+        if training:
+            self._reduce_gradients()
+        return results
+
+    def _capture(self, func, bound):
+        self._mode = "capture"
+        try:
+            func(*bound.args, **bound.kwargs)
+        except _Captured as c:
+            return c.args, c.kwargs
+        finally:
+            self._mode = None
+        raise SMPUsageError("the @smp.step function never called the model: with pipeline_parallel_degree > 1 the "
+                            "step function must call model(...) once per microbatch")
+
+    def _run_group(self, func, bound_mbs, inputs, idx, m, training, simple, results) -> None:
+        n = len(idx)
+        sched = self._schedule(n, training, simple)
+        stage = self.stage
+        stage.has_backward = training
+        stage.clear_runtime_states()
+        first = [self._stage0_inputs(*inputs[i]) for i in idx] if self.is_first else None
+        arg_mbs = [f[0] for f in first] if self.is_first else [() for _ in idx]
+        kwarg_mbs = [f[1] for f in first] if self.is_first else [{} for _ in idx]
+        if training:
+            scale = 1.0 / m if self.model.average_grads_across_microbatches else 1.0
+
+            def loss_fn(output, target):
+                mb = idx[int(target)]
+                loss = self._run_body(func, bound_mbs[mb], output, results, mb)
+                if loss is None:  # the body did not call model.backward: no gradient from this microbatch
+                    leaves = [t for t in torch.utils._pytree.tree_leaves(output)
+                              if isinstance(t, torch.Tensor) and t.requires_grad]
+                    return sum((t.sum() * 0.0 for t in leaves), torch.zeros(()))
+                return loss * scale
+
+            sched._loss_fn = loss_fn
+            targets = [torch.tensor(j) for j in range(n)]
+            sched._step_microbatches(arg_mbs, kwarg_mbs, targets, None)
+        else:
+            sched._step_microbatches(arg_mbs, kwarg_mbs, None, None)
+            if self.is_last:
+                for j, mb in enumerate(idx):
+                    self._run_body(func, bound_mbs[mb], stage.output_chunks[j], results, mb)
+
+    def _run_body(self, func, bound, output, results, mb):
+        self._replay, self._loss = self._unflatten(output), None
+        state.microbatch = mb
+        results[mb] = func(*bound.args, **bound.kwargs)
+        loss, self._loss, self._replay = self._loss, None, None
+        return loss
+
+    def _unflatten(self, output):
+        if self.out_spec is None:
+            return output
+        leaves = list(output) if isinstance(output, (tuple, list)) else [output]
+        if len(leaves) == self.out_spec.num_leaves and not (self.out_spec.num_leaves == 1
+                                                              and self.out_spec.is_leaf()):
+            return torch.utils._pytree.tree_unflatten(leaves, self.out_spec)
+        if self.out_spec.is_leaf() and isinstance(output, (tuple, list)) and len(output) == 1:
+            return output[0]
+        return output
+
+    def _schedule(self, n: int, training: bool, simple: bool):
+        from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
+        from torch.distributed.pipelining.schedules import _ScheduleForwardOnly
+
+        key = (n, training, simple)
+        if key not in self._schedules:
+            if not training:
+                sched = _ScheduleForwardOnly(self.stage, n)
+            else:
+                # with fewer microbatches than stages 1F1B never reaches a steady state: GPipe is the same order
+                cls = ScheduleGPipe if simple or n < self.num_stages else Schedule1F1B
+                # loss_fn is replaced per call; scaling is done on the loss (smp's average)
+                sched = cls(self.stage, n, loss_fn=lambda o, t: o, scale_grads=False)
+            self._schedules[key] = sched
+        sched = self._schedules[key]
+        if key != self._last_schedule:
+            # the stage's buffers were set up by another schedule (train <-> eval, another group size):
+            # make this one set them up again (every rank switches at the same call)
+            sched._stage_forward_initialized = sched._stage_backward_initialized = False
+            self._last_schedule = key
+        return sched
+
+    def _broadcast_results(self, results, detach: bool):
+        if self.num_stages == 1:
+            return results
+
+        def prep(obj):
+            return torch.utils._pytree.tree_map(
+                lambda t: t.detach() if isinstance(t, torch.Tensor) else t, obj)
+
+        payload = [[prep(r) for r in results] if self.is_last else None]
+        src = dist.get_global_rank(self.group, self.num_stages - 1)
+        dist.broadcast_object_list(payload, src=src, group=self.group)
+        if self.is_last and not detach:
+            return results  # keep the graph on the rank that has it
+        return payload[0]
+
+    # -- gradients ---------------------------------------------------------------------------------
+    def _reduce_gradients(self) -> None:
+        last_call = (state.step_calls + 1) % self.model.backward_passes_per_step == 0
+        if not last_call:  # gradient accumulation: reduce once, after the last call
+            return
+        for p, group in self.tied:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            dist.all_reduce(p.grad, group=group)
+        params = [p for p in self.local_params if p.requires_grad]
+        if state.dims.tp > 1:
+            from smp_adapter.parallel.tensor import current_tp_context, tp_gradient_sync
+
+            tp_gradient_sync(params, current_tp_context())
+        if dist.get_world_size(state.groups.rdp) > 1:
+            for p in params:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                dist.all_reduce(p.grad, op=dist.ReduceOp.AVG, group=state.groups.rdp)
+
+    # -- partitioning ------------------------------------------------------------------------------
+    def _build(self, args, kwargs) -> None:
+        from torch.distributed.pipelining import pipeline
+        from torch.distributed.pipelining.stage import build_stage
+
+        module = self.model.module
+        cfg = state.cfg
+        with _originals_swapped_in(module, self.tp_originals):
+            prof = part.profile(module, args, kwargs)
+            with torch.no_grad():
+                example_out = module(*args, **kwargs)
+            self.out_spec = torch.utils._pytree.tree_flatten(example_out)[1]
+            if cfg.auto_partition:
+                marked = [n for n, m in module.named_modules() if getattr(m, "_smp_partition", None) is not None]
+                if marked and state.rank == 0:
+                    warnings.warn(f"auto_partition is true: smp.partition/set_partition marks are ignored ({marked[:3]}"
+                                  f"{'...' if len(marked) > 3 else ''}); set auto_partition: false to use them")
+                self.stage_units = part.auto_split(module, prof, self.num_stages, cfg.memory_weight)
+            else:
+                self.stage_units = part.manual_split(module, prof, self.num_stages, cfg.default_partition)
+            if state.rank == 0:
+                part.log_assignment(module, self.stage_units, "auto" if cfg.auto_partition else "manual")
+            try:
+                pipe = pipeline(module, tuple(args), dict(kwargs), split_spec=part.split_spec(self.stage_units))
+            except Exception as e:  # noqa: BLE001 - export failures come in many types
+                raise UnsupportedFeatureError(
+                    f"pipeline parallelism could not split {type(module).__name__}: torch.export failed to trace it "
+                    f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}). Make its forward traceable "
+                    "(no data-dependent Python control flow, tensors/containers as inputs and outputs; for Hugging "
+                    "Face models pass use_cache=False), or run with pipeline_parallel_degree: 1 and fit the model "
+                    "with tensor_parallel_degree or sharded_data_parallel_degree") from e
+            if pipe.num_stages != self.num_stages:
+                raise UnsupportedFeatureError(
+                    f"splitting {type(module).__name__} produced {pipe.num_stages} stages instead of {self.num_stages}: "
+                    "the split points were not on the traced path. Partition manually (auto_partition: false, "
+                    "smp.partition / smp.set_partition) at modules that run at the top level of forward")
+            stage_mods = [pipe.get_stage_module(i) for i in range(self.num_stages)]
+            self._stage_calls = [n for n in pipe.split_gm.graph.nodes if n.op == "call_module"]
+            self._check_inputs_reach_first_stage(module)
+        owners = self._tie_to_model(module, stage_mods)
+        mine = stage_mods[self.stage_index]
+        for name, original in self.tp_originals.items():  # the split (TP) modules go back in
+            if _has_submodule(mine, name):
+                _set_submodule(mine, name, _get_submodule(module, name))
+        self.stage_module = mine
+        self.local_params = list({id(p): p for p in mine.parameters()}.values())
+        self.local_keys = set(mine.state_dict().keys())
+        self._make_tie_groups(owners)
+        self.stage = build_stage(mine, self.stage_index, pipe.info(), state.device, group=self.group)
+        self.tp_originals = {}
+        self.built = True
+        self.model._mark_partitioned()
+
+    def _check_inputs_reach_first_stage(self, module) -> None:
+        for i, node in enumerate(self._stage_calls[1:], start=1):
+            used = []
+            torch.fx.node.map_arg((node.args, node.kwargs), lambda a: used.append(a) or a)
+            late = [a.target for a in used if a.op == "placeholder"]
+            if late:
+                raise UnsupportedFeatureError(
+                    f"pipeline parallelism: the model input(s) {late} of {type(module).__name__} are first used on "
+                    f"stage {i}, but model inputs reach only the first stage. Compute what uses them in the step "
+                    "function instead (e.g. for Hugging Face models do not pass labels=: take the logits and compute "
+                    "the loss in the step body), or partition manually so that their first use is on stage 0")
+
+    def _stage0_inputs(self, args, kwargs):
+        """The first stage's positional inputs: the model's forward arguments named by the traced
+        graph's placeholders (torch.export names them after the parameters); unchanged if they do not map."""
+        node = self._stage_calls[0]
+        try:
+            bound = inspect.signature(self.model.module.forward).bind(*args, **kwargs)
+        except TypeError:
+            return args, kwargs
+        values = []
+        for a in node.args:
+            if not (isinstance(a, torch.fx.Node) and a.op == "placeholder" and a.target in bound.arguments):
+                return args, kwargs
+            values.append(bound.arguments[a.target])
+        if node.kwargs:
+            return args, kwargs
+        return tuple(values), {}
+
+    def _tie_to_model(self, module: nn.Module, stage_mods) -> dict:
+        """Point every stage's parameters/buffers at the model's own tensors (by qualified name);
+        return {id(parameter): set of stages holding it}."""
+        owners: dict[int, set] = {}
+        for i, sm in enumerate(stage_mods):
+            for name, _ in list(sm.named_parameters(remove_duplicate=False)):
+                target = module.get_parameter(name)
+                _set_tensor(sm, name, target, parameter=True)
+                owners.setdefault(id(target), set()).add(i)
+            for name, _ in list(sm.named_buffers(remove_duplicate=False)):
+                try:
+                    target = module.get_buffer(name)
+                except AttributeError:
+                    continue
+                _set_tensor(sm, name, target, parameter=False)
+        return owners
+
+    def _make_tie_groups(self, owners: dict) -> None:
+        """Parameters held by several stages (tied weights): one group per stage set, created in the
+        same order on every rank (torch requires it)."""
+        grid = state.dims.grid
+        by_id = {id(p): p for p in self.model.module.parameters()}
+        sets = sorted({tuple(sorted(s)) for s in owners.values() if len(s) > 1})
+        mine = {}
+        for stages in sets:
+            for ranks in grid.groups("pp"):
+                ranks = list(ranks)
+                members = [ranks[s] for s in stages]
+                g = dist.new_group(members) if len(members) < dist.get_world_size() else dist.group.WORLD
+                if state.rank in members:
+                    mine[stages] = g
+        self.tied = [(by_id[pid], mine[tuple(sorted(s))]) for pid, s in owners.items()
+                     if len(s) > 1 and self.stage_index in s and pid in by_id]
+        if self.tied and state.rank == 0:
+            names = {id(p): n for n, p in self.model.module.named_parameters()}
+            print("Tied parameters held by several stages (gradients summed over them): "
+                  + ", ".join(f"{names.get(id(p), '?')}" for p, _ in self.tied), flush=True)
+
+    # -- parameters and state ----------------------------------------------------------------------
+    def local_named_parameters(self):
+        if not self.built:
+            return list(self.model.module.named_parameters())
+        local = {id(p) for p in self.local_params}
+        return [(n, p) for n, p in self.model.module.named_parameters() if id(p) in local]
+
+    def local_named_buffers(self):
+        if not self.built:
+            return list(self.model.module.named_buffers())
+        return [(n, b) for n, b in self.model.module.named_buffers() if n in self.local_keys]
+
+    def local_named_modules(self):
+        if not self.built:
+            return list(self.model.module.named_modules())
+        prefixes = {k.rpartition(".")[0] for k in self.local_keys}
+        return [(n, m) for n, m in self.model.module.named_modules() if n in prefixes]
+
+    def full_state_dict(self, sd: dict) -> dict:
+        """Merge the stages' entries of ``sd`` (this rank's full-layout dict) over the PP group."""
+        if not self.built:
+            return sd
+        mine = {k: v for k, v in sd.items() if k in self.local_keys}
+        parts = [None] * self.num_stages
+        dist.all_gather_object(parts, mine, group=self.group)
+        out = dict(sd)
+        for p in reversed(parts):
+            out.update(p)
+        return {k: out[k] for k in sd}
+
+    def local_state_dict(self, sd: dict) -> dict:
+        return {k: v for k, v in sd.items() if k in self.local_keys} if self.built else sd
+
+
+# -- module surgery helpers ----------------------------------------------------------------------
+class _originals_swapped_in:
+    """Put the pre-TP modules back while tracing (torch.export sees plain nn.Linear etc.)."""
+
+    def __init__(self, module, originals):
+        self.module, self.originals, self.saved = module, originals, {}
+
+    def __enter__(self):
+        for name, orig in self.originals.items():
+            self.saved[name] = _get_submodule(self.module, name)
+            _set_submodule(self.module, name, orig)
+
+    def __exit__(self, *exc):
+        for name, mod in self.saved.items():
+            _set_submodule(self.module, name, mod)
+
+
+def _get_submodule(root, name):
+    return root.get_submodule(name)
+
+
+def _has_submodule(root, name) -> bool:
+    try:
+        root.get_submodule(name)
+        return True
+    except AttributeError:
+        return False
+
+
+def _set_submodule(root, name, new) -> None:
+    parent, _, leaf = name.rpartition(".")
+    owner = root.get_submodule(parent) if parent else root
+    owner._modules[leaf] = new
+
+
+def _set_tensor(root, name, tensor, parameter: bool) -> None:
+    parent, _, leaf = name.rpartition(".")
+    owner = root.get_submodule(parent) if parent else root
+    if parameter:
+        owner._parameters[leaf] = tensor
+    else:
+        owner._buffers[leaf] = tensor
+
+
+def bound_microbatches(signature, split: dict, m: int) -> list:
+    return [inspect.BoundArguments(signature, {n: v[mb] for n, v in split.items()}) for mb in range(m)]
+
+
+def clip_grad_norm_pipeline(model, max_norm: float) -> None:
+    """Global-norm clipping over all stages: sum of squared local norms over the PP group (each
+    parameter counted on one stage; tied copies only on the lowest stage holding them)."""
+    runner = model._pipeline
+    tied_dupes = {id(p) for p, _ in runner.tied} if runner.stage_index > 0 else set()
+    params = [p for p in runner.local_params if p.grad is not None]
+    sq = sum((p.grad.detach().float().pow(2).sum() for p in params if id(p) not in tied_dupes), torch.zeros(()))
+    if runner.built and runner.num_stages > 1:
+        dist.all_reduce(sq, group=runner.group)
+    total = float(sq.sqrt())
+    coef = max_norm / (total + 1e-6)
+    if coef < 1:
+        for p in params:
+            p.grad.detach().mul_(coef)

@@ -1,0 +1,95 @@
+"""Seed-style pipeline-parallel script (shared/seeds/000 TP+PP, 003 manual partition): the step body
+is the seed's, unchanged; data is sharded by dp_rank. Options come from SM_HP_MP_PARAMETERS.
+
+--model net     the seed's conv + linear Net (auto partition), fc1 marked with set_tensor_parallelism
+--model manual  the seed's GroupedNet: modules created inside smp.partition(0) / smp.partition(1)
+--model six     six linear layers, auto-partitioned
+--model gpt2    tiny GPT2LMHeadModel (loss from labels)
+"""
+
+import argparse
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from launch_util import write_result  # noqa: E402
+from train_pp_common import batch, build  # noqa: E402
+
+import smdistributed.modelparallel.torch as smp  # noqa: E402
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--model", default="net")
+parser.add_argument("--steps", type=int, default=3)
+parser.add_argument("--per-rank-batch", type=int, default=8)
+args, _ = parser.parse_known_args()
+
+smp.init()
+model = build(args.model, smp)
+if args.model == "net" and smp.tp_size() > 1:
+    smp.set_tensor_parallelism(model.fc1, True)  # as the seed
+model = smp.DistributedModel(model)
+optimizer = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05))
+
+
+@smp.step
+def train_step(model, data, target):
+    output = model(data)
+    loss = F.nll_loss(output, target, reduction="mean")
+    model.backward(loss)
+    return output, loss
+
+
+@smp.step
+def train_step_lm(model, data, target):
+    logits = model(input_ids=data, use_cache=False)["logits"]
+    # labels= would reach only the first stage: the shifted LM loss is computed here
+    loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), target[:, 1:].flatten())
+    model.backward(loss)
+    return loss
+
+
+@smp.step
+def eval_step(model, data):
+    return model(data)
+
+
+def evaluate(data):
+    """Forward-only schedule between training steps (train -> eval -> train), outputs on every rank."""
+    model.eval()
+    with torch.no_grad():
+        out = eval_step(model, data).concat().tolist()
+    model.train()
+    return out
+
+
+B = args.per_rank_batch
+eval_out = eval_in = None
+losses, mb_losses, outputs_shape = [], [], None
+model.train()
+for step in range(args.steps):
+    data, target = batch(args.model, step, B * smp.dp_size())
+    data, target = data[smp.dp_rank() * B:(smp.dp_rank() + 1) * B], target[smp.dp_rank() * B:(smp.dp_rank() + 1) * B]
+    if step == 1 and args.model != "gpt2":
+        eval_in, eval_out = data.tolist(), evaluate(data)  # weights after step 0
+    optimizer.zero_grad()
+    if args.model == "gpt2":
+        loss_mb = train_step_lm(model, data, target)
+    else:
+        output_mb, loss_mb = train_step(model, data, target)
+        outputs_shape = list(output_mb.concat().shape)
+    loss = loss_mb.reduce_mean()
+    optimizer.step()
+    mb_losses.append([float(x) for x in loss_mb.outputs])
+    # mean over the data-parallel readers = the loss of the global batch
+    losses.append(sum(smp.allgather(loss.item(), smp.WORLD)) / smp.size())
+
+local_bytes = sum(p.numel() * p.element_size() for p in model.local_parameters())
+state = model.state_dict()
+write_result({"eval_out": eval_out, "eval_in": eval_in, "losses": losses, "mb_losses": mb_losses, "outputs_shape": outputs_shape, "pp_rank": smp.pp_rank(),
+              "local_bytes": local_bytes, "local_names": [n for n, _ in model.local_named_parameters()],
+              "dp_size": smp.dp_size(), "partitioned": model.partitioned,
+              "final_state": {k: v.tolist() for k, v in state.items()} if args.model != "gpt2" else None})

@@ -1,0 +1,87 @@
+"""Models and data of the pipeline-parallel test scripts, shared with their single-process references."""
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from tp_common import Net, tiny_gpt2  # noqa: F401  (the seed's conv + linear net, small)
+
+
+class SixLayer(nn.Module):
+    """Six linear layers with activations between them (functional, not nn.Sequential)."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(16, 16) for _ in range(5)] + [nn.Linear(16, 8)])
+
+    def forward(self, x):
+        for layer in self.layers[:-1]:
+            x = torch.tanh(layer(x))
+        return F.log_softmax(self.layers[-1](x), 1)
+
+
+class GroupedNet(nn.Module):
+    """The seed's manual-partition net: children created inside smp.partition(0) / smp.partition(1)."""
+
+    def __init__(self, smp=None):
+        super().__init__()
+        import contextlib
+
+        part = smp.partition if smp is not None else (lambda i: contextlib.nullcontext())
+        with part(0):
+            self.conv1 = nn.Conv2d(1, 8, 3, 1)
+            self.conv2 = nn.Conv2d(8, 16, 3, 1)
+        with part(1):
+            self.fc1 = nn.Linear(256, 32)
+            self.fc2 = nn.Linear(32, 8)
+
+    def forward(self, x):
+        x = F.relu(self.conv1(x))
+        x = F.relu(self.conv2(x))
+        x = F.max_pool2d(x, 2)
+        x = torch.flatten(x, 1)
+        x = F.relu(self.fc1(x))
+        return F.log_softmax(self.fc2(x), 1)
+
+
+def build(name, smp=None):
+    torch.manual_seed(42)
+    if name == "net":
+        return Net()
+    if name == "manual":
+        return GroupedNet(smp)
+    if name == "six":
+        return SixLayer()
+    return tiny_gpt2()
+
+
+def batch(name, step, size):
+    g = torch.Generator().manual_seed(700 + step)
+    if name == "six":
+        return torch.randn(size, 16, generator=g), torch.randint(0, 8, (size,), generator=g)
+    if name == "gpt2":
+        ids = torch.randint(0, 64, (size, 12), generator=g)
+        return ids, ids
+    return torch.randn(size, 1, 12, 12, generator=g), torch.randint(0, 8, (size,), generator=g)
+
+
+def reference(name, steps, global_size, microbatches, lr=0.05):
+    """Single process: per step the mean over microbatches of the microbatch loss (= smp's reduce_mean)."""
+    model = build(name)
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    losses = []
+    for step in range(steps):
+        data, target = batch(name, step, global_size)
+        opt.zero_grad()
+        mb_losses = []
+        for d, t in zip(data.chunk(microbatches), target.chunk(microbatches)):
+            if name == "gpt2":
+                logits = model(input_ids=d, use_cache=False)["logits"]
+                loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), t[:, 1:].flatten())
+            else:
+                loss = F.nll_loss(model(d), t)
+            (loss / microbatches).backward()
+            mb_losses.append(loss.detach())
+        opt.step()
+        losses.append(float(sum(mb_losses) / microbatches))
+    return losses, model.state_dict()

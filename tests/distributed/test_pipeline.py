@@ -1,0 +1,102 @@
+"""Pipeline parallelism (torch.distributed.pipelining under the smp API), CPU/gloo, compared with a
+single-process plain-PyTorch run of the same model, initial weights and global batches.
+
+Per-step losses must match within 1e-5 relative (fp32); final weights (gathered with
+``model.state_dict()``) too, which checks gradients and the optimizer update of every stage.
+"""
+
+import json
+
+import pytest
+import torch
+from launch_util import ROOT, run_ranks
+from train_pp_common import reference
+
+SCRIPT = ROOT / "tests/distributed/scripts/train_pp.py"
+ERRORS = ROOT / "tests/distributed/scripts/train_pp_errors.py"
+RTOL = 1e-5
+
+
+def _run(tmp_path, model, nprocs, options, steps=2):
+    return run_ranks(SCRIPT, nprocs, args=["--model", model, "--steps", steps],
+                     env={"SM_HP_MP_PARAMETERS": json.dumps(options)}, out_dir=tmp_path, timeout=200)
+
+
+def _check(results, model, microbatches, steps=2, per_rank_batch=8):
+    ref_losses, ref_state = reference(model, steps, per_rank_batch * results[0]["dp_size"], microbatches)
+    for r in results:  # every rank returns the same values (broadcast from the last stage)
+        torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(ref_losses), rtol=RTOL, atol=0.0)
+        assert len(r["mb_losses"][0]) == microbatches
+        assert r["partitioned"]
+    if results[0]["final_state"] is not None:
+        for name, ref in ref_state.items():
+            torch.testing.assert_close(torch.tensor(results[0]["final_state"][name]), ref, rtol=RTOL, atol=1e-6,
+                                       msg=lambda m: f"{name}: {m}")
+    if results[0]["eval_out"] is not None:  # forward-only step after training step 0, then training goes on
+        from train_pp_common import build
+
+        trained = build(model)
+        trained.load_state_dict(reference(model, 1, per_rank_batch * results[0]["dp_size"], microbatches)[1])
+        for r in results:
+            with torch.no_grad():
+                expected = trained.eval()(torch.tensor(r["eval_in"]))
+            torch.testing.assert_close(torch.tensor(r["eval_out"]), expected, rtol=RTOL, atol=1e-5)
+
+
+def test_seed_tp2_pp2_convnet_4_processes(tmp_path):
+    """shared/seeds/000: pp 2 x tp 2, 4 microbatches, fc1 marked with set_tensor_parallelism."""
+    options = {"microbatches": 4, "pipeline_parallel_degree": 2, "placement_strategy": "cluster",
+               "tensor_parallel_degree": 2, "ddp": True}
+    results = _run(tmp_path, "net", 4, options)
+    _check(results, "net", 4)
+    assert all(r["outputs_shape"] == [8, 8] for r in results)  # model outputs usable on every rank
+    by_stage = {r["pp_rank"]: r for r in results}
+    assert by_stage[0]["local_names"] == ["conv1.weight", "conv1.bias", "conv2.weight", "conv2.bias"]
+    assert by_stage[1]["local_names"] == ["fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"]
+    # fc1 (256 x 32) is split over the 2 TP ranks of stage 1: 4 KiB weight + 264 floats of fc2 + biases
+    assert by_stage[1]["local_bytes"] == 4 * (256 * 32 // 2 + 32 + 32 * 8 + 8)
+    log0 = (tmp_path / "log0.txt").read_text()
+    assert "Partition assignments" in log0 and "fc1 -> 1" in log0
+
+
+def test_seed_manual_partition_simple_schedule(tmp_path):
+    """shared/seeds/003: modules created inside smp.partition(0) / smp.partition(1), auto_partition off."""
+    options = {"pipeline_parallel_degree": 2, "microbatches": 4, "ddp": True, "auto_partition": False,
+               "default_partition": 0, "pipeline": "simple"}
+    results = _run(tmp_path, "manual", 2, options)
+    _check(results, "manual", 4)
+    assert results[1]["local_names"] == ["fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"]
+
+
+def test_six_layers_auto_partition_active_microbatches(tmp_path):
+    options = {"pipeline_parallel_degree": 2, "microbatches": 4, "ddp": True, "active_microbatches": 1}
+    results = _run(tmp_path, "six", 2, options)
+    _check(results, "six", 4)
+    assert [len(r["local_names"]) for r in results] == [6, 6]  # three Linear layers per stage
+
+
+def test_gpt2_pp2_dp2_balanced_tied_embeddings(tmp_path):
+    """GPT2LMHeadModel from its config: 2 stages whose parameter bytes differ by <= 10%; the tied
+    wte/lm_head weight is held by both end stages and its gradient summed over them."""
+    options = {"pipeline_parallel_degree": 2, "microbatches": 2, "ddp": True}
+    results = _run(tmp_path, "gpt2", 4, options, steps=2)
+    _check(results, "gpt2", 2, steps=2)
+    by_stage = {r["pp_rank"]: r["local_bytes"] for r in results}
+    assert abs(by_stage[0] - by_stage[1]) <= 0.1 * max(by_stage.values()), by_stage
+    assert "Tied parameters held by several stages" in (tmp_path / "log0.txt").read_text()
+
+
+@pytest.mark.parametrize("case,error,text", [
+    ("untraceable", "UnsupportedFeatureError", r"could not split Untraceable.*pipeline_parallel_degree: 1"),
+    ("order", "SMPUsageError", r"module 'b' is placed on stage 0 but runs after 'a' on stage 1.*set_partition"),
+])
+def test_unsplittable_models_fail_on_every_rank(tmp_path, case, error, text):
+    import re
+
+    options = {"pipeline_parallel_degree": 2, "microbatches": 2, "ddp": True,
+               "auto_partition": case != "order", "default_partition": 0}
+    results = run_ranks(ERRORS, 2, args=["--case", case], env={"SM_HP_MP_PARAMETERS": json.dumps(options)},
+                        out_dir=tmp_path, timeout=120)
+    for r in results:
+        assert r["error"] == error, r
+        assert re.search(text, r["message"], re.S), r["message"]
