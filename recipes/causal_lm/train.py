@@ -92,7 +92,10 @@ optimizer = smp.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=ar
 
 @smp.step
 def train_step(model, input_ids):
-    loss = model(input_ids=input_ids, labels=input_ids)["loss"]
+    # next-token loss from the logits (what HF computes for labels=input_ids); computing it here
+    # rather than passing labels= keeps the model's inputs the same on every pipeline stage
+    logits = model(input_ids=input_ids, use_cache=False)["logits"]  # no KV cache while training
+    loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)), input_ids[:, 1:].reshape(-1))
     model.backward(loss)
     return loss
 

@@ -4,14 +4,19 @@ smp.tensor_parallelism(), so both nn.Linear layers are split over the TP ranks, 
 in plain PyTorch style (model(x), loss.backward(), optimizer.step())."""
 
 import argparse
+import sys
+from pathlib import Path
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 import torch.optim as optim
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader
 
 import smdistributed.modelparallel.torch as smp
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import recipe_utils as ru  # noqa: E402
 
 
 class Net(nn.Module):
@@ -58,13 +63,7 @@ if torch.cuda.is_available():  # the original calls torch.cuda.set_device uncond
     torch.cuda.set_device(smp.local_rank())
 device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
-# generated "digits": the label is the brightest of 10 horizontal bands
-g = torch.Generator().manual_seed(0)
-labels = torch.randint(0, 10, (args.samples,), generator=g)
-images = torch.randn(args.samples, 1, 28, 28, generator=g) * 0.3
-for i, y in enumerate(labels):
-    images[i, 0, 2 * y + 4:2 * y + 7, :] += 1.0
-dataset = TensorDataset(images, labels)
+dataset = ru.digits(args.samples)  # generated stand-in for MNIST (no download)
 if smp.dp_size() > 1:  # shard by data-parallel rank, as the original does with SplitDataset
     dataset = torch.utils.data.Subset(dataset, range(smp.dp_rank(), len(dataset), smp.dp_size()))
 train_loader = DataLoader(dataset, batch_size=args.batch_size, drop_last=True)

@@ -17,6 +17,10 @@ RECIPES = {
     "classic/vit_sdp.yaml": {"steps": 2},
     "classic/vit_hpz.yaml": {"steps": 2},
     "classic/convnet_tp.yaml": {"samples": 64},
+    "classic/convnet_tp_pp.yaml": {"samples": 64},
+    "classic/manual_partition.yaml": {"samples": 64},
+    "causal_lm/gpt2_tp.yaml": {"steps": 3},
+    "causal_lm/gpt2_pp.yaml": {"steps": 3},
 }
 
 
@@ -36,7 +40,7 @@ def test_recipe_runs_through_launch(recipe, tmp_path):
     assert "Traceback" not in output
     if recipe.startswith("causal_lm/"):
         summary = json.loads((tmp_path / "summary.json").read_text())
-        assert summary["world_size"] == 2 and len(summary["peak_rss_mib_per_rank"]) == 2
+        assert len(summary["peak_rss_mib_per_rank"]) == summary["world_size"]
         from transformers import AutoModelForCausalLM
 
         assert AutoModelForCausalLM.from_pretrained(tmp_path / "hf_model") is not None
