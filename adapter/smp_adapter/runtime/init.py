@@ -130,6 +130,9 @@ def _export_rendezvous(launch: LaunchEnv, cfg: SMPConfig) -> None:
     env["RANK"], env["WORLD_SIZE"] = str(launch.rank), str(launch.world_size)
     env["LOCAL_RANK"] = str(launch.local_rank)
     env.setdefault("LOCAL_WORLD_SIZE", str(launch.local_size))
+    # DeepSpeed's CPU accelerator counts devices with `numactl` (two forks per ZeRO-3 reduce) unless
+    # LOCAL_SIZE is set; the deepspeed launcher sets it, torchrun and mpirun do not.
+    env.setdefault("LOCAL_SIZE", str(launch.local_size))
 
 
 def _free_port() -> int:

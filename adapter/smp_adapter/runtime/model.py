@@ -70,6 +70,7 @@ class DistributedModel(nn.Module):
             from smp_adapter.pipeline import PipelineRunner
 
             self._pipeline = PipelineRunner(self, {n: before[n] for n in self._distributed_modules})
+        self._floating_buffers = [b for b in module.buffers() if b.is_floating_point()]  # found once
         s.model = self
 
     # -- engine ----------------------------------------------------------------------------------
@@ -103,8 +104,8 @@ class DistributedModel(nn.Module):
             return self._pipeline.forward(args, kwargs)
         engine = self.engine
         args, kwargs = _cast_floats((args, kwargs), _model_dtype(state.cfg))
-        if self.training and self.broadcast_buffers:
-            _broadcast_buffers(self.module)
+        if self.training and self.broadcast_buffers and self._floating_buffers:
+            _broadcast_buffers(self._floating_buffers)
         if state.in_step:
             return engine(*args, **kwargs)
         # plain style (spec §5.6): gradients are reduced in the next optimizer.step()
@@ -319,18 +320,16 @@ def _sync_initial_state(module) -> None:
             dist.broadcast(tensor.data, src=src, group=s.groups.dp)
 
 
-def _broadcast_buffers(module) -> None:
+def _broadcast_buffers(buffers) -> None:
     """broadcast_buffers=True (DDP behaviour, spec §3.2.8): floating buffers (BatchNorm statistics)
     follow dp rank 0 at every training forward."""
     import torch.distributed as dist
 
     if state.world_size == 1 or dist.get_world_size(state.groups.dp) == 1:
         return
-    buffers = [b for b in module.buffers() if b.is_floating_point()]
-    if buffers:
-        from smp_adapter.runtime.comm import get_dp_group
+    from smp_adapter.runtime.comm import get_dp_group
 
-        src = get_dp_group()[0]
-        for b in buffers:
-            dist.broadcast(b.data, src=src, group=state.groups.dp)
+    src = get_dp_group()[0]
+    for b in buffers:
+        dist.broadcast(b.data, src=src, group=state.groups.dp)
 

@@ -1,0 +1,211 @@
+"""Shared by the benchmark programs: start N local ranks (the way tests/distributed/launch_util.py
+does: RANK / WORLD_SIZE / LOCAL_RANK / MASTER_* env, gloo on CPU), the benchmark model and data,
+and the hand-written DeepSpeed config derived from the adapter's translation.
+
+Nothing here imports smp_adapter at module level: the native-only memory jobs must not pay for it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# The benchmark model: GPT-2 style, no dropout. Sized so one optimizer step (per-rank batch 4,
+# 2 microbatches, 128 tokens) takes ~100-200 ms per rank on the 2-core CPU of the dev machine.
+MODEL = dict(n_embd=128, n_layer=2, n_head=4, vocab_size=4096, n_positions=128)
+SEQ = 128
+PER_RANK_BATCH = 4
+MICROBATCHES = 2
+LR = 1e-4
+
+# Each benchmarked parallelism mode: smp options and the number of processes.
+# sdp_param_persistence_threshold: the smp default (1e6 elements) would keep every matrix of this
+# small model whole on every rank, so ZeRO-3 would gather nothing; 1e4 keeps only biases and
+# LayerNorms persistent, as the default does for a billion-parameter model.
+SDP = {"sdp_param_persistence_threshold": 10_000}
+MODES = {
+    "zero0": ({"ddp": True, "microbatches": MICROBATCHES}, 2, "ZeRO 0 (ddp)"),
+    "zero1": ({"ddp": True, "shard_optimizer_state": True, "microbatches": MICROBATCHES}, 2,
+              "ZeRO 1 (shard_optimizer_state)"),
+    "zero3": ({"ddp": True, "sharded_data_parallel_degree": 2, "microbatches": MICROBATCHES, **SDP}, 2,
+              "ZeRO 3 (sdp 2 of 2)"),
+    "hpz": ({"ddp": True, "sharded_data_parallel_degree": 2, "microbatches": MICROBATCHES, **SDP}, 4,
+            "hpZ (sdp 2 of 4)"),
+}
+
+
+# -- launching ---------------------------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_ranks(script: Path, nprocs: int, args, out_dir: Path, env: dict | None = None,
+              timeout: float = 280) -> list[dict]:
+    """Start ``nprocs`` ranks of ``script``; return each rank's JSON ($BENCH_OUT/rank<R>.json)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("SM_", "OMPI_", "RANK", "LOCAL_", "WORLD_"))}
+    base.update({"PYTHONUNBUFFERED": "1", "PYTHONPATH": os.pathsep.join([str(ROOT / "adapter"), base.get("PYTHONPATH", "")]),
+                 "BENCH_OUT": str(out_dir)})
+    base.setdefault("OMP_NUM_THREADS", "1")
+    import torch
+
+    if not torch.cuda.is_available():
+        base.update({"DS_ACCELERATOR": "cpu", "CUDA_VISIBLE_DEVICES": ""})
+    base.update(env or {})
+    procs, logs = [], []
+    for rank in range(nprocs):
+        e = dict(base, RANK=str(rank), WORLD_SIZE=str(nprocs), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(nprocs),
+                 MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        log = open(out_dir / f"log{rank}.txt", "w")
+        logs.append(log)
+        procs.append(subprocess.Popen([sys.executable, str(script), *map(str, args)], env=e, stdout=log,
+                                      stderr=subprocess.STDOUT, cwd=str(out_dir)))
+    deadline = time.time() + timeout
+    try:
+        for p in procs:
+            p.wait(timeout=max(1, deadline - time.time()))
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
+        raise RuntimeError(f"ranks did not finish in {timeout}s:\n" + _logs(out_dir, nprocs))
+    finally:
+        for log in logs:
+            log.close()
+    codes = [p.returncode for p in procs]
+    if any(codes):
+        raise RuntimeError(f"exit codes {codes}:\n" + _logs(out_dir, nprocs))
+    return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(nprocs)]
+
+
+def _logs(out_dir: Path, nprocs: int) -> str:
+    return "\n".join(f"--- rank {r} ---\n" + "\n".join((out_dir / f"log{r}.txt").read_text().splitlines()[-40:])
+                     for r in range(nprocs))
+
+
+def write_result(obj) -> None:
+    out = Path(os.environ.get("BENCH_OUT", "."))
+    (out / f"rank{os.environ.get('RANK', '0')}.json").write_text(json.dumps(obj))
+
+
+# -- model and data ----------------------------------------------------------------------------
+def quiet() -> None:
+    import logging
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    for name in ("DeepSpeed", "deepspeed", "transformers"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity_error()
+    except ImportError:
+        pass
+
+
+def build_model(seed: int = 0, **overrides):
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(seed)
+    cfg = GPT2Config(**{**MODEL, **overrides}, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                     bos_token_id=0, eos_token_id=0, use_cache=False)
+    return GPT2LMHeadModel(cfg)
+
+
+def batch(step: int, rank: int, size: int = PER_RANK_BATCH, seq: int = SEQ, vocab: int = MODEL["vocab_size"]):
+    import torch
+
+    g = torch.Generator().manual_seed(10_000 * step + rank)
+    return torch.randint(0, vocab, (size, seq), generator=g)
+
+
+# -- the hand-written DeepSpeed config -------------------------------------------------------------
+def native_deepspeed_config(options: dict, world_size: int, backward_passes_per_step: int = 1) -> dict:
+    """What a DeepSpeed user writes for the same job: smp_adapter's translation
+    (to_deepspeed_config) with the real micro batch, the gradient_accumulation_steps the runtime
+    uses (microbatches x backward_passes_per_step) and the runtime's overlap_comm rule
+    (runtime/engine.py: overlapped reduction only with NCCL). Pure: no process group needed."""
+    from smp_adapter.config.dims import ParallelDims
+    from smp_adapter.config.options import SMPConfig
+    from smp_adapter.translate.deepspeed import to_deepspeed_config
+
+    dims = ParallelDims.from_config(SMPConfig.from_sources(options, {}), world_size)
+    config = to_deepspeed_config(dims, per_rank_batch=PER_RANK_BATCH)
+    config["gradient_accumulation_steps"] = dims.cfg.microbatches * backward_passes_per_step
+    if dims.zero_stage in (1, 3):
+        import torch
+
+        config["zero_optimization"]["overlap_comm"] = torch.cuda.is_available()
+    return config
+
+
+def config_difference(a: dict, b: dict, prefix: str = "") -> list[str]:
+    """Keys whose values differ between two (nested) config dicts."""
+    out = []
+    for k in sorted(set(a) | set(b)):
+        va, vb = a.get(k, "<absent>"), b.get(k, "<absent>")
+        if isinstance(va, dict) and isinstance(vb, dict):
+            out += config_difference(va, vb, f"{prefix}{k}.")
+        elif va != vb:
+            out.append(f"{prefix}{k}: adapter={va!r} native={vb!r}")
+    return out
+
+
+# -- measurements ------------------------------------------------------------------------------
+def peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+
+
+def current_rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def spread(values) -> str:
+    return f"min {min(values):.3f} / median {statistics.median(values):.3f} / max {max(values):.3f}"
+
+
+# -- is pipeline parallelism carried out by this checkout? ------------------------------------------
+PP_NOT_IMPLEMENTED = "PP: not implemented (smp.init raises UnsupportedFeatureError)"
+PP_PROBE_FLAG = "--pp-probe-worker"
+
+
+def probe_pipeline(script: Path, timeout: float = 120) -> tuple[bool, str]:
+    """(implemented, detail): start 2 CPU ranks of ``script PP_PROBE_FLAG`` (the script calls
+    pp_probe_worker()), which call smp.init with pipeline_parallel_degree=2."""
+    import tempfile
+
+    try:
+        results = run_ranks(Path(script).resolve(), 2, [PP_PROBE_FLAG], Path(tempfile.mkdtemp(prefix="smp_pp_probe_")),
+                            timeout=timeout)
+    except RuntimeError as exc:
+        return False, f"probe failed: {str(exc).splitlines()[0]}"
+    r = results[0]
+    if r["raised"] is None:
+        return True, "smp.init accepted pipeline_parallel_degree=2"
+    return False, f"smp.init raised {r['raised']}: {r['message']}"
+
+
+def pp_probe_worker() -> None:
+    import smdistributed.modelparallel.torch as smp
+
+    try:
+        smp.init({"ddp": True, "pipeline_parallel_degree": 2, "microbatches": 2})
+    except Exception as exc:  # reported to the caller, which decides
+        write_result({"raised": type(exc).__name__, "message": str(exc).splitlines()[0]})
+        return
+    write_result({"raised": None, "message": ""})
+    smp.barrier()

@@ -1,0 +1,330 @@
+"""Per-rank memory of the smp runtime: parameter, gradient and optimizer-state bytes for each mode,
+against the ideal.
+
+Every job trains the overhead benchmark's GPT-2-style model (fp32, AdamW) through the smp API for
+two full steps (so Adam's state exists), then runs the step function of a third step and counts,
+*before* optimizer.step() (gradients reduced and held, optimizer state alive):
+
+  parameters   module parameters: p.data (ZeRO 0/1: views of DeepSpeed's flat buffer), under ZeRO-3
+               p.ds_tensor (this rank's shard) + p.data when materialised (persistent parameters,
+               gathered ones) + hpZ's p.ds_secondary_tensor
+  gradients    p.grad, DeepSpeed's gradient partitions (ZeRO-1 averaged_gradients and fp32 .grad,
+               ZeRO-3 grad_partitions_flat_buffer)
+  optimizer    DeepSpeed's fp32 master partitions (ZeRO 1/3 keep one even in fp32 training) and the
+               torch optimizer's state (Adam moments)
+  buffers      DeepSpeed's reduce buckets (ZeRO-3 ipg buckets, allocated reduce_bucket_size
+               elements; on CPU only the touched pages become resident)
+  other        any other tensor reachable from the DeepSpeed optimizer object
+
+Pipeline parallelism: the PP row asks this checkout (2 ranks call smp.init with
+pipeline_parallel_degree=2) and prints "PP: not implemented (smp.init raises UnsupportedFeatureError)"
+when it is refused; when it is accepted, the row says so, without figures.
+
+Each storage is counted once (tensors are deduplicated by storage), with the storage's full size.
+Ideal per rank, P = parameter count, 4 bytes each (fp32):
+  ZeRO 0       params 4P, grads 4P, optimizer 8P (Adam moments; the fp32 params are the master)
+  ZeRO 1       params 4P, grads 4P, optimizer 12P / dp (fp32 master + moments, sharded)
+  ZeRO 3, hpZ  params 4P / sdp, grads 4P / sdp, optimizer 12P / sdp
+  TP           split layers / tp + the rest, for params and grads; optimizer 2x that (ZeRO 0)
+
+    PYTHONPATH=adapter .venv/bin/python benchmarks/memory.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import (LR, MICROBATCHES, MODEL, MODES, PER_RANK_BATCH, PP_NOT_IMPLEMENTED, PP_PROBE_FLAG, SEQ,  # noqa: E402
+                     batch, build_model, pp_probe_worker, probe_pipeline, quiet, run_ranks, write_result)
+
+CASES = {
+    **{k: (opts, n, label) for k, (opts, n, label) in MODES.items()},
+    "zero3_default": ({"ddp": True, "sharded_data_parallel_degree": 2, "microbatches": MICROBATCHES}, 2,
+                      "ZeRO 3, smp default sdp_param_persistence_threshold (1e6)"),
+    "tp2": ({"ddp": True, "tensor_parallel_degree": 2, "microbatches": MICROBATCHES}, 2, "TP 2 (tensor_parallel_degree)"),
+}
+
+
+# =============================================================================================
+# worker
+# =============================================================================================
+class Ledger:
+    """Bytes per category, each storage counted once (the first category that claims it)."""
+
+    def __init__(self):
+        self.seen: set[int] = set()
+        self.bytes: dict[str, int] = {}
+
+    def add(self, category: str, t) -> None:
+        import torch
+
+        if not isinstance(t, torch.Tensor) or t.numel() == 0 or t.device.type == "meta":
+            return
+        storage = t.untyped_storage()
+        key = storage.data_ptr()
+        if key in self.seen or storage.nbytes() == 0:
+            return
+        self.seen.add(key)
+        self.bytes[category] = self.bytes.get(category, 0) + storage.nbytes()
+
+
+def _tensors(obj, depth=0):
+    """Tensors reachable from obj through lists, tuples, dicts (3 levels)."""
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif depth < 3 and isinstance(obj, (list, tuple)):
+        for o in obj:
+            yield from _tensors(o, depth + 1)
+    elif depth < 3 and isinstance(obj, dict):
+        for o in obj.values():
+            yield from _tensors(o, depth + 1)
+
+
+def count(model, engine) -> dict:
+    ledger = Ledger()
+    module = model.module
+    for p in module.parameters():
+        if hasattr(p, "ds_tensor"):
+            ledger.add("params", p.ds_tensor)
+            ledger.add("params", getattr(p, "ds_secondary_tensor", None))
+            ledger.add("params", p.data)  # materialised (persistent or still gathered)
+        else:
+            ledger.add("params", p.data)
+    for p in module.parameters():
+        ledger.add("grads", p.grad)
+    opt = engine.optimizer
+    inner = getattr(opt, "optimizer", opt)
+    for t in _tensors(getattr(opt, "averaged_gradients", {})):
+        ledger.add("grads", t)
+    ledger.add("grads", getattr(opt, "grad_partitions_flat_buffer", None))
+    masters = list(getattr(opt, "single_partition_of_fp32_groups", [])) + list(getattr(opt, "fp32_partitioned_groups_flat", []))
+    for t in masters:
+        ledger.add("grads", t.grad)
+    for t in masters:
+        ledger.add("optimizer", t)
+    for state in inner.state.values():
+        for t in _tensors(state):
+            ledger.add("optimizer", t)
+    for bucket in getattr(opt, "ipg_buckets", {}).values():
+        ledger.add("buffers", getattr(bucket, "buffer", None))
+    for t in _tensors(getattr(opt, "ipg_buffer", None)):
+        ledger.add("buffers", t)
+    other_names = {}
+    if opt is not inner:  # anything else the DeepSpeed optimizer holds
+        for name, value in vars(opt).items():
+            before = ledger.bytes.get("other", 0)
+            for t in _tensors(value):
+                ledger.add("other", t)
+            if ledger.bytes.get("other", 0) > before:
+                other_names[name] = ledger.bytes["other"] - before
+    return dict(ledger.bytes, other_names=other_names)
+
+
+def worker(args) -> None:
+    quiet()
+    import torch
+
+    import smdistributed.modelparallel.torch as smp
+
+    options = json.loads(args.options)
+    smp.init(options)
+    quiet()
+    device = torch.device("cuda", smp.local_rank()) if torch.cuda.is_available() else torch.device("cpu")
+    full = build_model()
+    total_params = sum(p.numel() for p in full.parameters())
+    total_bytes = sum(p.numel() * p.element_size() for p in full.parameters())
+    if smp.tp_size() > 1:
+        with smp.tensor_parallelism():
+            model = build_model()
+    else:
+        model = build_model()
+    del full
+    model = smp.DistributedModel(model)
+    optimizer = smp.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=LR))
+
+    @smp.step
+    def train_step(model, input_ids):
+        loss = model(input_ids=input_ids, labels=input_ids).loss
+        model.backward(loss)
+        return loss
+
+    reader = smp.rdp_rank() if smp.state.cfg.prescaled_batch else smp.dp_rank()
+    for step in range(3):
+        optimizer.zero_grad()
+        train_step(model, batch(step, reader).to(device))
+        if step < 2:
+            optimizer.step()
+    engine = model.engine
+    held = count(model, engine)
+    tp = smp.tp_size()
+    split_local = sum(p.numel() * p.element_size() for p in model.module.parameters() if model.is_distributed_parameter(p))
+    local_all = sum(p.numel() * p.element_size() for p in model.module.parameters()) if tp > 1 else None
+    write_result({"held": held, "total_params": total_params, "total_bytes": total_bytes, "tp": tp,
+                  "split_local_bytes": split_local, "local_param_bytes": local_all,
+                  "dp": smp.dp_size(), "rdp": smp.rdp_size(), "sdp": smp.state.cfg.sharded_data_parallel_degree,
+                  "zero_stage": engine.zero_optimization_stage(),
+                  "hpz": engine.zero_hpz_partition_size() if engine.zero_optimization_stage() == 3 else 1,
+                  "persistence_threshold": (engine.config.get("zero_optimization", {})
+                                            .get("stage3_param_persistence_threshold")),
+                  "reduce_bucket_size": engine.config.get("zero_optimization", {}).get("reduce_bucket_size")})
+    smp.barrier()
+
+
+PP_MODEL = {"n_layer": 8, "vocab_size": 512}
+
+
+def pp_worker() -> None:
+    """PP 2: each stage's parameters, gradients and Adam state against total / pp. Parameters tied
+    across stages (GPT-2's wte / lm_head) are held by both stages (docs/pipeline.md)."""
+    quiet()
+    import torch
+    import torch.nn.functional as F
+
+    import smdistributed.modelparallel.torch as smp
+
+    smp.init({"ddp": True, "pipeline_parallel_degree": 2, "microbatches": MICROBATCHES})
+    quiet()
+    # A stage-dominated shape: 8 blocks, small vocabulary. With the benchmark model's 4096-token tied
+    # embedding (56% of its bytes) both stages must hold that matrix, and no split reaches total/pp.
+    model = build_model(**PP_MODEL)
+    total_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    model = smp.DistributedModel(model)
+    optimizer = smp.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=LR))
+
+    @smp.step
+    def train_step(model, input_ids):
+        logits = model(input_ids=input_ids)["logits"]
+        loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)), input_ids[:, 1:].reshape(-1))
+        model.backward(loss)
+        return loss
+
+    for step in range(3):
+        optimizer.zero_grad()
+        train_step(model, batch(step, smp.dp_rank(), vocab=PP_MODEL["vocab_size"]))
+        if step < 2:
+            optimizer.step()
+    local = list(model.local_parameters())
+    ledger = Ledger()
+    for p in local:
+        ledger.add("params", p.data)
+        ledger.add("grads", p.grad)
+    for p in local:
+        for t in _tensors(optimizer.optimizer.state.get(p, {})):
+            ledger.add("optimizer", t)
+    write_result({"held": ledger.bytes, "total_bytes": total_bytes, "pp_rank": smp.pp_rank()})
+    smp.barrier()
+
+
+def pp_row(out_root: Path, timeout: float) -> str:
+    results = run_ranks(Path(__file__).resolve(), 2, ["--pp-worker"], out_root / "pp2", timeout=timeout)
+    ideal_params = results[0]["total_bytes"] / 2
+    ideal = {"params": ideal_params, "grads": ideal_params, "optimizer": 2 * ideal_params}
+    row = [f"PP 2 (per stage; GPT-2 {PP_MODEL})", "2"]
+    for cat in ("params", "grads", "optimizer"):
+        held = max(r["held"].get(cat, 0) for r in results)
+        row += [f"{mib(held)} ({mib(ideal[cat]).strip()})", f"{held / ideal[cat]:.3f}"]
+    row += [mib(0), mib(0)]
+    stages = ", ".join(f"stage {r['pp_rank']}: {r['held'].get('params', 0) / 2**20:.2f} MiB" for r in results)
+    return "| " + " | ".join(row) + " |", f"PP 2 parameters per stage ({stages}); the tied wte/lm_head is held by both"
+
+
+# =============================================================================================
+# launcher
+# =============================================================================================
+def ideal(r: dict) -> dict:
+    B, stage = r["total_bytes"], r["zero_stage"]
+    if r["tp"] > 1:
+        split_full = r["split_local_bytes"] * r["tp"]
+        p = B - split_full + split_full / r["tp"]
+        return {"params": p, "grads": p, "optimizer": 2 * p}
+    if stage == 0:
+        return {"params": B, "grads": B, "optimizer": 2 * B}
+    if stage == 1:
+        return {"params": B, "grads": B, "optimizer": 3 * B / r["dp"]}
+    sdp = r["sdp"]
+    return {"params": B / sdp, "grads": B / sdp, "optimizer": 3 * B / sdp}
+
+
+def mib(x) -> str:
+    return f"{x / 2**20:8.2f}"
+
+
+def main() -> None:
+    if PP_PROBE_FLAG in sys.argv:
+        return pp_probe_worker()
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--cases", default=",".join(CASES), help=f"comma-separated subset of {','.join(CASES)}")
+    p.add_argument("--timeout", type=float, default=280)
+    p.add_argument("--json", default=None)
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--pp-worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--options", default="{}", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.worker:
+        return worker(args)
+    if args.pp_worker:
+        return pp_worker()
+    cases = [c.strip() for c in args.cases.split(",") if c.strip()]
+    unknown = set(cases) - set(CASES)
+    if unknown:
+        p.error(f"unknown case(s) {sorted(unknown)}; choose from {list(CASES)}")
+    out_root = Path(tempfile.mkdtemp(prefix="smp_memory_"))
+    started = time.time()
+    print(f"# per-rank memory: GPT-2 {MODEL}, seq {SEQ}, per-rank batch {PER_RANK_BATCH}, microbatches "
+          f"{MICROBATCHES}, fp32, AdamW; counted after the 3rd step function, before optimizer.step()")
+    print("# MiB per rank (max over ranks); ratio = held / ideal")
+    print()
+    print("| mode | procs | params (ideal) | ratio | grads (ideal) | ratio | optimizer (ideal) | ratio | buffers | other |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    figures, notes = {}, []
+    for case in cases:
+        options, nprocs, label = CASES[case]
+        results = run_ranks(Path(__file__).resolve(), nprocs, ["--worker", "--options", json.dumps(options)],
+                            out_root / case, timeout=args.timeout)
+        figures[case] = results
+        r0 = results[0]
+        ide = ideal(r0)
+        row = [label, str(nprocs)]
+        for cat in ("params", "grads", "optimizer"):
+            held = max(r["held"].get(cat, 0) for r in results)
+            row += [f"{mib(held)} ({mib(ide[cat]).strip()})", f"{held / ide[cat]:.3f}"]
+        row += [mib(max(r["held"].get("buffers", 0) for r in results)), mib(max(r["held"].get("other", 0) for r in results))]
+        print("| " + " | ".join(row) + " |", flush=True)
+        if r0["held"].get("other_names"):
+            notes.append(f"{label}: other = DeepSpeed optimizer attributes " + ", ".join(
+                f"{k} {v / 2**20:.2f} MiB" for k, v in r0["held"]["other_names"].items()))
+        if r0["zero_stage"] == 3:
+            notes.append(f"{label}: stage3_param_persistence_threshold={r0['persistence_threshold']}, "
+                         f"hpZ partition size {r0['hpz']}, reduce bucket {r0['reduce_bucket_size']} elements")
+        if r0["tp"] > 1:
+            notes.append(f"{label}: split parameters {r0['split_local_bytes'] / 2**20:.2f} MiB per rank; all local "
+                         f"parameters {r0['local_param_bytes'] / 2**20:.2f} MiB; full model {r0['total_bytes'] / 2**20:.2f} MiB")
+    pp_implemented, pp_detail = probe_pipeline(Path(__file__))
+    if pp_implemented:
+        row, pp_line = pp_row(out_root, args.timeout)
+        print(row, flush=True)
+    else:
+        pp_line = PP_NOT_IMPLEMENTED
+        print(f"| PP | - | {pp_line} | | | | | | | |")
+    print()
+    total = figures[cases[0]][0]
+    print(f"# full model: {total['total_params']} parameters = {total['total_bytes'] / 2**20:.2f} MiB fp32")
+    for n in notes:
+        print(f"# {n}")
+    print(pp_line)
+    print(f"# wall time {time.time() - started:.0f} s; rank logs under {out_root}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(figures, indent=1))
+
+
+if __name__ == "__main__":
+    main()
