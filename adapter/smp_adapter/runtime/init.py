@@ -102,6 +102,38 @@ def init(config: Mapping[str, Any] | None = None) -> None:
     _build_groups(dims, launch.rank, backend)
     _set_tp_context()
     state.initialized = True
+    if state.owns_process_group:
+        import atexit
+        import sys
+
+        # Tear the process group down before the interpreter does: leaving gloo's threads to static
+        # destruction sometimes aborted a finished rank ("terminate called without an active
+        # exception") while its peer was still tearing down. Ranks that end normally leave together.
+        previous_hook = sys.excepthook
+
+        def note_failure(*exc_info):
+            state.failed = True
+            previous_hook(*exc_info)
+
+        sys.excepthook = note_failure
+        atexit.register(_destroy_at_exit)
+
+
+EXIT_BARRIER_S = 30.0
+
+
+def _destroy_at_exit() -> None:
+    import torch.distributed as dist
+
+    try:
+        if not (state.owns_process_group and dist.is_initialized()):
+            return
+        if not getattr(state, "failed", False) and state.world_size > 1 and state.groups.objects is not None:
+            # bounded: a rank that died makes this fail after EXIT_BARRIER_S, never hang
+            dist.monitored_barrier(group=state.groups.objects, timeout=timedelta(seconds=EXIT_BARRIER_S))
+        dist.destroy_process_group()
+    except Exception:  # exiting anyway; never turn a clean exit into a failure
+        pass
 
 
 def _choose_backend(requested: str, use_cuda: bool) -> str:
