@@ -91,6 +91,8 @@ def init(config: Mapping[str, Any] | None = None) -> None:
     if state.owns_process_group:
         import deepspeed
 
+        if not use_cuda:
+            _skip_deepspeed_shm_allreduce()
         deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False,
                                    timeout=collective_timeout(), rank=launch.rank, world_size=launch.world_size)
     state.cfg, state.dims, state.launcher, state.backend = cfg, dims, launch.launcher, backend
@@ -134,6 +136,19 @@ def _destroy_at_exit() -> None:
         dist.destroy_process_group()
     except Exception:  # exiting anyway; never turn a clean exit into a failure
         pass
+
+
+def _skip_deepspeed_shm_allreduce() -> None:
+    """On CPU DeepSpeed's comm backend creates a ~64 MiB /dev/shm buffer per rank and job for its
+    inference all-reduce kernel, and never unlinks it: every job leaks it, until /dev/shm (RAM) is
+    full. smp training never calls that kernel (collectives go through torch.distributed/gloo), so
+    the backend is built without it."""
+    import importlib
+
+    # importlib, not `import deepspeed.comm.torch as m`: deepspeed.comm's `torch` attribute is the
+    # torch package itself, which that statement would return
+    ds_torch_comm = importlib.import_module("deepspeed.comm.torch")
+    ds_torch_comm.build_shm_op = lambda: None
 
 
 def _choose_backend(requested: str, use_cuda: bool) -> str:
