@@ -14,6 +14,7 @@ RECIPES = {
     "causal_lm/gpt2_sdp.yaml": {"steps": 6, "checkpoint_every": 3},
     "causal_lm/llama_sdp.yaml": {"steps": 4},
     "classification/bert_zero1.yaml": {"steps": 4},
+    "classic/vit_ddp.yaml": {"steps": 2},
     "classic/vit_sdp.yaml": {"steps": 2},
     "classic/vit_hpz.yaml": {"steps": 2},
     "classic/convnet_tp.yaml": {"samples": 64},
