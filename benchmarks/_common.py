@@ -176,36 +176,3 @@ def current_rss_bytes() -> int:
 
 def spread(values) -> str:
     return f"min {min(values):.3f} / median {statistics.median(values):.3f} / max {max(values):.3f}"
-
-
-# -- is pipeline parallelism carried out by this checkout? ------------------------------------------
-PP_NOT_IMPLEMENTED = "PP: not implemented (smp.init raises UnsupportedFeatureError)"
-PP_PROBE_FLAG = "--pp-probe-worker"
-
-
-def probe_pipeline(script: Path, timeout: float = 120) -> tuple[bool, str]:
-    """(implemented, detail): start 2 CPU ranks of ``script PP_PROBE_FLAG`` (the script calls
-    pp_probe_worker()), which call smp.init with pipeline_parallel_degree=2."""
-    import tempfile
-
-    try:
-        results = run_ranks(Path(script).resolve(), 2, [PP_PROBE_FLAG], Path(tempfile.mkdtemp(prefix="smp_pp_probe_")),
-                            timeout=timeout)
-    except RuntimeError as exc:
-        return False, f"probe failed: {str(exc).splitlines()[0]}"
-    r = results[0]
-    if r["raised"] is None:
-        return True, "smp.init accepted pipeline_parallel_degree=2"
-    return False, f"smp.init raised {r['raised']}: {r['message']}"
-
-
-def pp_probe_worker() -> None:
-    import smdistributed.modelparallel.torch as smp
-
-    try:
-        smp.init({"ddp": True, "pipeline_parallel_degree": 2, "microbatches": 2})
-    except Exception as exc:  # reported to the caller, which decides
-        write_result({"raised": type(exc).__name__, "message": str(exc).splitlines()[0]})
-        return
-    write_result({"raised": None, "message": ""})
-    smp.barrier()

@@ -16,9 +16,10 @@ two full steps (so Adam's state exists), then runs the step function of a third 
                elements; on CPU only the touched pages become resident)
   other        any other tensor reachable from the DeepSpeed optimizer object
 
-Pipeline parallelism: the PP row asks this checkout (2 ranks call smp.init with
-pipeline_parallel_degree=2) and prints "PP: not implemented (smp.init raises UnsupportedFeatureError)"
-when it is refused; when it is accepted, the row says so, without figures.
+Pipeline parallelism (cases pp2, pp4): a GPT-2 of 16 blocks and a 512-token vocabulary (blocks
+dominate, as in real models; the benchmark model's 4096-token tied embedding is 56% of its bytes and
+no contiguous split could reach total/pp), counted per stage against total / pp. Parameters tied
+across stages (wte / lm_head) are held by both the first and the last stage (docs/pipeline.md).
 
 Each storage is counted once (tensors are deduplicated by storage), with the storage's full size.
 Ideal per rank, P = parameter count, 4 bytes each (fp32):
@@ -26,6 +27,7 @@ Ideal per rank, P = parameter count, 4 bytes each (fp32):
   ZeRO 1       params 4P, grads 4P, optimizer 12P / dp (fp32 master + moments, sharded)
   ZeRO 3, hpZ  params 4P / sdp, grads 4P / sdp, optimizer 12P / sdp
   TP           split layers / tp + the rest, for params and grads; optimizer 2x that (ZeRO 0)
+  PP           total / pp for params and grads; optimizer 2x that (ZeRO 0)
 
     PYTHONPATH=adapter .venv/bin/python benchmarks/memory.py
 """
@@ -41,8 +43,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import (LR, MICROBATCHES, MODEL, MODES, PER_RANK_BATCH, PP_NOT_IMPLEMENTED, PP_PROBE_FLAG, SEQ,  # noqa: E402
-                     batch, build_model, pp_probe_worker, probe_pipeline, quiet, run_ranks, write_result)
+from _common import (LR, MICROBATCHES, MODEL, MODES, PER_RANK_BATCH, SEQ, batch, build_model, quiet,  # noqa: E402
+                     run_ranks, write_result)
 
 CASES = {
     **{k: (opts, n, label) for k, (opts, n, label) in MODES.items()},
@@ -50,6 +52,8 @@ CASES = {
                       "ZeRO 3, smp default sdp_param_persistence_threshold (1e6)"),
     "tp2": ({"ddp": True, "tensor_parallel_degree": 2, "microbatches": MICROBATCHES}, 2, "TP 2 (tensor_parallel_degree)"),
 }
+PP_MODEL = {"n_layer": 16, "vocab_size": 512}
+PP_CASES = {f"pp{n}": n for n in (2, 4)}
 
 
 # =============================================================================================
@@ -179,11 +183,8 @@ def worker(args) -> None:
     smp.barrier()
 
 
-PP_MODEL = {"n_layer": 8, "vocab_size": 512}
-
-
-def pp_worker() -> None:
-    """PP 2: each stage's parameters, gradients and Adam state against total / pp. Parameters tied
+def pp_worker(pp: int) -> None:
+    """PP: each stage's parameters, gradients and Adam state against total / pp. Parameters tied
     across stages (GPT-2's wte / lm_head) are held by both stages (docs/pipeline.md)."""
     quiet()
     import torch
@@ -191,10 +192,8 @@ def pp_worker() -> None:
 
     import smdistributed.modelparallel.torch as smp
 
-    smp.init({"ddp": True, "pipeline_parallel_degree": 2, "microbatches": MICROBATCHES})
+    smp.init({"ddp": True, "pipeline_parallel_degree": pp, "microbatches": MICROBATCHES})
     quiet()
-    # A stage-dominated shape: 8 blocks, small vocabulary. With the benchmark model's 4096-token tied
-    # embedding (56% of its bytes) both stages must hold that matrix, and no split reaches total/pp.
     model = build_model(**PP_MODEL)
     total_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     model = smp.DistributedModel(model)
@@ -224,17 +223,26 @@ def pp_worker() -> None:
     smp.barrier()
 
 
-def pp_row(out_root: Path, timeout: float) -> str:
-    results = run_ranks(Path(__file__).resolve(), 2, ["--pp-worker"], out_root / "pp2", timeout=timeout)
-    ideal_params = results[0]["total_bytes"] / 2
+def pp_row(pp: int, out_root: Path, timeout: float) -> tuple[str, str, list]:
+    results = run_ranks(Path(__file__).resolve(), pp, ["--pp-worker", pp], out_root / f"pp{pp}", timeout=timeout)
+    ideal_params = results[0]["total_bytes"] / pp
     ideal = {"params": ideal_params, "grads": ideal_params, "optimizer": 2 * ideal_params}
-    row = [f"PP 2 (per stage; GPT-2 {PP_MODEL})", "2"]
+    cells, ratio = held_against_ideal(results, ideal)
+    row = [f"PP {pp} (per stage; GPT-2 {PP_MODEL})", str(pp), *cells, mib(0), mib(0)]
+    stages = ", ".join(f"stage {r['pp_rank']}: {r['held'].get('params', 0) / 2**20:.2f} MiB"
+                       for r in sorted(results, key=lambda r: r["pp_rank"]))
+    note = f"PP {pp} parameters per stage ({stages}); the tied wte/lm_head is held by the first and the last stage"
+    return "| " + " | ".join(row) + " |", note, {"ranks": results, "ratio": ratio}
+
+
+def held_against_ideal(results: list[dict], ideal: dict) -> tuple[list[str], dict]:
+    """Table cells 'held (ideal)', 'ratio' per category (the most any rank holds) and the ratios."""
+    cells, ratio = [], {}
     for cat in ("params", "grads", "optimizer"):
         held = max(r["held"].get(cat, 0) for r in results)
-        row += [f"{mib(held)} ({mib(ideal[cat]).strip()})", f"{held / ideal[cat]:.3f}"]
-    row += [mib(0), mib(0)]
-    stages = ", ".join(f"stage {r['pp_rank']}: {r['held'].get('params', 0) / 2**20:.2f} MiB" for r in results)
-    return "| " + " | ".join(row) + " |", f"PP 2 parameters per stage ({stages}); the tied wte/lm_head is held by both"
+        ratio[cat] = held / ideal[cat]
+        cells += [f"{mib(held)} ({mib(ideal[cat]).strip()})", f"{ratio[cat]:.3f}"]
+    return cells, ratio
 
 
 # =============================================================================================
@@ -259,24 +267,23 @@ def mib(x) -> str:
 
 
 def main() -> None:
-    if PP_PROBE_FLAG in sys.argv:
-        return pp_probe_worker()
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--cases", default=",".join(CASES), help=f"comma-separated subset of {','.join(CASES)}")
+    all_cases = [*CASES, *PP_CASES]
+    p.add_argument("--cases", default=",".join(all_cases), help=f"comma-separated subset of {','.join(all_cases)}")
     p.add_argument("--timeout", type=float, default=280)
     p.add_argument("--json", default=None)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--pp-worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--pp-worker", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--options", default="{}", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
         return worker(args)
     if args.pp_worker:
-        return pp_worker()
+        return pp_worker(args.pp_worker)
     cases = [c.strip() for c in args.cases.split(",") if c.strip()]
-    unknown = set(cases) - set(CASES)
+    unknown = set(cases) - set(all_cases)
     if unknown:
-        p.error(f"unknown case(s) {sorted(unknown)}; choose from {list(CASES)}")
+        p.error(f"unknown case(s) {sorted(unknown)}; choose from {all_cases}")
     out_root = Path(tempfile.mkdtemp(prefix="smp_memory_"))
     started = time.time()
     print(f"# per-rank memory: GPT-2 {MODEL}, seq {SEQ}, per-rank batch {PER_RANK_BATCH}, microbatches "
@@ -287,17 +294,19 @@ def main() -> None:
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     figures, notes = {}, []
     for case in cases:
+        if case in PP_CASES:
+            row, note, figures[case] = pp_row(PP_CASES[case], out_root, args.timeout)
+            print(row, flush=True)
+            notes.append(note)
+            continue
         options, nprocs, label = CASES[case]
         results = run_ranks(Path(__file__).resolve(), nprocs, ["--worker", "--options", json.dumps(options)],
                             out_root / case, timeout=args.timeout)
-        figures[case] = results
         r0 = results[0]
-        ide = ideal(r0)
-        row = [label, str(nprocs)]
-        for cat in ("params", "grads", "optimizer"):
-            held = max(r["held"].get(cat, 0) for r in results)
-            row += [f"{mib(held)} ({mib(ide[cat]).strip()})", f"{held / ide[cat]:.3f}"]
-        row += [mib(max(r["held"].get("buffers", 0) for r in results)), mib(max(r["held"].get("other", 0) for r in results))]
+        cells, ratio = held_against_ideal(results, ideal(r0))
+        figures[case] = {"ranks": results, "ratio": ratio}
+        row = [label, str(nprocs), *cells, mib(max(r["held"].get("buffers", 0) for r in results)),
+               mib(max(r["held"].get("other", 0) for r in results))]
         print("| " + " | ".join(row) + " |", flush=True)
         if r0["held"].get("other_names"):
             notes.append(f"{label}: other = DeepSpeed optimizer attributes " + ", ".join(
@@ -308,19 +317,13 @@ def main() -> None:
         if r0["tp"] > 1:
             notes.append(f"{label}: split parameters {r0['split_local_bytes'] / 2**20:.2f} MiB per rank; all local "
                          f"parameters {r0['local_param_bytes'] / 2**20:.2f} MiB; full model {r0['total_bytes'] / 2**20:.2f} MiB")
-    pp_implemented, pp_detail = probe_pipeline(Path(__file__))
-    if pp_implemented:
-        row, pp_line = pp_row(out_root, args.timeout)
-        print(row, flush=True)
-    else:
-        pp_line = PP_NOT_IMPLEMENTED
-        print(f"| PP | - | {pp_line} | | | | | | | |")
     print()
-    total = figures[cases[0]][0]
-    print(f"# full model: {total['total_params']} parameters = {total['total_bytes'] / 2**20:.2f} MiB fp32")
+    gpt = [c for c in cases if c in CASES]
+    if gpt:
+        total = figures[gpt[0]]["ranks"][0]
+        print(f"# full model: {total['total_params']} parameters = {total['total_bytes'] / 2**20:.2f} MiB fp32")
     for n in notes:
         print(f"# {n}")
-    print(pp_line)
     print(f"# wall time {time.time() - started:.0f} s; rank logs under {out_root}")
     if args.json:
         Path(args.json).write_text(json.dumps(figures, indent=1))

@@ -1,26 +1,36 @@
-"""Pipeline overlap: is a pipeline-parallel smp step as fast as the pipeline ideal?
+"""Pipeline efficiency: smp pipeline steps against the pipeline ideal and against DeepSpeed's own
+pipeline engine running the same job.
 
-Job: an MLP of ``--layers`` Linear(width, width) + tanh layers (even split: half per stage), pp 2,
-``--microbatches`` m (default 8), ``pipeline: interleaved`` (1F1B), SGD, per-rank batch ``--batch``.
+Job: an MLP of ``--layers`` Linear(width, width) + tanh layers and a Linear(width, 10) head with
+log_softmax, NLL loss, SGD, batch ``--batch`` per step (data parallel degree 1: every rank is one
+stage). Swept over pp in ``--pp`` (default 2,4) and microbatches in ``--microbatches`` (default
+4,8,16); one job of pp processes (one CPU thread each, OMP_NUM_THREADS=1) per (pp, m).
 
-Measured, in the same two processes (one CPU core each, OMP_NUM_THREADS=1):
-  * pipeline step: barrier, @smp.step (forward + backward of every microbatch through both stages)
-    + optimizer.step(), barrier; the slowest rank's time;
-  * single-stage time t_s: each rank runs *its own half* of the model as a plain module, forward +
-    backward of the same m microbatches, no communication, both ranks at once (same CPU contention
-    as the pipeline); the slower rank's time.
-Steps alternate pipeline / single-stage so drift on a shared machine hits both; medians are reported.
+Three things run in each job, in the same processes, on the same data, in rotating order every step
+(so drift on a shared machine hits all three):
+  smp        @smp.step (forward + backward of every microbatch through all stages, 1F1B:
+             ``pipeline: interleaved``) + optimizer.step();
+  DeepSpeed  the same model written as a ``deepspeed.pipe.PipelineModule`` layer list (what a user
+             rewriting the script by hand for DeepSpeed would do), ``engine.train_batch()`` with
+             gradient_accumulation_steps = m (DeepSpeed's TrainSchedule, also 1F1B, optimizer step
+             included), same initial weights;
+  stage      each rank runs *its own stage's layers* as a plain module, forward + backward of the
+             same m microbatches, no communication, all ranks at once (same CPU contention as the
+             pipeline): t_s = the slowest rank's time.
+Each timed call starts after a barrier; its time is the slowest rank's. Medians over ``--steps``.
 
-  ideal      = (m + p - 1) / m x t_s     (fill and drain bubble of p - 1 microbatch slots)
-  no overlap = p x t_s                   (stages run one after the other)
+  ideal      = (m + p - 1) / m x t_s     (fill and drain bubble: p - 1 microbatch slots)
+  no overlap = p x t_s                   (stages one after the other)
 
-Overlap is real when the measured step is well below p x t_s and near the ideal.
+Both engines must train the same model: their stage assignments are printed and compared, and the
+per-step losses of the two engines (same weights, same batches, same SGD) are compared.
 
-    PYTHONPATH=adapter .venv/bin/python benchmarks/pipeline.py
-    PYTHONPATH=adapter .venv/bin/python benchmarks/pipeline.py --microbatches 8 --steps 10 --json out.json
+Machine note: pp 4 on a 2-core machine runs 4 single-threaded ranks on 2 cores. t_s is measured
+with all 4 ranks busy, as in the pipeline's steady state; during fill and drain fewer ranks are busy
+and run faster than t_s / m per microbatch, so measured/ideal can fall below 1 there.
 
-``probe()`` / ``NOT_IMPLEMENTED`` are kept for benchmarks/memory.py: whether this checkout's smp.init
-accepts pipeline_parallel_degree=2.
+    PYTHONPATH=adapter .venv/bin/python benchmarks/pipeline.py                       # ~1.5 min on 2 cores
+    PYTHONPATH=adapter .venv/bin/python benchmarks/pipeline.py --pp 2 --microbatches 8 --steps 10
 """
 
 from __future__ import annotations
@@ -28,46 +38,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import run_ranks, write_result  # noqa: E402
+from _common import quiet, run_ranks, write_result  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
-PP = 2
-NOT_IMPLEMENTED = "PP: not implemented (smp.init raises UnsupportedFeatureError)"
-OPTIONS = {"ddp": True, "pipeline_parallel_degree": 2, "microbatches": 2}
-
-
-def probe(timeout: float = 120) -> tuple[bool, str]:
-    """(implemented, detail): whether smp.init accepts pipeline_parallel_degree=2 on 2 ranks."""
-    try:
-        results = run_ranks(Path(__file__).resolve(), 2, ["--probe-worker"],
-                            Path(tempfile.mkdtemp(prefix="smp_pp_probe_")), timeout=timeout)
-    except RuntimeError as exc:
-        return False, f"probe failed: {str(exc).splitlines()[0]}"
-    r = results[0]
-    if r["raised"] is None:
-        return True, "smp.init accepted pipeline_parallel_degree=2"
-    return False, f"smp.init raised {r['raised']}: {r['message']}"
-
-
-def _probe_worker() -> None:
-    import smdistributed.modelparallel.torch as smp
-
-    try:
-        smp.init(OPTIONS)
-    except Exception as exc:  # report any failure, the caller decides
-        write_result({"raised": type(exc).__name__, "message": str(exc).splitlines()[0]})
-        return
-    write_result({"raised": None, "message": ""})
-    smp.barrier()
+LR = 1e-3
+ENGINES = ("smp", "deepspeed", "stage")
 
 
 def build(width: int, layers: int):
@@ -89,51 +70,102 @@ def build(width: int, layers: int):
     return MLP()
 
 
+def as_layer_list(model) -> list:
+    """The MLP as the flat layer list DeepSpeed's PipelineModule wants (copies of the same weights)."""
+    import copy
+
+    from torch import nn
+
+    layers = []
+    for linear in model.layers:
+        layers += [copy.deepcopy(linear), nn.Tanh()]
+    return layers + [copy.deepcopy(model.head), nn.LogSoftmax(dim=1)]
+
+
+def deepspeed_engine(model, pp: int, microbatches: int, batch: int):
+    import deepspeed
+    import torch
+    import torch.nn.functional as F
+    from deepspeed.pipe import PipelineModule
+
+    module = PipelineModule(layers=as_layer_list(model), num_stages=pp, loss_fn=F.nll_loss,
+                            partition_method="parameters", activation_checkpoint_interval=0)
+    # batch arithmetic: train_batch_size (batch) = micro batch (batch / m) x gradient_accumulation_steps (m) x dp (1)
+    config = {"train_batch_size": batch, "train_micro_batch_size_per_gpu": batch // microbatches,
+              "gradient_accumulation_steps": microbatches, "steps_per_print": 10**9,
+              "zero_optimization": {"stage": 0}, "wall_clock_breakdown": False}
+    optimizer = torch.optim.SGD(module.parameters(), lr=LR)
+    engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, config=config)
+    return engine, module
+
+
+def stage_layer_names(model, local_names) -> list[str]:
+    """Names of the MLP's Linear layers whose weights live on this rank, in order."""
+    local = set(local_names)
+    names = [f"layers.{i}" for i in range(len(model.layers))] + ["head"]
+    return [n for n in names if f"{n}.weight" in local]
+
+
 def worker(args) -> None:
+    quiet()
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
 
     import smdistributed.modelparallel.torch as smp
 
-    smp.init({"pipeline_parallel_degree": PP, "microbatches": args.microbatches, "ddp": True,
-              "pipeline": "interleaved"})
+    pp, m = args.pp, args.microbatches
+    smp.init({"pipeline_parallel_degree": pp, "microbatches": m, "ddp": True, "pipeline": "interleaved"})
+    quiet()
     full = build(args.width, args.layers)
-    # this rank's half, as a plain module, for the single-stage time
-    half = args.layers // PP
-    mine = list(full.layers[smp.pp_rank() * half:(smp.pp_rank() + 1) * half])
-    if smp.pp_rank() == PP - 1:
-        mine.append(full.head)
-    plain = torch.nn.ModuleList([type(m)(m.in_features, m.out_features) for m in mine])
+    ds_engine, ds_module = deepspeed_engine(full, pp, m, args.batch)
     model = smp.DistributedModel(full)
-    optimizer = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1e-3))
+    optimizer = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=LR))
 
     @smp.step
     def train_step(model, data, target):
-        output = model(data)
-        loss = F.nll_loss(output, target)
+        loss = F.nll_loss(model(data), target)
         model.backward(loss)
         return loss
 
     g = torch.Generator().manual_seed(1)
-    data = torch.randn(args.batch, args.width, generator=g)
-    target = torch.randint(0, 10, (args.batch,), generator=g)
-    mbs = data.chunk(args.microbatches)
+    batches = [(torch.randn(args.batch, args.width, generator=g), torch.randint(0, 10, (args.batch,), generator=g))
+               for _ in range(4)]
+    losses = {"smp": [], "deepspeed": []}
+    counter = {"smp": 0, "deepspeed": 0}
 
-    def pipeline_step():
+    def smp_step():
+        data, target = batches[counter["smp"] % len(batches)]
+        counter["smp"] += 1
         optimizer.zero_grad()
-        train_step(model, data, target).reduce_mean()
+        losses["smp"].append(float(train_step(model, data, target).reduce_mean()))
         optimizer.step()
 
-    def single_stage():
+    def deepspeed_step():
+        data, target = batches[counter["deepspeed"] % len(batches)]
+        counter["deepspeed"] += 1
+        microbatches = iter(zip(data.chunk(m), target.chunk(m)))
+        losses["deepspeed"].append(float(ds_engine.train_batch(data_iter=microbatches)))
+
+    # the first smp step partitions the model; after it, this rank's stage layers are known. Both
+    # engines take one step here so that they go on seeing the same batches in the same order.
+    smp_step()
+    deepspeed_step()
+    mine = stage_layer_names(full, [n for n, _ in model.local_named_parameters()])
+    plain = torch.nn.ModuleList([torch.nn.Linear(args.width, 10 if n == "head" else args.width) for n in mine])
+    first = smp.pp_rank() == 0
+    stage_batches = [x.detach().clone() for x in batches[0][0].chunk(m)]
+
+    def stage_step():
         for p in plain.parameters():
             p.grad = None
-        for x in mbs:
-            h = x.requires_grad_(smp.pp_rank() > 0)
-            for i, m in enumerate(plain):
-                h = m(h)
-                h = torch.tanh(h) if i < len(plain) - 1 or smp.pp_rank() < PP - 1 else torch.log_softmax(h, 1)
+        for x in stage_batches:
+            h = x.requires_grad_(not first)
+            for name, layer in zip(mine, plain):
+                h = torch.log_softmax(layer(h), 1) if name == "head" else torch.tanh(layer(h))
             h.sum().backward()
+
+    fns = {"smp": smp_step, "deepspeed": deepspeed_step, "stage": stage_step}
 
     def timed(fn) -> float:
         dist.barrier()
@@ -144,71 +176,101 @@ def worker(args) -> None:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return float(t)
 
-    for _ in range(2):  # warm-up (the first step also partitions)
-        timed(pipeline_step)
-        timed(single_stage)
-    pipe_t, stage_t = [], []
+    for _ in range(args.warmup):
+        for name in ENGINES:
+            timed(fns[name])
+    times = {name: [] for name in ENGINES}
     for i in range(args.steps):
-        order = (pipeline_step, single_stage) if i % 2 == 0 else (single_stage, pipeline_step)
-        for fn in order:
-            (pipe_t if fn is pipeline_step else stage_t).append(timed(fn))
-    if smp.rank() == 0:
-        Path(os.environ["BENCH_PP_OUT"]).write_text(json.dumps({"pipeline_s": pipe_t, "stage_s": stage_t}))
+        order = ENGINES[i % 3:] + ENGINES[:i % 3]
+        for name in order:
+            times[name].append(timed(fns[name]))
+    write_result({"times": times, "losses": losses, "smp_stage": mine,
+                  "deepspeed_parts": [int(x) for x in ds_module.parts], "pp_rank": smp.pp_rank()})
+    smp.barrier()
+
+
+def _linear_names(parts: list[int], stage: int, layers: int) -> list[str]:
+    """Which of the MLP's Linear layers DeepSpeed's partition puts on ``stage`` (layer list: Linear,
+    Tanh, ..., head, LogSoftmax)."""
+    names = []
+    for i in range(parts[stage], parts[stage + 1]):
+        if i % 2 == 0:
+            names.append(f"layers.{i // 2}" if i // 2 < layers else "head")
+    return names
+
+
+def run_case(pp: int, m: int, args, out_root: Path) -> dict:
+    cmd = ["--worker", "--pp", pp, "--microbatches", m, "--steps", args.steps, "--warmup", args.warmup,
+           "--width", args.width, "--layers", args.layers, "--batch", args.batch]
+    results = run_ranks(Path(__file__).resolve(), pp, cmd, out_root / f"pp{pp}_m{m}", timeout=args.timeout)
+    r0 = results[0]
+    med = {name: statistics.median(r0["times"][name]) for name in ENGINES}
+    ideal = (m + pp - 1) / m * med["stage"]
+    ds_parts = [_linear_names(r0["deepspeed_parts"], s, args.layers) for s in range(pp)]
+    smp_parts = [r["smp_stage"] for r in sorted(results, key=lambda r: r["pp_rank"])]
+    a, b = r0["losses"]["smp"], r0["losses"]["deepspeed"]
+    n = min(len(a), len(b))
+    loss_diff = max(abs(x - y) / abs(y) for x, y in zip(a[:n], b[:n]))
+    return {"pp": pp, "microbatches": m, "median_s": med, "ideal_s": ideal, "no_overlap_s": pp * med["stage"],
+            "smp_over_ideal": med["smp"] / ideal, "deepspeed_over_ideal": med["deepspeed"] / ideal,
+            "smp_over_deepspeed": med["smp"] / med["deepspeed"],
+            "smp_over_deepspeed_paired": statistics.median(
+                s / d for s, d in zip(r0["times"]["smp"], r0["times"]["deepspeed"])),
+            "same_partition": smp_parts == ds_parts, "smp_parts": smp_parts, "deepspeed_parts": ds_parts,
+            "loss_max_rel_diff": loss_diff, "losses_compared": n, "first_loss": a[0], "last_loss": a[n - 1],
+            "times": r0["times"]}
 
 
 def main() -> int:
-    if "--probe-worker" in sys.argv:
-        _probe_worker()
-        return 0
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--microbatches", type=int, default=8)
-    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--pp", default="2,4", help="comma-separated pipeline degrees (one job each)")
+    ap.add_argument("--microbatches", default="4,8,16", help="comma-separated microbatch counts")
+    ap.add_argument("--steps", type=int, default=8, help="measured steps per engine")
+    ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--width", type=int, default=1024)
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--batch", type=int, default=256)
+    ap.add_argument("--timeout", type=float, default=600)
     ap.add_argument("--json", default=None, help="also write the figures here")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
+        args.pp, args.microbatches = int(args.pp), int(args.microbatches)
         worker(args)
         return 0
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    out = Path(tempfile.mkdtemp(prefix="smp_pp_bench_")) / "result.json"
-    procs = []
-    for rank in range(PP):
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("SM_", "OMPI_", "RANK", "LOCAL_", "WORLD_"))}
-        env.update({"RANK": str(rank), "WORLD_SIZE": str(PP), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(PP),
-                    "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1",
-                    "DS_ACCELERATOR": "cpu", "CUDA_VISIBLE_DEVICES": "", "BENCH_PP_OUT": str(out),
-                    "PYTHONPATH": os.pathsep.join([str(ROOT / "adapter"), env.get("PYTHONPATH", "")])})
-        cmd = [sys.executable, __file__, "--worker", "--microbatches", str(args.microbatches), "--steps",
-               str(args.steps), "--width", str(args.width), "--layers", str(args.layers), "--batch", str(args.batch)]
-        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL if rank else None))
-    codes = [p.wait(timeout=900) for p in procs]
-    if any(codes):
-        print(f"benchmark ranks failed: exit codes {codes}", file=sys.stderr)
-        return 1
-    r = json.loads(out.read_text())
-    m, p = args.microbatches, PP
-    t_pipe, t_stage = statistics.median(r["pipeline_s"]), statistics.median(r["stage_s"])
-    ideal = (m + p - 1) / m * t_stage
-    figures = {"pp": p, "microbatches": m, "schedule": "interleaved (1F1B)", "step_s": t_pipe,
-               "single_stage_s": t_stage, "ideal_s": ideal, "no_overlap_s": p * t_stage,
-               "step_over_ideal": t_pipe / ideal, "step_over_no_overlap": t_pipe / (p * t_stage),
-               "samples": r}
-    print(f"pipeline parallel, pp={p}, microbatches={m}, 1F1B, {args.layers} x Linear({args.width}), batch {args.batch}")
-    print(f"  single-stage time t_s (median)       {t_stage * 1e3:8.1f} ms")
-    print(f"  ideal (m+p-1)/m x t_s                {ideal * 1e3:8.1f} ms")
-    print(f"  no overlap p x t_s                   {p * t_stage * 1e3:8.1f} ms")
-    print(f"  measured pipeline step (median)      {t_pipe * 1e3:8.1f} ms   = {t_pipe / ideal:.2f} x ideal, "
-          f"{t_pipe / (p * t_stage):.2f} x no-overlap")
-    print(f"  spread: step {min(r['pipeline_s']) * 1e3:.1f}-{max(r['pipeline_s']) * 1e3:.1f} ms, "
-          f"stage {min(r['stage_s']) * 1e3:.1f}-{max(r['stage_s']) * 1e3:.1f} ms over {len(r['stage_s'])} steps")
+    pps = [int(x) for x in args.pp.split(",")]
+    mbs = [int(x) for x in args.microbatches.split(",")]
+    for pp in pps:
+        if args.layers % pp:
+            ap.error(f"--layers {args.layers} is not divisible by pp {pp}")
+    for m in mbs:
+        if args.batch % m:
+            ap.error(f"--batch {args.batch} is not divisible by {m} microbatches")
+    out_root = Path(tempfile.mkdtemp(prefix="smp_pp_bench_"))
+    started = time.time()
+    print(f"# pipeline: {args.layers} x Linear({args.width}) + tanh, head Linear({args.width}, 10), batch "
+          f"{args.batch}, SGD, fp32; 1F1B; medians over {args.steps} steps; times in ms (slowest rank)")
+    print("| pp | m | t_s (stage) | ideal (m+p-1)/m t_s | no overlap p t_s | smp | smp / ideal | DeepSpeed pipe | "
+          "DeepSpeed / ideal | smp / DeepSpeed (paired) | loss rel. diff |")
+    print("| --- " * 11 + "|")
+    figures = []
+    for pp in pps:
+        for m in mbs:
+            f = run_case(pp, m, args, out_root)
+            figures.append(f)
+            med = f["median_s"]
+            print(f"| {pp} | {m} | {med['stage'] * 1e3:.1f} | {f['ideal_s'] * 1e3:.1f} | {f['no_overlap_s'] * 1e3:.1f} "
+                  f"| {med['smp'] * 1e3:.1f} | {f['smp_over_ideal']:.2f} | {med['deepspeed'] * 1e3:.1f} "
+                  f"| {f['deepspeed_over_ideal']:.2f} | {f['smp_over_deepspeed']:.2f} "
+                  f"({f['smp_over_deepspeed_paired']:.2f}) | {f['loss_max_rel_diff']:.1e} |", flush=True)
+    print()
+    for f in figures:
+        same = "same stages" if f["same_partition"] else "DIFFERENT stages"
+        print(f"# pp {f['pp']} m {f['microbatches']}: {same}: smp {f['smp_parts']}, DeepSpeed {f['deepspeed_parts']}; "
+              f"losses {f['first_loss']:.6f} -> {f['last_loss']:.6f} over {f['losses_compared']} steps")
+    print(f"# wall time {time.time() - started:.0f} s; rank logs under {out_root}")
     if args.json:
-        Path(args.json).write_text(json.dumps(figures, indent=2))
+        Path(args.json).write_text(json.dumps(figures, indent=1))
     return 0
 
 
