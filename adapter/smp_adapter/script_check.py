@@ -14,7 +14,6 @@ The script is parsed with ``ast``, never executed. Reported, with line numbers:
 from __future__ import annotations
 
 import ast
-import importlib.util
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -24,13 +23,8 @@ SUPPORTED, PARTIAL, UNSUPPORTED, NEEDS_GPU, ERROR, UNKNOWN = (
 FAILING = (UNSUPPORTED, ERROR, UNKNOWN)  # a script using any of these does not run as-is
 
 _TP = "Megatron-core tensor-parallel layers; see docs"
-# Pipeline parallelism is being integrated (smp_adapter.pipeline, torch.distributed.pipelining): with it
-# installed, pp > 1 runs within the limits smp.init itself checks (pipeline.support); without it smp.init
-# raises UnsupportedFeatureError for pp > 1.
-PIPELINE = importlib.util.find_spec("smp_adapter.pipeline") is not None
-_PP = ("stage marks for pipeline_parallel_degree > 1, carried out by torch.distributed.pipelining (see "
-       "docs/pipeline.md)" if PIPELINE else "recorded, but pipeline_parallel_degree > 1 is unsupported: smp.init "
-       "raises UnsupportedFeatureError (with pp = 1 only index 0 is valid)")
+# pp > 1 runs on torch.distributed.pipelining within the limits smp.init itself checks (pipeline.support)
+_PP = "stage marks for pipeline_parallel_degree > 1, carried out by torch.distributed.pipelining (see docs/pipeline.md)"
 _S, _P, _U = SUPPORTED, PARTIAL, UNSUPPORTED
 
 # THE support table: API name (relative to smdistributed.modelparallel.torch) -> (status, note).
@@ -185,13 +179,6 @@ class _Checker:
             return  # only whole attribute chains, and no assignment targets
         text = ast.unparse(node)
         api = self.smp_api(node)
-        if api in ("partition", "set_partition") and not PIPELINE and isinstance(parent, ast.Call) and parent.func is node:
-            index = _literal_arg(parent, 0 if api == "partition" else 1, ("index", "partition"))
-            if isinstance(index, int) and index >= 1:
-                self.add(node, text, api, "api", UNSUPPORTED,
-                         f"stage {index} needs pipeline_parallel_degree > {index}: smp.init raises "
-                         "UnsupportedFeatureError for pp > 1 (drop the partition marks to run with pp = 1)")
-                return
         if api:
             key, status, note = lookup(api)
             self.add(node, text, key, "api", status, note)
@@ -257,9 +244,6 @@ class _Checker:
 
 def _pipeline_status(cfg) -> tuple[str, str]:
     pp = cfg.pipeline_parallel_degree
-    if not PIPELINE:
-        return UNSUPPORTED, (f"pipeline_parallel_degree/partitions = {pp} > 1: smp.init raises UnsupportedFeatureError; "
-                             "use sharded_data_parallel_degree or tensor_parallel_degree")
     from smp_adapter.config.dims import ParallelDims
     from smp_adapter.errors import SMPConfigError, UnsupportedFeatureError
     from smp_adapter.pipeline.support import check_pipeline_config
@@ -273,15 +257,6 @@ def _pipeline_status(cfg) -> tuple[str, str]:
         pass
     return PARTIAL, (f"pipeline_parallel_degree = {pp}: stages on torch.distributed.pipelining, not smp's "
                      "execution server (see docs/pipeline.md)")
-
-
-def _literal_arg(call: ast.Call, position: int, names: tuple[str, ...]) -> Any:
-    node = call.args[position] if len(call.args) > position else next(
-        (k.value for k in call.keywords if k.arg in names), None)
-    try:
-        return ast.literal_eval(node) if node is not None else None
-    except ValueError:
-        return None
 
 
 @dataclass

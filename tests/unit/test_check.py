@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from smp_adapter.cli import main
-from smp_adapter.script_check import FAILING, PIPELINE, SUPPORT, check_source
+from smp_adapter.script_check import FAILING, SUPPORT, check_source
 
 ROOT = Path(__file__).resolve().parents[2]
 SEEDS = ROOT / "tests/fixtures/seed_scripts"
@@ -38,7 +38,7 @@ def test_seed_fixtures_exist():
 def test_every_smp_call_of_a_seed_is_listed_with_line_and_status(path, capsys):
     code, report = check_json(capsys, path)
     # seeds 000 and 002 have slips (AdaDelta, vit.encoder.layer); seed 003 needs pp = 2
-    runs = path.stem == "seed003_manual_partition" and PIPELINE
+    runs = path.stem == "seed003_manual_partition"
     assert code == report["exit_status"] == (0 if runs else 1)
     listed = {(u["line"], u["expr"]) for u in report["uses"]}
     source = path.read_text().splitlines()
@@ -65,8 +65,8 @@ def test_seed000_tensor_parallel_alone(capsys):
 def test_seed000_pipeline_options(capsys):
     _, report = check_json(capsys, SEEDS / "seed000_tp_pp.py")
     options = {u["name"]: u["status"] for u in report["uses"] if u["kind"] == "options"}
-    # pp > 1: unsupported until the pipeline engine (smp_adapter.pipeline) is installed, then partial
-    assert options == {"pipeline_parallel_degree": "partial" if PIPELINE else "unsupported",
+    # pp > 1 runs on torch.distributed.pipelining: partial (not smp's own execution server)
+    assert options == {"pipeline_parallel_degree": "partial",
                        "tensor_parallel_degree": "partial"}
     assert uses_of(report, "set_tensor_parallelism")[0]["status"] == "partial"
     assert {u["name"] for u in report["uses"] if u["kind"] == "method"} >= {"DistributedModel.backward"}
@@ -83,8 +83,7 @@ def test_seed002_vit_slips_and_gpu_calls(capsys):
 
 def test_seed003_manual_partition(capsys):
     _, report = check_json(capsys, SEEDS / "seed003_manual_partition.py")
-    second = "partial" if PIPELINE else "unsupported"  # stage 1 needs pp = 2
-    assert [(u["line"], u["status"]) for u in uses_of(report, "partition")] == [(17, "partial"), (19, second)]
+    assert [(u["line"], u["status"]) for u in uses_of(report, "partition")] == [(17, "partial"), (19, "partial")]
     assert "pipeline_parallel_degree" in uses_of(report, "partition")[1]["note"]
 
 
@@ -94,7 +93,7 @@ def test_pipeline_options_follow_the_runtime_rules():
     sharded = check_source(src.replace("OPTS", '"partitions": 2, "ddp": True, "shard_optimizer_state": True'))
     status = {r: [u.status for u in rep.uses if u.name == "pipeline_parallel_degree"]
               for r, rep in (("plain", plain), ("sharded", sharded))}
-    assert status == {"plain": ["partial" if PIPELINE else "unsupported"], "sharded": ["unsupported"]}
+    assert status == {"plain": ["partial"], "sharded": ["unsupported"]}
 
 
 def test_aliases_imports_and_submodules():
