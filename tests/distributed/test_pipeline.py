@@ -89,6 +89,7 @@ def test_gpt2_pp2_dp2_balanced_tied_embeddings(tmp_path):
 @pytest.mark.parametrize("case,error,text", [
     ("untraceable", "UnsupportedFeatureError", r"could not split Untraceable.*pipeline_parallel_degree: 1"),
     ("order", "SMPUsageError", r"module 'b' is placed on stage 0 but runs after 'a' on stage 1.*set_partition"),
+    ("early_save", "SMPUsageError", r"partial checkpoint can be saved only after the first @smp.step call.*partial=False"),
 ])
 def test_unsplittable_models_fail_on_every_rank(tmp_path, case, error, text):
     import re
@@ -100,3 +101,28 @@ def test_unsplittable_models_fail_on_every_rank(tmp_path, case, error, text):
     for r in results:
         assert r["error"] == error, r
         assert re.search(text, r["message"], re.S), r["message"]
+
+
+@pytest.mark.parametrize("model,nprocs,extra", [
+    ("six", 2, {}),
+    ("gpt2", 2, {}),  # the tied wte / lm_head weight is in both end stages' files
+    ("net", 4, {"tensor_parallel_degree": 2, "placement_strategy": "cluster"}),  # TP shards inside stage 1
+])
+def test_partial_checkpoint_resume_is_exact(tmp_path, model, nprocs, extra):
+    """save_checkpoint(partial=True) after step 2 of 4 (Adam), then a new job resumes before its first
+    step (the model is not cut into stages yet) and trains steps 3-4: the same losses, bitwise."""
+    options = {"pipeline_parallel_degree": 2, "microbatches": 2, "ddp": True, **extra}
+    ckpt = tmp_path / "ckpt"
+    env = {"SM_HP_MP_PARAMETERS": json.dumps(options)}
+    common = ["--model", model, "--optimizer", "adam", "--ckpt-dir", ckpt]
+    full = run_ranks(SCRIPT, nprocs, args=[*common, "--steps", 4, "--save-at", 2], env=env,
+                     out_dir=tmp_path / "full", timeout=200)
+    resumed = run_ranks(SCRIPT, nprocs, args=[*common, "--steps", 2, "--first-step", 2, "--resume"], env=env,
+                        out_dir=tmp_path / "resumed", timeout=200)
+    assert (ckpt / "newest").read_text().strip() == "step2"
+    files = sorted(p.name for p in (ckpt / "step2_partial").iterdir())
+    stages = [f"stage_pp{p}_tp{t}.pt" for p in range(2) for t in range(options.get("tensor_parallel_degree", 1))]
+    assert set(stages) <= set(files) and "smp_manifest.json" in files
+    for r in resumed:
+        assert r["losses"] == full[0]["losses"][2:]  # exact, not approximate
+        assert r["roundtrip"] is True  # smp.save/smp.load of model.local_state_dict() with pp > 1

@@ -4,6 +4,8 @@ and the model state-dict helpers behind DistributedModel.
 Layout written by ``save_checkpoint(path, tag)`` (our encoding of smp's rankinfo, docs/runtime.md):
     <path>/<tag>_partial/          one directory per partial checkpoint
         ds/...                     DeepSpeed engine checkpoint: model + (sharded) optimizer per rank
+        stage_pp<P>_tp<T>.pt       instead of ds/ when pp > 1: a stage's model + optimizer state
+                                   (smp_adapter/pipeline/checkpoint.py)
         rng_rank<R>.pt             each rank's RNG states (exact resume with dropout)
         user_content.pt
         smp_manifest.json          written last: layout, tag; its presence = the checkpoint is complete
@@ -83,7 +85,9 @@ def local_model_state_dict(model) -> dict:
     else:
         sd = {k: v.detach().clone().cpu() for k, v in module.state_dict().items()}
     if getattr(model, "_pipeline", None) is not None:
-        sd = model._pipeline.local_state_dict(sd)
+        from smp_adapter.pipeline.checkpoint import mark_stage
+
+        sd = mark_stage(model, model._pipeline.local_state_dict(sd))
     sd[PARTIAL_MARK] = True
     sd[LAYOUT_MARK] = current_layout()
     return sd
@@ -96,6 +100,10 @@ def load_model_state_dict(model, state_dict, strict: bool = True):
     module = model.module
     if sd.pop(PARTIAL_MARK, False):
         check_layout(sd.pop(LAYOUT_MARK, current_layout()), "this partial state dict")
+        if getattr(model, "_pipeline", None) is not None:  # this stage's entries only
+            from smp_adapter.pipeline.checkpoint import load_stage_state_dict
+
+            return load_stage_state_dict(model, sd, strict=strict)
         if _zero3(model):
             with torch.no_grad():
                 for n, p in module.named_parameters():

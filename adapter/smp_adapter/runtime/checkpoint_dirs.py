@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from smp_adapter.errors import SMPCheckpointError, SMPUsageError, UnsupportedFeatureError
+from smp_adapter.errors import SMPCheckpointError, SMPUsageError
 from smp_adapter.runtime import checkpoint as ckpt
 from smp_adapter.runtime.state import require_initialized, state
 
@@ -68,16 +68,15 @@ def _save_partial(path: Path, tag: str, model, optimizer, user_content) -> None:
     if s.rank == 0 and staging.exists():
         shutil.rmtree(staging)  # left by a crash during an earlier save
     _barrier()
-    if s.dims.pp > 1:
-        raise UnsupportedFeatureError(
-            "partial checkpoints (save_checkpoint(..., partial=True)) are not supported with "
-            "pipeline_parallel_degree > 1 yet: save a full checkpoint with partial=False (model weights; resume "
-            "with resume_from_checkpoint(path, tag, partial=False))")
-    engine = model._engine
-    if engine is None or optimizer is None:
+    if optimizer is None or (s.dims.pp == 1 and model._engine is None):
         raise SMPUsageError("partial checkpoints need the optimizer: create smp.DistributedOptimizer before "
                             "smp.save_checkpoint(..., partial=True), or save a full checkpoint with partial=False")
-    engine.save_checkpoint(str(staging), tag="ds", save_latest=False)
+    if s.dims.pp > 1:  # no DeepSpeed engine: one file per stage (smp_adapter/pipeline/checkpoint.py)
+        from smp_adapter.pipeline.checkpoint import save_stage
+
+        save_stage(staging, model, optimizer)
+    else:
+        model._engine.save_checkpoint(str(staging), tag="ds", save_latest=False)
     rng = {"cpu": torch.get_rng_state()}
     if torch.cuda.is_available():
         rng["cuda"] = torch.cuda.get_rng_state()
@@ -137,14 +136,19 @@ def resume_from_checkpoint(path, tag=None, partial: bool = True, strict: bool = 
                                  "it may be from an interrupted save: resume from an earlier tag")
     manifest = json.loads(manifest_file.read_text())
     ckpt.check_layout(manifest.get("layout", {}), f"checkpoint {folder}")
-    if model._engine is None or s.optimizer is None:
+    if s.optimizer is None or (s.dims.pp == 1 and model._engine is None):
         raise SMPUsageError("resume a partial checkpoint after creating smp.DistributedOptimizer (the optimizer "
                             "state is restored into it)")
     load_opt = load_optimizer and load_sharded_optimizer_state
-    loaded, _ = model._engine.load_checkpoint(str(folder), tag="ds", load_module_strict=strict,
-                                              load_optimizer_states=load_opt, load_lr_scheduler_states=load_opt)
-    if loaded is None:
-        raise SMPCheckpointError(f"DeepSpeed could not load {folder}/ds: the checkpoint is incomplete")
+    if s.dims.pp > 1:
+        from smp_adapter.pipeline.checkpoint import load_stage
+
+        load_stage(folder, model, s.optimizer, strict, load_opt)
+    else:
+        loaded, _ = model._engine.load_checkpoint(str(folder), tag="ds", load_module_strict=strict,
+                                                 load_optimizer_states=load_opt, load_lr_scheduler_states=load_opt)
+        if loaded is None:
+            raise SMPCheckpointError(f"DeepSpeed could not load {folder}/ds: the checkpoint is incomplete")
     rng_file = folder / f"rng_rank{s.rank}.pt"
     if rng_file.exists():
         rng = ckpt.safe_torch_load(str(rng_file))

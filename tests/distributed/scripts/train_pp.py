@@ -5,6 +5,9 @@ is the seed's, unchanged; data is sharded by dp_rank. Options come from SM_HP_MP
 --model manual  the seed's GroupedNet: modules created inside smp.partition(0) / smp.partition(1)
 --model six     six linear layers, auto-partitioned
 --model gpt2    tiny GPT2LMHeadModel (loss from labels)
+
+Checkpoints: --save-at N saves a partial checkpoint (smp.save_checkpoint) after step N; --resume
+resumes from the newest one before the first step and trains steps --first-step ... on.
 """
 
 import argparse
@@ -25,6 +28,11 @@ parser = argparse.ArgumentParser()
 parser.add_argument("--model", default="net")
 parser.add_argument("--steps", type=int, default=3)
 parser.add_argument("--per-rank-batch", type=int, default=8)
+parser.add_argument("--optimizer", default="sgd", choices=["sgd", "adam"])
+parser.add_argument("--first-step", type=int, default=0)
+parser.add_argument("--save-at", type=int, default=-1)
+parser.add_argument("--resume", action="store_true")
+parser.add_argument("--ckpt-dir", default="ckpt")
 args, _ = parser.parse_known_args()
 
 smp.init()
@@ -32,7 +40,12 @@ model = build(args.model, smp)
 if args.model == "net" and smp.tp_size() > 1:
     smp.set_tensor_parallelism(model.fc1, True)  # as the seed
 model = smp.DistributedModel(model)
-optimizer = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05))
+if args.optimizer == "adam":
+    optimizer = smp.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-3))
+else:
+    optimizer = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05))
+if args.resume:  # before the first step: the model is not cut into stages yet
+    smp.resume_from_checkpoint(args.ckpt_dir)
 
 
 @smp.step
@@ -70,7 +83,7 @@ B = args.per_rank_batch
 eval_out = eval_in = None
 losses, mb_losses, outputs_shape = [], [], None
 model.train()
-for step in range(args.steps):
+for step in range(args.first_step, args.first_step + args.steps):
     data, target = batch(args.model, step, B * smp.dp_size())
     data, target = data[smp.dp_rank() * B:(smp.dp_rank() + 1) * B], target[smp.dp_rank() * B:(smp.dp_rank() + 1) * B]
     if step == 1 and args.model != "gpt2":
@@ -86,10 +99,24 @@ for step in range(args.steps):
     mb_losses.append([float(x) for x in loss_mb.outputs])
     # mean over the data-parallel readers = the loss of the global batch
     losses.append(sum(smp.allgather(loss.item(), smp.WORLD)) / smp.size())
+    if step + 1 == args.save_at:
+        smp.save_checkpoint(args.ckpt_dir, tag=f"step{step + 1}", partial=True)
+
+roundtrip = None
+if args.resume:  # smp.save(model.local_state_dict()) -> clobber the weights -> model.load_state_dict(smp.load(...))
+    before = {k: v.clone() for k, v in model.local_state_dict().items() if torch.is_tensor(v)}
+    smp.save(model.local_state_dict(), os.path.join(args.ckpt_dir, "local.pt"), partial=True)
+    with torch.no_grad():
+        for p in model.local_parameters():
+            p.zero_()
+    model.load_state_dict(smp.load(os.path.join(args.ckpt_dir, "local.pt"), partial=True))
+    after = model.local_state_dict()
+    roundtrip = sorted(before) == sorted(k for k in after if torch.is_tensor(after[k])) and all(
+        torch.equal(before[k], after[k]) for k in before)
 
 local_bytes = sum(p.numel() * p.element_size() for p in model.local_parameters())
 state = model.state_dict()
 write_result({"eval_out": eval_out, "eval_in": eval_in, "losses": losses, "mb_losses": mb_losses, "outputs_shape": outputs_shape, "pp_rank": smp.pp_rank(),
               "local_bytes": local_bytes, "local_names": [n for n, _ in model.local_named_parameters()],
-              "dp_size": smp.dp_size(), "partitioned": model.partitioned,
+              "dp_size": smp.dp_size(), "partitioned": model.partitioned, "roundtrip": roundtrip,
               "final_state": {k: v.tolist() for k, v in state.items()} if args.model != "gpt2" else None})

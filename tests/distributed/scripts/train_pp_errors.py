@@ -2,6 +2,7 @@
 
 --case untraceable  data-dependent Python control flow in forward: torch.export cannot split it
 --case order        manual partition whose stages do not run in order 0 -> 1
+--case early_save   a partial checkpoint saved before the first step (the model has no stages yet)
 Each rank writes {"error": type, "message": text}.
 """
 
@@ -49,7 +50,7 @@ class WrongOrder(nn.Module):
 
 
 torch.manual_seed(0)
-model = smp.DistributedModel(Untraceable() if args.case == "untraceable" else WrongOrder())
+model = smp.DistributedModel(WrongOrder() if args.case == "order" else Untraceable())
 optimizer = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
 
 
@@ -62,6 +63,8 @@ def train_step(model, data, target):
 
 
 try:
+    if args.case == "early_save":
+        smp.save_checkpoint(os.path.join(os.environ.get("SMP_TEST_OUT", "."), "ckpt"), tag="early", partial=True)
     train_step(model, torch.randn(4, 4), torch.tensor([0, 1, 0, 1]))
     result = {"error": None, "message": ""}
 except Exception as e:  # noqa: BLE001

@@ -1,0 +1,112 @@
+"""Partial (per-stage) checkpoints with pipeline_parallel_degree > 1.
+
+With pp > 1 there is no DeepSpeed engine to write a checkpoint, and each rank holds one stage:
+  * ``model.local_state_dict()`` is this stage's entries (TP shards under TP), marked with the
+    layout and the stage assignment (``stage_units``) it was taken under;
+  * ``save_checkpoint(..., partial=True)`` writes one file per (pp_rank, tp_rank), from the rdp rank
+    0 replica (the others hold the same values: with pp > 1 nothing is sharded over rdp):
+    ``stage_pp<P>_tp<T>.pt`` = {"model": local state dict, "optimizer": local optimizer state};
+  * loading works before the first step too (the usual place for ``resume_from_checkpoint``): the
+    model is then still whole on every rank, so this stage's entries are loaded by name into it and
+    the partition, made at the first step, is checked against the saved one in a post-partition
+    hook. Optimizer state is keyed by parameter index, the same before and after partitioning.
+
+The stage assignment depends only on the model, the options and the first batch's shapes, and is
+computed identically on every rank, so a mismatch is detected by every rank at the same point (no
+rank is left waiting in a collective).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from smp_adapter.errors import SMPCheckpointError, SMPUsageError
+from smp_adapter.runtime.state import state
+
+STAGE_MARK = "_smp_stage_units"
+
+
+def stage_file(folder: Path, pp_rank: int, tp_rank: int) -> Path:
+    return Path(folder) / f"stage_pp{pp_rank}_tp{tp_rank}.pt"
+
+
+def mark_stage(model, sd: dict) -> dict:
+    """Add the stage assignment to a local state dict (once the model is partitioned)."""
+    runner = model._pipeline
+    if runner.built:
+        sd[STAGE_MARK] = [list(units) for units in runner.stage_units]
+    return sd
+
+
+def save_stage(staging: Path, model, optimizer) -> None:
+    """This rank's part of a partial checkpoint (rdp rank 0 of each (pp, tp) position writes)."""
+    from smp_adapter.runtime.checkpoint import atomic_torch_save
+
+    if not model._pipeline.built:
+        raise SMPUsageError("with pipeline_parallel_degree > 1 a partial checkpoint can be saved only after the first "
+                            "@smp.step call, which cuts the model into stages; save after a training step, or save a "
+                            "full checkpoint with partial=False")
+    model_sd = model.local_state_dict()  # the same on every rdp rank; computed by all for symmetry
+    optimizer_sd = optimizer.local_state_dict() if optimizer is not None else None
+    c = state.coord
+    if c.rdp == 0:
+        staging.mkdir(parents=True, exist_ok=True)
+        atomic_torch_save({"model": model_sd, "optimizer": optimizer_sd}, str(stage_file(staging, c.pp, c.tp)))
+
+
+def load_stage(folder: Path, model, optimizer, strict: bool, load_optimizer: bool) -> None:
+    from smp_adapter.runtime.checkpoint import safe_torch_load
+
+    c = state.coord
+    path = stage_file(folder, c.pp, c.tp)
+    if not path.exists():
+        raise SMPCheckpointError(f"{folder} has no {path.name} for this rank (pp_rank {c.pp}, tp_rank {c.tp}): it was "
+                                 "not written by a pipeline-parallel run with this layout; resume from a checkpoint "
+                                 "saved with the same pipeline_parallel_degree and tensor_parallel_degree")
+    blob = safe_torch_load(str(path))
+    if not isinstance(blob, dict) or "model" not in blob:
+        raise SMPCheckpointError(f"{path} is not an smp-adapter stage checkpoint (no 'model' entry)")
+    model.load_state_dict(blob["model"], strict=strict)
+    if load_optimizer and optimizer is not None and blob.get("optimizer") is not None:
+        optimizer.load_state_dict(blob["optimizer"])
+
+
+def load_stage_state_dict(model, sd: dict, strict: bool = True):
+    """Load this stage's entries (a dict from ``local_state_dict``, layout already checked)."""
+    runner = model._pipeline
+    module = model.module
+    saved_units = sd.pop(STAGE_MARK, None)
+    names = set(module.state_dict().keys())
+    unexpected = sorted(set(sd) - names)
+    if unexpected and strict:
+        raise SMPCheckpointError(f"the partial state dict has entries this model does not have: {unexpected[:5]}"
+                                 f"{' ...' if len(unexpected) > 5 else ''}; it was saved from another model "
+                                 "(or pass strict=False to skip them)")
+    module.load_state_dict({k: v for k, v in sd.items() if k in names}, strict=False)
+
+    def check(model_, _optimizer=None):
+        _check_stage(runner, saved_units, set(sd) & names, strict)
+
+    if runner.built:
+        check(model)
+    else:  # the partition is made at the first step: check it then
+        handle = model.register_post_partition_hook(lambda m, o: (handle.remove(), check(m)))
+    return None
+
+
+def _check_stage(runner, saved_units, loaded: set, strict: bool) -> None:
+    if saved_units is not None and [list(u) for u in runner.stage_units] != saved_units:
+        raise SMPCheckpointError(
+            "the partial checkpoint was saved under another stage assignment (saved "
+            f"{_describe(saved_units)}, now {_describe(runner.stage_units)}): partial checkpoints load only into the "
+            "same partition. Use the same model, options (auto_partition, memory_weight, partition marks) and batch "
+            "shapes as the saving run, or save and load a full checkpoint (partial=False)")
+    missing = sorted(runner.local_keys - loaded)
+    if missing and strict:
+        raise SMPCheckpointError(f"the partial state dict lacks entries of this stage: {missing[:5]}"
+                                 f"{' ...' if len(missing) > 5 else ''}; it belongs to another stage or model "
+                                 "(or pass strict=False to keep their current values)")
+
+
+def _describe(units) -> str:
+    return " | ".join(",".join(u[:2]) + (",..." if len(u) > 2 else "") for u in units)

@@ -1,0 +1,60 @@
+"""Checks behind partial checkpoints with pipeline_parallel_degree > 1 (smp_adapter/pipeline/checkpoint.py)
+that need no process group: a checkpoint from another stage assignment, or with entries of another
+model or stage, is refused with a message that says why and what to do."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from smp_adapter.errors import SMPCheckpointError
+from smp_adapter.pipeline.checkpoint import STAGE_MARK, _check_stage, load_stage_state_dict
+
+UNITS = [["layers.0", "layers.1"], ["layers.2", "head"]]
+
+
+def runner(units=UNITS, local_keys=("layers.0.weight", "layers.0.bias")):
+    return SimpleNamespace(built=True, stage_units=units, local_keys=set(local_keys))
+
+
+def test_same_stage_assignment_and_entries_pass():
+    _check_stage(runner(), [list(u) for u in UNITS], {"layers.0.weight", "layers.0.bias"}, strict=True)
+
+
+def test_another_stage_assignment_is_refused():
+    saved = [["layers.0"], ["layers.1", "layers.2", "head"]]
+    with pytest.raises(SMPCheckpointError, match=r"saved under another stage assignment \(saved layers\.0 \| "
+                                                 r"layers\.1,layers\.2,\.\.\., now layers\.0,layers\.1 \| layers\.2,head\)"
+                                                 r".*same partition.*partial=False"):
+        _check_stage(runner(), saved, {"layers.0.weight", "layers.0.bias"}, strict=True)
+
+
+def test_missing_entries_of_this_stage_are_refused_unless_not_strict():
+    with pytest.raises(SMPCheckpointError, match=r"lacks entries of this stage: \['layers\.0\.bias'\].*strict=False"):
+        _check_stage(runner(), None, {"layers.0.weight"}, strict=True)
+    _check_stage(runner(), None, {"layers.0.weight"}, strict=False)
+
+
+def _model():
+    module = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+    local = {"0.weight", "0.bias"}
+    return SimpleNamespace(module=module, _pipeline=SimpleNamespace(built=True, stage_units=[["0"], ["1"]],
+                                                                     local_keys=local))
+
+
+def test_entries_of_another_model_are_refused_and_nothing_is_loaded():
+    model = _model()
+    before = model.module[0].weight.detach().clone()
+    sd = {"0.weight": torch.ones(2, 2), "0.bias": torch.ones(2), "encoder.weight": torch.ones(2, 2),
+          STAGE_MARK: [["0"], ["1"]]}
+    with pytest.raises(SMPCheckpointError, match=r"entries this model does not have: \['encoder\.weight'\].*strict=False"):
+        load_stage_state_dict(model, dict(sd))
+    assert torch.equal(model.module[0].weight, before)  # nothing changed
+
+
+def test_this_stages_entries_load_and_other_stages_keep_their_values():
+    model = _model()
+    other = model.module[1].weight.detach().clone()
+    load_stage_state_dict(model, {"0.weight": torch.ones(2, 2), "0.bias": torch.zeros(2), STAGE_MARK: [["0"], ["1"]]})
+    assert torch.equal(model.module[0].weight, torch.ones(2, 2))
+    assert torch.equal(model.module[1].weight, other)
