@@ -27,7 +27,8 @@ Ideal per rank, P = parameter count, 4 bytes each (fp32):
   ZeRO 1       params 4P, grads 4P, optimizer 12P / dp (fp32 master + moments, sharded)
   ZeRO 3, hpZ  params 4P / sdp, grads 4P / sdp, optimizer 12P / sdp
   TP           split layers / tp + the rest, for params and grads; optimizer 2x that (ZeRO 0)
-  PP           total / pp for params and grads; optimizer 2x that (ZeRO 0)
+  PP           total / pp for params and grads; optimizer 2x that (ZeRO 0), / dp with
+               shard_optimizer_state
 
     PYTHONPATH=adapter .venv/bin/python benchmarks/memory.py
 """
@@ -53,7 +54,8 @@ CASES = {
     "tp2": ({"ddp": True, "tensor_parallel_degree": 2, "microbatches": MICROBATCHES}, 2, "TP 2 (tensor_parallel_degree)"),
 }
 PP_MODEL = {"n_layer": 16, "vocab_size": 512}
-PP_CASES = {f"pp{n}": n for n in (2, 4)}
+# case -> (pp, dp): PP 2 and PP 4 alone; PP 2 x DP 2 with shard_optimizer_state (optimizer state / dp)
+PP_CASES = {"pp2": (2, 1), "pp4": (4, 1), "pp2_dp2_sos": (2, 2)}
 
 
 # =============================================================================================
@@ -183,16 +185,18 @@ def worker(args) -> None:
     smp.barrier()
 
 
-def pp_worker(pp: int) -> None:
-    """PP: each stage's parameters, gradients and Adam state against total / pp. Parameters tied
-    across stages (GPT-2's wte / lm_head) are held by both stages (docs/pipeline.md)."""
+def pp_worker(pp: int, shard: bool) -> None:
+    """PP: each stage's parameters, gradients and Adam state against total / pp (optimizer state
+    also / dp with shard_optimizer_state). Parameters tied across stages (GPT-2's wte / lm_head) are
+    held by both stages (docs/pipeline.md)."""
     quiet()
     import torch
     import torch.nn.functional as F
 
     import smdistributed.modelparallel.torch as smp
 
-    smp.init({"ddp": True, "pipeline_parallel_degree": pp, "microbatches": MICROBATCHES})
+    smp.init({"ddp": True, "pipeline_parallel_degree": pp, "microbatches": MICROBATCHES,
+              "shard_optimizer_state": shard})
     quiet()
     model = build_model(**PP_MODEL)
     total_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -223,15 +227,18 @@ def pp_worker(pp: int) -> None:
     smp.barrier()
 
 
-def pp_row(pp: int, out_root: Path, timeout: float) -> tuple[str, str, list]:
-    results = run_ranks(Path(__file__).resolve(), pp, ["--pp-worker", pp], out_root / f"pp{pp}", timeout=timeout)
+def pp_row(pp: int, dp: int, out_root: Path, timeout: float) -> tuple[str, str, list]:
+    shard = dp > 1
+    results = run_ranks(Path(__file__).resolve(), pp * dp, ["--pp-worker", pp, *(["--shard"] if shard else [])],
+                        out_root / f"pp{pp}_dp{dp}", timeout=timeout)
     ideal_params = results[0]["total_bytes"] / pp
-    ideal = {"params": ideal_params, "grads": ideal_params, "optimizer": 2 * ideal_params}
+    ideal = {"params": ideal_params, "grads": ideal_params, "optimizer": 2 * ideal_params / dp}
     cells, ratio = held_against_ideal(results, ideal)
-    row = [f"PP {pp} (per stage; GPT-2 {PP_MODEL})", str(pp), *cells, mib(0), mib(0)]
+    label = f"PP {pp} x DP {dp}, shard_optimizer_state" if shard else f"PP {pp}"
+    row = [f"{label} (per stage; GPT-2 {PP_MODEL})", str(pp * dp), *cells, mib(0), mib(0)]
     stages = ", ".join(f"stage {r['pp_rank']}: {r['held'].get('params', 0) / 2**20:.2f} MiB"
                        for r in sorted(results, key=lambda r: r["pp_rank"]))
-    note = f"PP {pp} parameters per stage ({stages}); the tied wte/lm_head is held by the first and the last stage"
+    note = f"{label}: parameters per stage ({stages}); the tied wte/lm_head is held by the first and the last stage"
     return "| " + " | ".join(row) + " |", note, {"ranks": results, "ratio": ratio}
 
 
@@ -274,12 +281,13 @@ def main() -> None:
     p.add_argument("--json", default=None)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--pp-worker", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--shard", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--options", default="{}", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
         return worker(args)
     if args.pp_worker:
-        return pp_worker(args.pp_worker)
+        return pp_worker(args.pp_worker, args.shard)
     cases = [c.strip() for c in args.cases.split(",") if c.strip()]
     unknown = set(cases) - set(all_cases)
     if unknown:
@@ -295,7 +303,7 @@ def main() -> None:
     figures, notes = {}, []
     for case in cases:
         if case in PP_CASES:
-            row, note, figures[case] = pp_row(PP_CASES[case], out_root, args.timeout)
+            row, note, figures[case] = pp_row(*PP_CASES[case], out_root, args.timeout)
             print(row, flush=True)
             notes.append(note)
             continue

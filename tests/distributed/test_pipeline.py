@@ -17,13 +17,13 @@ ERRORS = ROOT / "tests/distributed/scripts/train_pp_errors.py"
 RTOL = 1e-5
 
 
-def _run(tmp_path, model, nprocs, options, steps=2):
-    return run_ranks(SCRIPT, nprocs, args=["--model", model, "--steps", steps],
+def _run(tmp_path, model, nprocs, options, steps=2, optimizer="sgd"):
+    return run_ranks(SCRIPT, nprocs, args=["--model", model, "--steps", steps, "--optimizer", optimizer],
                      env={"SM_HP_MP_PARAMETERS": json.dumps(options)}, out_dir=tmp_path, timeout=200)
 
 
-def _check(results, model, microbatches, steps=2, per_rank_batch=8):
-    ref_losses, ref_state = reference(model, steps, per_rank_batch * results[0]["dp_size"], microbatches)
+def _check(results, model, microbatches, steps=2, per_rank_batch=8, optimizer="sgd"):
+    ref_losses, ref_state = reference(model, steps, per_rank_batch * results[0]["dp_size"], microbatches, optimizer)
     for r in results:  # every rank returns the same values (broadcast from the last stage)
         torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(ref_losses), rtol=RTOL, atol=0.0)
         assert len(r["mb_losses"][0]) == microbatches
@@ -36,7 +36,7 @@ def _check(results, model, microbatches, steps=2, per_rank_batch=8):
         from train_pp_common import build
 
         trained = build(model)
-        trained.load_state_dict(reference(model, 1, per_rank_batch * results[0]["dp_size"], microbatches)[1])
+        trained.load_state_dict(reference(model, 1, per_rank_batch * results[0]["dp_size"], microbatches, optimizer)[1])
         for r in results:
             with torch.no_grad():
                 expected = trained.eval()(torch.tensor(r["eval_in"]))
@@ -86,6 +86,20 @@ def test_gpt2_pp2_dp2_balanced_tied_embeddings(tmp_path):
     assert "Tied parameters held by several stages" in (tmp_path / "log0.txt").read_text()
 
 
+def test_shard_optimizer_state_pp2_dp2(tmp_path):
+    """shard_optimizer_state with pp 2 x dp 2 (Adam): each stage's optimizer state is split between its
+    2 data-parallel ranks (ZeRO-1) and training matches single-process PyTorch."""
+    options = {"pipeline_parallel_degree": 2, "microbatches": 2, "ddp": True, "shard_optimizer_state": True}
+    results = _run(tmp_path, "six", 4, options, steps=3, optimizer="adam")
+    _check(results, "six", 2, steps=3, optimizer="adam")
+    for stage in (0, 1):
+        ranks = [r for r in results if r["pp_rank"] == stage]
+        assert len(ranks) == 2 and ranks[0]["local_names"] == ranks[1]["local_names"]
+        owned = [set(r["state_names"]) for r in ranks]
+        assert owned[0] and owned[1] and not owned[0] & owned[1]  # each parameter's state on one rank
+        assert owned[0] | owned[1] == set(ranks[0]["local_names"])
+
+
 @pytest.mark.parametrize("case,error,text", [
     ("untraceable", "UnsupportedFeatureError", r"could not split Untraceable.*pipeline_parallel_degree: 1"),
     ("order", "SMPUsageError", r"module 'b' is placed on stage 0 but runs after 'a' on stage 1.*set_partition"),
@@ -107,6 +121,7 @@ def test_unsplittable_models_fail_on_every_rank(tmp_path, case, error, text):
     ("six", 2, {}),
     ("gpt2", 2, {}),  # the tied wte / lm_head weight is in both end stages' files
     ("net", 4, {"tensor_parallel_degree": 2, "placement_strategy": "cluster"}),  # TP shards inside stage 1
+    ("six", 4, {"shard_optimizer_state": True}),  # optimizer state shards, one file per rdp rank
 ])
 def test_partial_checkpoint_resume_is_exact(tmp_path, model, nprocs, extra):
     """save_checkpoint(partial=True) after step 2 of 4 (Adam), then a new job resumes before its first
@@ -122,6 +137,8 @@ def test_partial_checkpoint_resume_is_exact(tmp_path, model, nprocs, extra):
     assert (ckpt / "newest").read_text().strip() == "step2"
     files = sorted(p.name for p in (ckpt / "step2_partial").iterdir())
     stages = [f"stage_pp{p}_tp{t}.pt" for p in range(2) for t in range(options.get("tensor_parallel_degree", 1))]
+    if options.get("shard_optimizer_state"):
+        stages += [f"optimizer_pp{p}_tp0_rdp{d}.pt" for p in range(2) for d in range(2)]
     assert set(stages) <= set(files) and "smp_manifest.json" in files
     for r in resumed:
         assert r["losses"] == full[0]["losses"][2:]  # exact, not approximate

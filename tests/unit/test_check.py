@@ -91,9 +91,10 @@ def test_pipeline_options_follow_the_runtime_rules():
     src = "import smdistributed.modelparallel.torch as smp\nsmp.init({OPTS})\n"
     plain = check_source(src.replace("OPTS", '"partitions": 2, "microbatches": 2'))
     sharded = check_source(src.replace("OPTS", '"partitions": 2, "ddp": True, "shard_optimizer_state": True'))
+    fp16 = check_source(src.replace("OPTS", '"partitions": 2, "ddp": True, "fp16": True'))
     status = {r: [u.status for u in rep.uses if u.name == "pipeline_parallel_degree"]
-              for r, rep in (("plain", plain), ("sharded", sharded))}
-    assert status == {"plain": ["partial"], "sharded": ["unsupported"]}
+              for r, rep in (("plain", plain), ("sharded", sharded), ("fp16", fp16))}
+    assert status == {"plain": ["partial"], "sharded": ["partial"], "fp16": ["unsupported"]}
 
 
 def test_aliases_imports_and_submodules():

@@ -58,3 +58,15 @@ def test_this_stages_entries_load_and_other_stages_keep_their_values():
     load_stage_state_dict(model, {"0.weight": torch.ones(2, 2), "0.bias": torch.zeros(2), STAGE_MARK: [["0"], ["1"]]})
     assert torch.equal(model.module[0].weight, torch.ones(2, 2))
     assert torch.equal(model.module[1].weight, other)
+
+
+def test_optimizer_state_owners_balance_by_size():
+    from smp_adapter.pipeline.sharded_optimizer import assign_owners
+
+    # largest first to the least-loaded rank, ties to the lower rank
+    assert assign_owners([256, 16, 256, 16, 256, 16], 2) == [0, 1, 1, 1, 0, 1]
+    sizes = [1000, 10, 999, 3, 500, 500, 7]
+    owners = assign_owners(sizes, 3)
+    loads = [sum(s for s, o in zip(sizes, owners) if o == r) for r in range(3)]
+    assert max(loads) - min(loads) <= max(sizes)
+    assert assign_owners([5, 5], 1) == [0, 0]

@@ -4,8 +4,11 @@ With pp > 1 there is no DeepSpeed engine to write a checkpoint, and each rank ho
   * ``model.local_state_dict()`` is this stage's entries (TP shards under TP), marked with the
     layout and the stage assignment (``stage_units``) it was taken under;
   * ``save_checkpoint(..., partial=True)`` writes one file per (pp_rank, tp_rank), from the rdp rank
-    0 replica (the others hold the same values: with pp > 1 nothing is sharded over rdp):
+    0 replica (the others hold the same values):
     ``stage_pp<P>_tp<T>.pt`` = {"model": local state dict, "optimizer": local optimizer state};
+    with ``shard_optimizer_state`` each rank's optimizer state is its own shard
+    (pipeline/sharded_optimizer.py), so it goes to ``optimizer_pp<P>_tp<T>_rdp<R>.pt`` from every rank
+    and the stage file's "optimizer" is None;
   * loading works before the first step too (the usual place for ``resume_from_checkpoint``): the
     model is then still whole on every rank, so this stage's entries are loaded by name into it and
     the partition, made at the first step, is checked against the saved one in a post-partition
@@ -30,6 +33,10 @@ def stage_file(folder: Path, pp_rank: int, tp_rank: int) -> Path:
     return Path(folder) / f"stage_pp{pp_rank}_tp{tp_rank}.pt"
 
 
+def optimizer_shard_file(folder: Path, pp_rank: int, tp_rank: int, rdp_rank: int) -> Path:
+    return Path(folder) / f"optimizer_pp{pp_rank}_tp{tp_rank}_rdp{rdp_rank}.pt"
+
+
 def mark_stage(model, sd: dict) -> dict:
     """Add the stage assignment to a local state dict (once the model is partitioned)."""
     runner = model._pipeline
@@ -49,9 +56,13 @@ def save_stage(staging: Path, model, optimizer) -> None:
     model_sd = model.local_state_dict()  # the same on every rdp rank; computed by all for symmetry
     optimizer_sd = optimizer.local_state_dict() if optimizer is not None else None
     c = state.coord
+    sharded = state.dims.zero_stage > 0
+    staging.mkdir(parents=True, exist_ok=True)
+    if sharded and optimizer_sd is not None:
+        atomic_torch_save(optimizer_sd, str(optimizer_shard_file(staging, c.pp, c.tp, c.rdp)))
     if c.rdp == 0:
-        staging.mkdir(parents=True, exist_ok=True)
-        atomic_torch_save({"model": model_sd, "optimizer": optimizer_sd}, str(stage_file(staging, c.pp, c.tp)))
+        atomic_torch_save({"model": model_sd, "optimizer": None if sharded else optimizer_sd},
+                          str(stage_file(staging, c.pp, c.tp)))
 
 
 def load_stage(folder: Path, model, optimizer, strict: bool, load_optimizer: bool) -> None:
@@ -67,7 +78,16 @@ def load_stage(folder: Path, model, optimizer, strict: bool, load_optimizer: boo
     if not isinstance(blob, dict) or "model" not in blob:
         raise SMPCheckpointError(f"{path} is not an smp-adapter stage checkpoint (no 'model' entry)")
     model.load_state_dict(blob["model"], strict=strict)
-    if load_optimizer and optimizer is not None and blob.get("optimizer") is not None:
+    if not load_optimizer or optimizer is None:
+        return
+    if state.dims.zero_stage > 0:  # this rank's shard of the stage's optimizer state
+        shard = optimizer_shard_file(folder, c.pp, c.tp, c.rdp)
+        if not shard.exists():
+            raise SMPCheckpointError(f"{folder} has no {shard.name}: it was saved without shard_optimizer_state or with "
+                                     "another data-parallel degree; resume with the saving run's options, or pass "
+                                     "load_optimizer=False to start the optimizer afresh")
+        optimizer.load_state_dict(safe_torch_load(str(shard)))
+    elif blob.get("optimizer") is not None:
         optimizer.load_state_dict(blob["optimizer"])
 
 

@@ -7,9 +7,11 @@ from smp_adapter.errors import UnsupportedFeatureError
 
 def check_pipeline_config(cfg, dims) -> None:
     problems = []
-    if dims.zero_stage > 0:
-        problems.append("optimizer-state or parameter sharding (shard_optimizer_state / sharded_data_parallel_degree): "
-                        "remove it, or use pipeline_parallel_degree: 1 with sharding")
+    # shard_optimizer_state (ZeRO-1) is carried out by smp_adapter/pipeline/sharded_optimizer.py
+    if dims.zero_stage > 1:
+        problems.append("parameter sharding (sharded_data_parallel_degree; smp v1 does not combine it with pipeline "
+                        "parallelism either): use shard_optimizer_state: true to shard optimizer state, or "
+                        "pipeline_parallel_degree: 1 with sharded_data_parallel_degree")
     if cfg.fp16 or cfg.bf16:
         problems.append("fp16/bf16 mixed precision: train in fp32 with pipelines, or use pipeline_parallel_degree: 1")
     if problems:

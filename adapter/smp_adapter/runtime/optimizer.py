@@ -89,7 +89,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if model._pipeline is not None:
             if self._clip_norm is not None:
                 self._apply_clip(self._clip_norm)
-            self.optimizer.step()
+            sharding = self._pipeline_state_sharding()
+            if sharding is not None:  # shard_optimizer_state: ZeRO-1 over the stage's rdp group
+                sharding.step(self.optimizer)
+            else:
+                self.optimizer.step()
             self.__dict__["_clip_norm"] = None
             for hook in list(model._post_step_hooks):
                 hook(model, self)
@@ -104,6 +108,18 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.__dict__["_clip_norm"] = None
         for hook in list(model._post_step_hooks):
             hook(model, self)
+
+    def _pipeline_state_sharding(self):
+        """pp > 1 with shard_optimizer_state and rdp > 1: the owner of each stage parameter's state
+        (smp_adapter/pipeline/sharded_optimizer.py), set up at the first step (after partitioning)."""
+        if state.dims.zero_stage == 0 or state.dims.rdp == 1:
+            return None
+        if "_sharding" not in self.__dict__:
+            from smp_adapter.pipeline.sharded_optimizer import PipelineStateSharding
+
+            params = list(self._model.local_parameters())
+            self.__dict__["_sharding"] = PipelineStateSharding(params, state.groups.rdp, state.dims.rdp)
+        return self.__dict__["_sharding"]
 
     def zero_grad(self, set_to_none: bool = True):
         engine = self.engine
@@ -136,9 +152,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return bool(getattr(getattr(self.engine, "optimizer", None), "overflow", False))
 
     def state_dict(self):
-        if self.engine is None:  # pp > 1: this stage's optimizer state (parameters of other stages have none)
+        sharded = (self.engine.zero_optimization_stage() if self.engine is not None else state.dims.zero_stage) > 0
+        if self.engine is None and not sharded:  # pp > 1: this stage's state (other stages' parameters have none)
             return self.optimizer.state_dict()
-        if self.engine.zero_optimization_stage() > 0:
+        if sharded:
             raise UnsupportedFeatureError(
                 "a full optimizer state_dict is not available with optimizer-state sharding (as in smp v1): use "
                 "optimizer.local_state_dict() or smp.save_checkpoint(..., partial=True)")

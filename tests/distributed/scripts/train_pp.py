@@ -20,7 +20,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from launch_util import write_result  # noqa: E402
-from train_pp_common import batch, build  # noqa: E402
+from train_pp_common import batch, build, make_optimizer  # noqa: E402
 
 import smdistributed.modelparallel.torch as smp  # noqa: E402
 
@@ -40,10 +40,7 @@ model = build(args.model, smp)
 if args.model == "net" and smp.tp_size() > 1:
     smp.set_tensor_parallelism(model.fc1, True)  # as the seed
 model = smp.DistributedModel(model)
-if args.optimizer == "adam":
-    optimizer = smp.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-3))
-else:
-    optimizer = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05))
+optimizer = smp.DistributedOptimizer(make_optimizer(args.optimizer, model.parameters()))
 if args.resume:  # before the first step: the model is not cut into stages yet
     smp.resume_from_checkpoint(args.ckpt_dir)
 
@@ -119,4 +116,6 @@ state = model.state_dict()
 write_result({"eval_out": eval_out, "eval_in": eval_in, "losses": losses, "mb_losses": mb_losses, "outputs_shape": outputs_shape, "pp_rank": smp.pp_rank(),
               "local_bytes": local_bytes, "local_names": [n for n, _ in model.local_named_parameters()],
               "dp_size": smp.dp_size(), "partitioned": model.partitioned, "roundtrip": roundtrip,
+              "state_names": [n for n, p in model.local_named_parameters() if optimizer.state.get(p)],
+              "rdp_rank": smp.rdp_rank(),
               "final_state": {k: v.tolist() for k, v in state.items()} if args.model != "gpt2" else None})

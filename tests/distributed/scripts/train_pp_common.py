@@ -65,10 +65,15 @@ def batch(name, step, size):
     return torch.randn(size, 1, 12, 12, generator=g), torch.randint(0, 8, (size,), generator=g)
 
 
-def reference(name, steps, global_size, microbatches, lr=0.05):
+def make_optimizer(name, params):
+    """The test scripts' optimizers: SGD (no state) or Adam (state to shard and checkpoint)."""
+    return torch.optim.Adam(params, lr=1e-3) if name == "adam" else torch.optim.SGD(params, lr=0.05)
+
+
+def reference(name, steps, global_size, microbatches, optimizer="sgd"):
     """Single process: per step the mean over microbatches of the microbatch loss (= smp's reduce_mean)."""
     model = build(name)
-    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    opt = make_optimizer(optimizer, model.parameters())
     losses = []
     for step in range(steps):
         data, target = batch(name, step, global_size)
