@@ -112,8 +112,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def _pipeline_state_sharding(self):
         """pp > 1 with shard_optimizer_state and rdp > 1: the owner of each stage parameter's state
         (smp_adapter/pipeline/sharded_optimizer.py), set up at the first step (after partitioning)."""
-        if state.dims.zero_stage == 0 or state.dims.rdp == 1:
-            return None
+        if state.dims.zero_stage == 0 or state.dims.rdp == 1 or not self._model._pipeline.built:
+            return None  # (before the first step there are no stages and no gradients)
         if "_sharding" not in self.__dict__:
             from smp_adapter.pipeline.sharded_optimizer import PipelineStateSharding
 
