@@ -86,12 +86,24 @@ def test_gpt2_pp2_dp2_balanced_tied_embeddings(tmp_path):
     assert "Tied parameters held by several stages" in (tmp_path / "log0.txt").read_text()
 
 
-def test_shard_optimizer_state_pp2_dp2(tmp_path):
-    """shard_optimizer_state with pp 2 x dp 2 (Adam): each stage's optimizer state is split between its
-    2 data-parallel ranks (ZeRO-1) and training matches single-process PyTorch."""
-    options = {"pipeline_parallel_degree": 2, "microbatches": 2, "ddp": True, "shard_optimizer_state": True}
-    results = _run(tmp_path, "six", 4, options, steps=3, optimizer="adam")
-    _check(results, "six", 2, steps=3, optimizer="adam")
+@pytest.mark.parametrize("fp16", [False, True], ids=["fp32", "fp16"])
+def test_shard_optimizer_state_pp2_dp2(tmp_path, fp16):
+    """shard_optimizer_state with pp 2 x dp 2 (Adam): each stage's optimizer state (with fp16: of the
+    fp32 masters) is split between its 2 data-parallel ranks (ZeRO-1) and training matches
+    single-process PyTorch (fp16: the hand-written fp16 recipe; the data-parallel average of fp16
+    gradients rounds differently from one process's, hence the tolerance)."""
+    options = {"pipeline_parallel_degree": 2, "microbatches": 2, "ddp": True, "shard_optimizer_state": True,
+               "fp16": fp16}
+    if fp16:
+        results = run_ranks(SCRIPT, 4, args=["--model", "six", "--steps", 3, "--optimizer", "adam", "--loss-scale",
+                                             "static:128"], env={"SM_HP_MP_PARAMETERS": json.dumps(options)},
+                            out_dir=tmp_path, timeout=200)
+        ref_losses, _ = reference("six", 3, 16, 2, "adam", torch.float16, 128.0)
+        for r in results:
+            torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(ref_losses), rtol=2e-3, atol=0.0)
+    else:
+        results = _run(tmp_path, "six", 4, options, steps=3, optimizer="adam")
+        _check(results, "six", 2, steps=3, optimizer="adam")
     for stage in (0, 1):
         ranks = [r for r in results if r["pp_rank"] == stage]
         assert len(ranks) == 2 and ranks[0]["local_names"] == ranks[1]["local_names"]
@@ -117,19 +129,20 @@ def test_unsplittable_models_fail_on_every_rank(tmp_path, case, error, text):
         assert re.search(text, r["message"], re.S), r["message"]
 
 
-@pytest.mark.parametrize("model,nprocs,extra", [
-    ("six", 2, {}),
-    ("gpt2", 2, {}),  # the tied wte / lm_head weight is in both end stages' files
-    ("net", 4, {"tensor_parallel_degree": 2, "placement_strategy": "cluster"}),  # TP shards inside stage 1
-    ("six", 4, {"shard_optimizer_state": True}),  # optimizer state shards, one file per rdp rank
+@pytest.mark.parametrize("model,nprocs,extra,cli", [
+    ("six", 2, {}, []),
+    ("gpt2", 2, {}, []),  # the tied wte / lm_head weight is in both end stages' files
+    ("net", 4, {"tensor_parallel_degree": 2, "placement_strategy": "cluster"}, []),  # TP shards inside stage 1
+    ("six", 4, {"shard_optimizer_state": True}, []),  # optimizer state shards, one file per rdp rank
+    ("six", 2, {"fp16": True}, ["--loss-scale", "dynamic:1024"]),  # fp32 masters and the loss scaler's state
 ])
-def test_partial_checkpoint_resume_is_exact(tmp_path, model, nprocs, extra):
+def test_partial_checkpoint_resume_is_exact(tmp_path, model, nprocs, extra, cli):
     """save_checkpoint(partial=True) after step 2 of 4 (Adam), then a new job resumes before its first
     step (the model is not cut into stages yet) and trains steps 3-4: the same losses, bitwise."""
     options = {"pipeline_parallel_degree": 2, "microbatches": 2, "ddp": True, **extra}
     ckpt = tmp_path / "ckpt"
     env = {"SM_HP_MP_PARAMETERS": json.dumps(options)}
-    common = ["--model", model, "--optimizer", "adam", "--ckpt-dir", ckpt]
+    common = ["--model", model, "--optimizer", "adam", "--ckpt-dir", ckpt, *cli]
     full = run_ranks(SCRIPT, nprocs, args=[*common, "--steps", 4, "--save-at", 2], env=env,
                      out_dir=tmp_path / "full", timeout=200)
     resumed = run_ranks(SCRIPT, nprocs, args=[*common, "--steps", 2, "--first-step", 2, "--resume"], env=env,
@@ -142,4 +155,44 @@ def test_partial_checkpoint_resume_is_exact(tmp_path, model, nprocs, extra):
     assert set(stages) <= set(files) and "smp_manifest.json" in files
     for r in resumed:
         assert r["losses"] == full[0]["losses"][2:]  # exact, not approximate
+        assert r["scales"] == full[0]["scales"][2:]
         assert r["roundtrip"] is True  # smp.save/smp.load of model.local_state_dict() with pp > 1
+
+
+@pytest.mark.parametrize("precision,dtype,loss_scale", [("fp16", torch.float16, 128.0), ("bf16", torch.bfloat16, 1.0)])
+def test_mixed_precision_matches_a_hand_written_reference(tmp_path, precision, dtype, loss_scale):
+    """fp16 / bf16 with pp 2: the model runs in half precision, Adam updates fp32 master weights, the
+    loss is scaled (fp16). Compared with the same recipe written out in one process (train_pp_common):
+    equal to the last bit, the same operations in the same order."""
+    options = {"pipeline_parallel_degree": 2, "microbatches": 2, "ddp": True, precision: True}
+    cli = ["--loss-scale", f"static:{loss_scale}"] if precision == "fp16" else []
+    results = run_ranks(SCRIPT, 2, args=["--model", "six", "--steps", 3, "--optimizer", "adam", *cli],
+                        env={"SM_HP_MP_PARAMETERS": json.dumps(options)}, out_dir=tmp_path, timeout=200)
+    ref_losses, ref_state = reference("six", 3, 8, 2, "adam", dtype, loss_scale)
+    for r in results:
+        assert r["param_dtypes"] == [str(dtype)]
+        assert r["scales"] == [loss_scale] * 3 and r["overflows"] == [False] * 3
+        assert r["losses"] == ref_losses
+    for name, ref in ref_state.items():
+        torch.testing.assert_close(torch.tensor(results[0]["final_state"][name]), ref.float(), rtol=0.0, atol=0.0,
+                                   msg=lambda m: f"{name}: {m}")
+
+
+def test_fp16_dynamic_loss_scale_skips_overflowing_steps(tmp_path):
+    """Dynamic loss scaling starting far too high: every overflowing step is skipped on every rank
+    (weights unchanged) and halves the scale, until steps go through."""
+    options = {"pipeline_parallel_degree": 2, "microbatches": 2, "ddp": True, "fp16": True}
+    results = run_ranks(SCRIPT, 2, args=["--model", "six", "--steps", 40, "--optimizer", "adam",
+                                         "--loss-scale", f"dynamic:{2.0**40}"],
+                        env={"SM_HP_MP_PARAMETERS": json.dumps(options)}, out_dir=tmp_path, timeout=200)
+    for r in results:
+        assert r["overflows"][0] and not r["overflows"][-1]
+        assert r["overflows"] == results[0]["overflows"]  # the same decision on every stage
+        before = [r["checksums"][0]] + r["checksums"]  # (the first step's "before" is its own value if skipped)
+        for i, overflow in enumerate(r["overflows"]):
+            if overflow:
+                assert r["scales"][i + 1] == r["scales"][i] / 2 if i + 1 < len(r["scales"]) else True
+                assert i == 0 or r["checksums"][i] == r["checksums"][i - 1]
+            else:
+                assert i == 0 or r["checksums"][i] != r["checksums"][i - 1]
+        assert r["scales"][0] == 2.0**40 and min(r["scales"]) < 2.0**20

@@ -94,7 +94,7 @@ def test_pipeline_options_follow_the_runtime_rules():
     fp16 = check_source(src.replace("OPTS", '"partitions": 2, "ddp": True, "fp16": True'))
     status = {r: [u.status for u in rep.uses if u.name == "pipeline_parallel_degree"]
               for r, rep in (("plain", plain), ("sharded", sharded), ("fp16", fp16))}
-    assert status == {"plain": ["partial"], "sharded": ["partial"], "fp16": ["unsupported"]}
+    assert status == {"plain": ["partial"], "sharded": ["partial"], "fp16": ["partial"]}
 
 
 def test_aliases_imports_and_submodules():

@@ -5,7 +5,8 @@ With pp > 1 there is no DeepSpeed engine to write a checkpoint, and each rank ho
     layout and the stage assignment (``stage_units``) it was taken under;
   * ``save_checkpoint(..., partial=True)`` writes one file per (pp_rank, tp_rank), from the rdp rank
     0 replica (the others hold the same values):
-    ``stage_pp<P>_tp<T>.pt`` = {"model": local state dict, "optimizer": local optimizer state};
+    ``stage_pp<P>_tp<T>.pt`` = {"model": local state dict, "optimizer": local optimizer state,
+    "mixed_precision": fp16/bf16 fp32 masters and loss-scaler state, or None};
     with ``shard_optimizer_state`` each rank's optimizer state is its own shard
     (pipeline/sharded_optimizer.py), so it goes to ``optimizer_pp<P>_tp<T>_rdp<R>.pt`` from every rank
     and the stage file's "optimizer" is None;
@@ -60,8 +61,10 @@ def save_stage(staging: Path, model, optimizer) -> None:
     staging.mkdir(parents=True, exist_ok=True)
     if sharded and optimizer_sd is not None:
         atomic_torch_save(optimizer_sd, str(optimizer_shard_file(staging, c.pp, c.tp, c.rdp)))
-    if c.rdp == 0:
-        atomic_torch_save({"model": model_sd, "optimizer": None if sharded else optimizer_sd},
+    mixed = optimizer.__dict__.get("_mixed") if optimizer is not None else None
+    if c.rdp == 0:  # fp16/bf16: the fp32 masters and the loss scaler (the same on every rdp rank)
+        atomic_torch_save({"model": model_sd, "optimizer": None if sharded else optimizer_sd,
+                           "mixed_precision": mixed.state_dict() if mixed is not None else None},
                           str(stage_file(staging, c.pp, c.tp)))
 
 
@@ -78,6 +81,13 @@ def load_stage(folder: Path, model, optimizer, strict: bool, load_optimizer: boo
     if not isinstance(blob, dict) or "model" not in blob:
         raise SMPCheckpointError(f"{path} is not an smp-adapter stage checkpoint (no 'model' entry)")
     model.load_state_dict(blob["model"], strict=strict)
+    mixed = optimizer.__dict__.get("_mixed") if optimizer is not None else None
+    if (mixed is None) != (blob.get("mixed_precision") is None):
+        raise SMPCheckpointError(f"{path} was saved {'without' if mixed is not None else 'with'} fp16/bf16 and this run "
+                                 f"uses {'fp16/bf16' if mixed is not None else 'fp32'}: resume with the saving run's "
+                                 "precision options, or load a full checkpoint (partial=False)")
+    if mixed is not None:
+        mixed.load_state_dict(blob["mixed_precision"])
     if not load_optimizer or optimizer is None:
         return
     if state.dims.zero_stage > 0:  # this rank's shard of the stage's optimizer state

@@ -156,7 +156,10 @@ class PipelineRunner:
                     leaves = [t for t in torch.utils._pytree.tree_leaves(output)
                               if isinstance(t, torch.Tensor) and t.requires_grad]
                     return sum((t.sum() * 0.0 for t in leaves), torch.zeros(()))
-                return loss * scale
+                loss_scale = _fp16_loss_scale()
+                if loss_scale is None:
+                    return loss * scale
+                return loss.float() * (scale * loss_scale)  # in fp32: the scale may exceed fp16's range
 
             sched._loss_fn = loss_fn
             targets = [torch.tensor(j) for j in range(n)]
@@ -444,12 +447,20 @@ def bound_microbatches(signature, split: dict, m: int) -> list:
     return [inspect.BoundArguments(signature, {n: v[mb] for n, v in split.items()}) for mb in range(m)]
 
 
-def clip_grad_norm_pipeline(model, max_norm: float) -> None:
+def _fp16_loss_scale():
+    """The loss scale of fp16/bf16 training with pp > 1 (None without mixed precision)."""
+    mixed = getattr(state.optimizer, "__dict__", {}).get("_mixed") if state.optimizer is not None else None
+    return mixed.loss_scale if mixed is not None else None
+
+
+def clip_grad_norm_pipeline(model, max_norm: float, masters: dict | None = None) -> None:
     """Global-norm clipping over all stages: sum of squared local norms over the PP group (each
-    parameter counted on one stage; tied copies only on the lowest stage holding them)."""
+    parameter counted on one stage; tied copies only on the lowest stage holding them). ``masters``
+    (id(parameter) -> its fp32 master, fp16/bf16): clip the masters' gradients instead."""
     runner = model._pipeline
-    tied_dupes = {id(p) for p, _ in runner.tied} if runner.stage_index > 0 else set()
-    params = [p for p in runner.local_params if p.grad is not None]
+    holder = (lambda p: masters.get(id(p), p)) if masters else (lambda p: p)
+    tied_dupes = {id(holder(p)) for p, _ in runner.tied} if runner.stage_index > 0 else set()
+    params = [holder(p) for p in runner.local_params if holder(p).grad is not None]
     sq = sum((p.grad.detach().float().pow(2).sum() for p in params if id(p) not in tied_dupes), torch.zeros(()))
     if runner.built and runner.num_stages > 1:
         dist.all_reduce(sq, group=runner.group)

@@ -12,8 +12,6 @@ def check_pipeline_config(cfg, dims) -> None:
         problems.append("parameter sharding (sharded_data_parallel_degree; smp v1 does not combine it with pipeline "
                         "parallelism either): use shard_optimizer_state: true to shard optimizer state, or "
                         "pipeline_parallel_degree: 1 with sharded_data_parallel_degree")
-    if cfg.fp16 or cfg.bf16:
-        problems.append("fp16/bf16 mixed precision: train in fp32 with pipelines, or use pipeline_parallel_degree: 1")
     if problems:
         raise UnsupportedFeatureError(
             f"pipeline_parallel_degree={dims.pp} is carried out by torch.distributed.pipelining, which smp-adapter "

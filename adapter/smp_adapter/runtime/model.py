@@ -69,6 +69,9 @@ class DistributedModel(nn.Module):
         if s.dims.pp > 1:  # stages are cut at the first step call (smp_adapter/pipeline)
             from smp_adapter.pipeline import PipelineRunner
 
+            if _model_dtype(s.cfg) is not None:  # fp16/bf16: no DeepSpeed engine to cast the model
+                module.to(_model_dtype(s.cfg))
+
             self._pipeline = PipelineRunner(self, {n: before[n] for n in self._distributed_modules})
         self._floating_buffers = [b for b in module.buffers() if b.is_floating_point()]  # found once
         s.model = self
@@ -100,10 +103,10 @@ class DistributedModel(nn.Module):
 
     # -- forward / backward ----------------------------------------------------------------------
     def forward(self, *args, **kwargs):
+        args, kwargs = _cast_floats((args, kwargs), _model_dtype(state.cfg))
         if self._pipeline is not None:
             return self._pipeline.forward(args, kwargs)
         engine = self.engine
-        args, kwargs = _cast_floats((args, kwargs), _model_dtype(state.cfg))
         if self.training and self.broadcast_buffers and self._floating_buffers:
             _broadcast_buffers(self._floating_buffers)
         if state.in_step:

@@ -52,7 +52,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.__dict__["_model"] = s.model
         if s.model._pipeline is None:
             s.model._attach_engine(build_engine(s.model, optimizer, loss_scale))
-        # pp > 1: no DeepSpeed engine; the pipeline reduces gradients in the step, step() updates
+        # pp > 1: no DeepSpeed engine; the pipeline reduces gradients in the step, step() updates;
+        # fp16/bf16 masters and loss scaling are smp_adapter/pipeline/mixed_precision.py
+        elif s.cfg.fp16 or s.cfg.bf16:
+            from smp_adapter.pipeline.mixed_precision import PipelineMixedPrecision
+
+            self.__dict__["_mixed"] = PipelineMixedPrecision(torch.float16 if s.cfg.fp16 else torch.bfloat16,
+                                                             loss_scale)
         self.__dict__["_clip_norm"] = None
         s.optimizer = self
 
@@ -87,13 +93,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                                 "function returns (gradients are complete only then)")
         engine, model = self.engine, self._model
         if model._pipeline is not None:
-            if self._clip_norm is not None:
-                self._apply_clip(self._clip_norm)
-            sharding = self._pipeline_state_sharding()
-            if sharding is not None:  # shard_optimizer_state: ZeRO-1 over the stage's rdp group
-                sharding.step(self.optimizer)
-            else:
-                self.optimizer.step()
+            self._pipeline_step()
             self.__dict__["_clip_norm"] = None
             for hook in list(model._post_step_hooks):
                 hook(model, self)
@@ -109,6 +109,25 @@ class DistributedOptimizer(torch.optim.Optimizer):
         for hook in list(model._post_step_hooks):
             hook(model, self)
 
+    def _pipeline_step(self) -> None:
+        """pp > 1: (fp16/bf16: overflow check, unscaled fp32 master gradients) -> clipping -> the
+        torch optimizer, ZeRO-1 sharded with shard_optimizer_state -> (masters back into the model)."""
+        mixed = self.__dict__.get("_mixed")
+        if mixed is not None and self._model._pipeline.built:
+            if not mixed.attached:
+                mixed.attach(self.optimizer, list(self._model.local_parameters()))
+            if not mixed.prepare_step():
+                return  # overflow on some rank: every rank skips this step
+        if self._clip_norm is not None:
+            self._apply_clip(self._clip_norm)
+        sharding = self._pipeline_state_sharding()
+        if sharding is not None:  # shard_optimizer_state: ZeRO-1 over the stage's rdp group
+            sharding.step(self.optimizer)
+        else:
+            self.optimizer.step()
+        if mixed is not None and mixed.attached:
+            mixed.finish_step()
+
     def _pipeline_state_sharding(self):
         """pp > 1 with shard_optimizer_state and rdp > 1: the owner of each stage parameter's state
         (smp_adapter/pipeline/sharded_optimizer.py), set up at the first step (after partitioning)."""
@@ -117,7 +136,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if "_sharding" not in self.__dict__:
             from smp_adapter.pipeline.sharded_optimizer import PipelineStateSharding
 
-            params = list(self._model.local_parameters())
+            mixed = self.__dict__.get("_mixed")
+            params = mixed.masters if mixed is not None else list(self._model.local_parameters())
             self.__dict__["_sharding"] = PipelineStateSharding(params, state.groups.rdp, state.dims.rdp)
         return self.__dict__["_sharding"]
 
@@ -125,6 +145,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         engine = self.engine
         if engine is None:  # pp > 1
             self.optimizer.zero_grad(set_to_none=set_to_none)
+            mixed = self.__dict__.get("_mixed")
+            if mixed is not None:  # the optimizer holds the fp32 masters: clear the model's gradients too
+                mixed.zero_model_grads(set_to_none)
         elif engine.zero_optimization_stage() > 0 or engine.fp16_enabled() or engine.bfloat16_enabled():
             engine.optimizer.zero_grad(set_to_none=set_to_none)
         else:
@@ -138,10 +161,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def _apply_clip(self, max_norm: float) -> None:
         engine = self.engine
         inner = engine.optimizer if engine is not None else None
-        if engine is None:  # pp > 1: the norm over all stages' parameters
+        if engine is None:  # pp > 1: the norm over all stages' parameters (fp32 masters under fp16/bf16)
             from smp_adapter.pipeline.runtime import clip_grad_norm_pipeline
 
-            clip_grad_norm_pipeline(self._model, max_norm)
+            mixed = self.__dict__.get("_mixed")
+            masters = dict(zip(map(id, mixed.params), mixed.masters)) if mixed is not None and mixed.attached else None
+            clip_grad_norm_pipeline(self._model, max_norm, masters)
         elif hasattr(inner, "clip_grad"):  # DeepSpeed fp16 / ZeRO optimizers clip master grads in step()
             inner.clip_grad = max_norm
         else:
@@ -149,7 +174,20 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     @property
     def overflow(self) -> bool:
+        """Whether the last step() was skipped because fp16 gradients overflowed."""
+        mixed = self.__dict__.get("_mixed")
+        if mixed is not None:
+            return mixed.overflow
         return bool(getattr(getattr(self.engine, "optimizer", None), "overflow", False))
+
+    @property
+    def loss_scale(self) -> float:
+        """The current fp16 loss scale (1.0 without fp16)."""
+        mixed = self.__dict__.get("_mixed")
+        if mixed is not None:
+            return mixed.loss_scale
+        inner = getattr(self.engine, "optimizer", None)
+        return float(getattr(inner, "cur_scale", getattr(inner, "loss_scale", 1.0)) or 1.0)
 
     def state_dict(self):
         sharded = (self.engine.zero_optimization_stage() if self.engine is not None else state.dims.zero_stage) > 0
@@ -170,7 +208,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         sd = dict(state_dict)
         sd.pop("_smp_is_partial", None)
         engine = self.engine
-        if engine is None:
+        mixed = self.__dict__.get("_mixed")
+        if mixed is not None and not mixed.attached:  # loaded into the fp32 masters once they exist
+            mixed.pending_optimizer_state = sd
+        elif engine is None:
             self.optimizer.load_state_dict(sd)
         elif engine.zero_optimization_stage() > 0:
             engine.optimizer.load_state_dict([sd], load_optimizer_states=True)

@@ -33,6 +33,7 @@ parser.add_argument("--first-step", type=int, default=0)
 parser.add_argument("--save-at", type=int, default=-1)
 parser.add_argument("--resume", action="store_true")
 parser.add_argument("--ckpt-dir", default="ckpt")
+parser.add_argument("--loss-scale", default=None, help="fp16: static:<scale> or dynamic:<initial scale>")
 args, _ = parser.parse_known_args()
 
 smp.init()
@@ -40,7 +41,12 @@ model = build(args.model, smp)
 if args.model == "net" and smp.tp_size() > 1:
     smp.set_tensor_parallelism(model.fc1, True)  # as the seed
 model = smp.DistributedModel(model)
-optimizer = smp.DistributedOptimizer(make_optimizer(args.optimizer, model.parameters()))
+scaling = {}
+if args.loss_scale:
+    kind, value = args.loss_scale.split(":")
+    scaling = ({"static_loss_scale": float(value)} if kind == "static" else
+               {"static_loss_scale": None, "dynamic_loss_scale": True, "dynamic_loss_args": {"init_scale": float(value)}})
+optimizer = smp.DistributedOptimizer(make_optimizer(args.optimizer, model.parameters()), **scaling)
 if args.resume:  # before the first step: the model is not cut into stages yet
     smp.resume_from_checkpoint(args.ckpt_dir)
 
@@ -79,6 +85,7 @@ def evaluate(data):
 B = args.per_rank_batch
 eval_out = eval_in = None
 losses, mb_losses, outputs_shape = [], [], None
+scales, overflows, checksums = [], [], []
 model.train()
 for step in range(args.first_step, args.first_step + args.steps):
     data, target = batch(args.model, step, B * smp.dp_size())
@@ -92,10 +99,13 @@ for step in range(args.first_step, args.first_step + args.steps):
         output_mb, loss_mb = train_step(model, data, target)
         outputs_shape = list(output_mb.concat().shape)
     loss = loss_mb.reduce_mean()
+    scales.append(optimizer.loss_scale)
     optimizer.step()
+    overflows.append(optimizer.overflow)
+    checksums.append(float(sum(p.detach().double().sum() for p in model.local_parameters())))
     mb_losses.append([float(x) for x in loss_mb.outputs])
     # mean over the data-parallel readers = the loss of the global batch
-    losses.append(sum(smp.allgather(loss.item(), smp.WORLD)) / smp.size())
+    losses.append(sum(smp.allgather(float(loss), smp.WORLD)) / smp.size())
     if step + 1 == args.save_at:
         smp.save_checkpoint(args.ckpt_dir, tag=f"step{step + 1}", partial=True)
 
@@ -111,11 +121,14 @@ if args.resume:  # smp.save(model.local_state_dict()) -> clobber the weights -> 
     roundtrip = sorted(before) == sorted(k for k in after if torch.is_tensor(after[k])) and all(
         torch.equal(before[k], after[k]) for k in before)
 
+mixed = optimizer.__dict__.get("_mixed")  # fp16/bf16: the optimizer's state is keyed by the fp32 masters
+master = dict(zip(map(id, mixed.params), mixed.masters)) if mixed is not None else {}
 local_bytes = sum(p.numel() * p.element_size() for p in model.local_parameters())
 state = model.state_dict()
 write_result({"eval_out": eval_out, "eval_in": eval_in, "losses": losses, "mb_losses": mb_losses, "outputs_shape": outputs_shape, "pp_rank": smp.pp_rank(),
               "local_bytes": local_bytes, "local_names": [n for n, _ in model.local_named_parameters()],
               "dp_size": smp.dp_size(), "partitioned": model.partitioned, "roundtrip": roundtrip,
-              "state_names": [n for n, p in model.local_named_parameters() if optimizer.state.get(p)],
-              "rdp_rank": smp.rdp_rank(),
+              "state_names": [n for n, p in model.local_named_parameters() if optimizer.state.get(master.get(id(p), p))],
+              "rdp_rank": smp.rdp_rank(), "scales": scales, "overflows": overflows, "checksums": checksums,
+              "param_dtypes": sorted({str(p.dtype) for p in model.local_parameters()}),
               "final_state": {k: v.tolist() for k, v in state.items()} if args.model != "gpt2" else None})

@@ -70,23 +70,42 @@ def make_optimizer(name, params):
     return torch.optim.Adam(params, lr=1e-3) if name == "adam" else torch.optim.SGD(params, lr=0.05)
 
 
-def reference(name, steps, global_size, microbatches, optimizer="sgd"):
-    """Single process: per step the mean over microbatches of the microbatch loss (= smp's reduce_mean)."""
+def reference(name, steps, global_size, microbatches, optimizer="sgd", dtype=None, loss_scale=1.0):
+    """Single process: per step the mean over microbatches of the microbatch loss (= smp's reduce_mean).
+    dtype (fp16/bf16): Apex-style mixed precision written out by hand: the model in dtype, fp32
+    master copies updated by the optimizer, the loss multiplied by a static loss_scale in fp32,
+    gradients accumulated over microbatches in dtype and divided by loss_scale into the masters."""
     model = build(name)
-    opt = make_optimizer(optimizer, model.parameters())
+    if dtype is not None:
+        model.to(dtype)
+        masters = [p.detach().float().clone().requires_grad_() for p in model.parameters()]
+    opt = make_optimizer(optimizer, masters if dtype is not None else model.parameters())
     losses = []
     for step in range(steps):
         data, target = batch(name, step, global_size)
         opt.zero_grad()
+        model.zero_grad(set_to_none=True)
         mb_losses = []
         for d, t in zip(data.chunk(microbatches), target.chunk(microbatches)):
+            if dtype is not None and d.is_floating_point():
+                d = d.to(dtype)
             if name == "gpt2":
                 logits = model(input_ids=d, use_cache=False)["logits"]
                 loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), t[:, 1:].flatten())
             else:
                 loss = F.nll_loss(model(d), t)
-            (loss / microbatches).backward()
+            if dtype is None:
+                (loss / microbatches).backward()
+            else:
+                (loss.float() * (loss_scale / microbatches)).backward()
             mb_losses.append(loss.detach())
+        if dtype is not None:
+            for p, m in zip(model.parameters(), masters):
+                m.grad = p.grad.float() / loss_scale
         opt.step()
-        losses.append(float(sum(mb_losses) / microbatches))
+        if dtype is not None:
+            with torch.no_grad():
+                for p, m in zip(model.parameters(), masters):
+                    p.copy_(m)
+        losses.append(float(sum(mb_losses[1:], mb_losses[0]) / microbatches))  # as StepOutput.reduce_mean
     return losses, model.state_dict()
