@@ -196,3 +196,24 @@ def test_fp16_dynamic_loss_scale_skips_overflowing_steps(tmp_path):
             else:
                 assert i == 0 or r["checksums"][i] != r["checksums"][i - 1]
         assert r["scales"][0] == 2.0**40 and min(r["scales"]) < 2.0**20
+
+
+@pytest.mark.parametrize("fp16", [False, True], ids=["fp32", "fp16"])
+def test_clip_master_grads_clips_the_global_norm_over_all_stages(tmp_path, fp16):
+    """optimizer.clip_master_grads(max_norm) with pp 2: the norm is taken over both stages' gradients
+    (fp16: the fp32 masters' unscaled gradients), as torch.nn.utils.clip_grad_norm_ in one process.
+    max_norm is small enough that every step is clipped."""
+    options = {"pipeline_parallel_degree": 2, "microbatches": 2, "ddp": True, "fp16": fp16}
+    cli = ["--loss-scale", "static:128"] if fp16 else []
+    results = run_ranks(SCRIPT, 2, args=["--model", "six", "--steps", 3, "--optimizer", "sgd", "--clip", 0.05, *cli],
+                        env={"SM_HP_MP_PARAMETERS": json.dumps(options)}, out_dir=tmp_path, timeout=200)
+    dtype = torch.float16 if fp16 else None
+    ref_losses, ref_state = reference("six", 3, 8, 2, "sgd", dtype, 128.0 if fp16 else 1.0, clip=0.05)
+    unclipped, _ = reference("six", 3, 8, 2, "sgd", dtype, 128.0 if fp16 else 1.0)
+    assert ref_losses[2] != unclipped[2]  # clipping changed the run
+    tol = dict(rtol=2e-3, atol=0.0) if fp16 else dict(rtol=1e-5, atol=0.0)
+    for r in results:
+        torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(ref_losses), **tol)
+    for name, ref in ref_state.items():
+        torch.testing.assert_close(torch.tensor(results[0]["final_state"][name]), ref.float(),
+                                   rtol=tol["rtol"], atol=1e-3 if fp16 else 1e-6, msg=lambda m: f"{name}: {m}")

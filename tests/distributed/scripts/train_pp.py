@@ -34,6 +34,7 @@ parser.add_argument("--save-at", type=int, default=-1)
 parser.add_argument("--resume", action="store_true")
 parser.add_argument("--ckpt-dir", default="ckpt")
 parser.add_argument("--loss-scale", default=None, help="fp16: static:<scale> or dynamic:<initial scale>")
+parser.add_argument("--clip", type=float, default=None, help="optimizer.clip_master_grads(max_norm) before each step")
 args, _ = parser.parse_known_args()
 
 smp.init()
@@ -100,6 +101,8 @@ for step in range(args.first_step, args.first_step + args.steps):
         outputs_shape = list(output_mb.concat().shape)
     loss = loss_mb.reduce_mean()
     scales.append(optimizer.loss_scale)
+    if args.clip is not None:
+        optimizer.clip_master_grads(args.clip)
     optimizer.step()
     overflows.append(optimizer.overflow)
     checksums.append(float(sum(p.detach().double().sum() for p in model.local_parameters())))
