@@ -16,9 +16,10 @@ def _initial_state(model_name):
     return (Net() if model_name == "convnet" else tiny_gpt2()).state_dict()
 
 
-def _check(results, model_name, per_rank_batch=4, steps=3):
+def _check(results, model_name, per_rank_batch=4, steps=3, clip=None):
     r0 = results[0]
-    ref_losses, ref_state = reference(model_name, steps, per_rank_batch * r0["readers"], _initial_state(model_name))
+    ref_losses, ref_state = reference(model_name, steps, per_rank_batch * r0["readers"], _initial_state(model_name),
+                                      clip)
     torch.testing.assert_close(torch.tensor(r0["losses"]), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
     for name, ref in ref_state.items():
         torch.testing.assert_close(torch.tensor(r0["final_state"][name]), ref, rtol=1e-5, atol=1e-5,
@@ -53,3 +54,32 @@ def test_gpt2_tp2_dp2_matches_and_reloads_with_from_pretrained(tmp_path, prescal
     ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(reloaded(ids).logits, expected(ids).logits, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("tp,extra", [(2, {}), (2, {"pipeline_parallel_degree": 2, "microbatches": 2})],
+                         ids=["tp2", "tp2-pp2"])
+def test_clip_master_grads_with_tensor_parallelism(tmp_path, tp, extra):
+    """clip_master_grads with TP: the norm counts each split weight's shards once over the TP group and
+    replicated parameters once, so every TP rank clips by the same factor (otherwise replicated
+    parameters drift apart) and training matches torch's clip_grad_norm_ in one process."""
+    options = {"placement_strategy": "cluster", "tensor_parallel_degree": tp, "ddp": True, **extra}
+    nprocs = tp * extra.get("pipeline_parallel_degree", 1)
+    if "microbatches" in extra:  # the pipeline script: loss from @smp.step, the seed's TP+PP net
+        from launch_util import ROOT as root
+        from train_pp_common import reference as pp_reference
+
+        results = run_ranks(root / "tests/distributed/scripts/train_pp.py", nprocs,
+                            args=["--model", "net", "--steps", 3, "--clip", 0.05],
+                            env={"SM_HP_MP_PARAMETERS": json.dumps(options)}, out_dir=tmp_path)
+        global_batch = 8 * results[0]["dp_size"]  # each TP rank reads its own 8 samples (no prescaled_batch)
+        ref_losses, ref_state = pp_reference("net", 3, global_batch, 2, clip=0.05)
+        unclipped, _ = pp_reference("net", 3, global_batch, 2)
+        assert ref_losses[2] != unclipped[2]
+        torch.testing.assert_close(torch.tensor(results[0]["losses"]), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
+        for name, ref in ref_state.items():
+            torch.testing.assert_close(torch.tensor(results[0]["final_state"][name]), ref, rtol=1e-5, atol=1e-6,
+                                       msg=lambda m: f"{name}: {m}")
+        return
+    results = run_ranks(SCRIPT, nprocs, args=["--clip", 0.05], env={"SM_HP_MP_PARAMETERS": json.dumps(options)},
+                        out_dir=tmp_path)
+    _check(results, "convnet", clip=0.05)

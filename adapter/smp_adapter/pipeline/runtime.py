@@ -454,18 +454,15 @@ def _fp16_loss_scale():
 
 
 def clip_grad_norm_pipeline(model, max_norm: float, masters: dict | None = None) -> None:
-    """Global-norm clipping over all stages: sum of squared local norms over the PP group (each
-    parameter counted on one stage; tied copies only on the lowest stage holding them). ``masters``
-    (id(parameter) -> its fp32 master, fp16/bf16): clip the masters' gradients instead."""
+    """Global-norm clipping over all stages and TP ranks (runtime/clipping.py). A parameter tied
+    across stages is counted on the lowest stage holding it. ``masters`` (id(parameter) -> its fp32
+    master, fp16/bf16): clip the masters' gradients instead."""
+    from smp_adapter.runtime.clipping import clip_by_global_norm
+
     runner = model._pipeline
     holder = (lambda p: masters.get(id(p), p)) if masters else (lambda p: p)
-    tied_dupes = {id(holder(p)) for p, _ in runner.tied} if runner.stage_index > 0 else set()
-    params = [holder(p) for p in runner.local_params if holder(p).grad is not None]
-    sq = sum((p.grad.detach().float().pow(2).sum() for p in params if id(p) not in tied_dupes), torch.zeros(()))
-    if runner.built and runner.num_stages > 1:
-        dist.all_reduce(sq, group=runner.group)
-    total = float(sq.sqrt())
-    coef = max_norm / (total + 1e-6)
-    if coef < 1:
-        for p in params:
-            p.grad.detach().mul_(coef)
+    not_counted = {id(p) for p, grp in runner.tied if min(dist.get_process_group_ranks(grp)) != state.rank}
+    grads = [(holder(p).grad, model.is_distributed_parameter(p), id(p) not in not_counted)
+             for p in runner.local_params if holder(p).grad is not None]
+    clip_by_global_norm(grads, max_norm, tp_group=state.groups.tp if state.dims.tp > 1 else None,
+                        pp_group=runner.group if runner.built and runner.num_stages > 1 else None)

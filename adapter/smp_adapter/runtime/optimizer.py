@@ -169,6 +169,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
             clip_grad_norm_pipeline(self._model, max_norm, masters)
         elif hasattr(inner, "clip_grad"):  # DeepSpeed fp16 / ZeRO optimizers clip master grads in step()
             inner.clip_grad = max_norm
+        elif state.dims.tp > 1:  # the same factor on every TP rank (runtime/clipping.py)
+            from smp_adapter.runtime.clipping import clip_by_global_norm
+
+            model = self._model
+            grads = [(p.grad, model.is_distributed_parameter(p), True) for p in model.module.parameters()
+                     if p.grad is not None]
+            clip_by_global_norm(grads, max_norm, tp_group=state.groups.tp)
         else:
             torch.nn.utils.clip_grad_norm_(self._model.module.parameters(), max_norm)
 

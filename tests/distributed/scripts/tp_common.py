@@ -40,7 +40,7 @@ def batch_for(model: str, step: int, size: int):
     return ids, ids
 
 
-def reference(model_name: str, steps: int, global_size: int, init_state: dict):
+def reference(model_name: str, steps: int, global_size: int, init_state: dict, clip=None):
     model = Net() if model_name == "convnet" else tiny_gpt2()
     model.load_state_dict(init_state)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
@@ -53,6 +53,8 @@ def reference(model_name: str, steps: int, global_size: int, init_state: dict):
         else:
             loss = model(input_ids=data, labels=data)["loss"]
         loss.backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()
         losses.append(loss.item())
     return losses, model.state_dict()

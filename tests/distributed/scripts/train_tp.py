@@ -23,6 +23,7 @@ parser.add_argument("--model", default="convnet")
 parser.add_argument("--steps", type=int, default=3)
 parser.add_argument("--per-rank-batch", type=int, default=4)
 parser.add_argument("--save-hf", default=None)
+parser.add_argument("--clip", type=float, default=None, help="optimizer.clip_master_grads(max_norm) before each step")
 args, _ = parser.parse_known_args()
 
 smp.init()
@@ -58,6 +59,8 @@ for step in range(args.steps):
         loss = loss.detach()
     else:
         loss = train_step(model, data, target).reduce_mean()
+    if args.clip is not None:
+        optimizer.clip_master_grads(args.clip)
     optimizer.step()
     # mean over the readers = the loss of the whole global batch
     losses.append(sum(smp.allgather(loss.item(), smp.WORLD)) / smp.size())
