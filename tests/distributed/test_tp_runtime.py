@@ -56,12 +56,14 @@ def test_gpt2_tp2_dp2_matches_and_reloads_with_from_pretrained(tmp_path, prescal
         torch.testing.assert_close(reloaded(ids).logits, expected(ids).logits, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("tp,extra", [(2, {}), (2, {"pipeline_parallel_degree": 2, "microbatches": 2})],
-                         ids=["tp2", "tp2-pp2"])
+@pytest.mark.parametrize("tp,extra", [(2, {}), (2, {"pipeline_parallel_degree": 2, "microbatches": 2}),
+                                     (2, {"shard_optimizer_state": True, "microbatches": 2})],
+                         ids=["tp2", "tp2-pp2", "tp2-dp2-zero1"])
 def test_clip_master_grads_with_tensor_parallelism(tmp_path, tp, extra):
     """clip_master_grads with TP: the norm counts each split weight's shards once over the TP group and
     replicated parameters once, so every TP rank clips by the same factor (otherwise replicated
-    parameters drift apart) and training matches torch's clip_grad_norm_ in one process."""
+    parameters drift apart) and training matches torch's clip_grad_norm_ in one process. ZeRO 0 and
+    pp > 1 clip in smp-adapter; ZeRO 1 (GPT-2, TP 2 x DP 2) in DeepSpeed's optimizer, given our mpu."""
     options = {"placement_strategy": "cluster", "tensor_parallel_degree": tp, "ddp": True, **extra}
     nprocs = tp * extra.get("pipeline_parallel_degree", 1)
     if "microbatches" in extra:  # the pipeline script: loss from @smp.step, the seed's TP+PP net
@@ -80,6 +82,8 @@ def test_clip_master_grads_with_tensor_parallelism(tmp_path, tp, extra):
             torch.testing.assert_close(torch.tensor(results[0]["final_state"][name]), ref, rtol=1e-5, atol=1e-6,
                                        msg=lambda m: f"{name}: {m}")
         return
-    results = run_ranks(SCRIPT, nprocs, args=["--clip", 0.05], env={"SM_HP_MP_PARAMETERS": json.dumps(options)},
-                        out_dir=tmp_path)
-    _check(results, "convnet", clip=0.05)
+    model = "gpt2" if extra.get("shard_optimizer_state") else "convnet"
+    nprocs = 4 if model == "gpt2" else nprocs
+    results = run_ranks(SCRIPT, nprocs, args=["--model", model, "--clip", 0.05],
+                        env={"SM_HP_MP_PARAMETERS": json.dumps(options)}, out_dir=tmp_path)
+    _check(results, model, clip=0.05)
