@@ -13,6 +13,9 @@ batch; compared with the unsplit model on that batch) and True (the TP group sha
   average over the RDP group, i.e. split parameters averaged over RDP, the others over DP), give
   the unsplit model's losses and weights on the global batch;
 * ``gather_full_state_dict`` loads strictly into a fresh unsplit model with the same outputs.
+
+smp.nn modules built directly (DistributedLinear/Embedding, the transformer layers) are in
+test_tp_smp_nn.py.
 """
 
 from __future__ import annotations
@@ -21,22 +24,10 @@ import pytest
 import torch
 
 from spawn import run_distributed
+from tp_asserts import RTOL, assert_close, hf_quiet
 
 pytestmark = pytest.mark.distributed
 
-RTOL = 1e-5
-
-
-def _rel(a, b) -> float:
-    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-12))
-
-
-def _assert_close(name, a, b, rtol=RTOL, atol=0.0):
-    """max|a - b| <= rtol * max|b| + atol. ``atol`` only for gradients that are zero in exact
-    arithmetic (e.g. attention key biases: softmax ignores a shift), where fp32 noise is ~1e-9."""
-    assert a.shape == b.shape, f"{name}: shape {tuple(a.shape)} != {tuple(b.shape)}"
-    diff, scale = float((a - b).abs().max()), float(b.abs().max())
-    assert diff <= rtol * scale + atol, f"{name}: max difference {diff:.2e} > {rtol:.0e} x {scale:.2e} + {atol:.0e}"
 
 
 def _full_grads(model, ctx):
@@ -102,8 +93,8 @@ def check_model(rank, world, tp, prescaled, make_model, make_batch, loss_fn, ste
     batch = make_batch(batch_id(rank))
     loss, out = loss_fn(model, batch)
     ref_loss, ref_out = loss_fn(ref, batch)
-    _assert_close(f"{label} output", out.detach(), ref_out.detach())
-    _assert_close(f"{label} loss", loss.detach(), ref_loss.detach())
+    assert_close(f"{label} output", out.detach(), ref_out.detach())
+    assert_close(f"{label} loss", loss.detach(), ref_loss.detach())
 
     # gradients
     loss.backward()
@@ -118,14 +109,14 @@ def check_model(rank, world, tp, prescaled, make_model, make_batch, loss_fn, ste
     grads = _full_grads(model, ctx)
     assert set(grads) == set(own), f"{label}: parameter names differ: {set(grads) ^ set(own)}"
     for n, (gfull, is_split) in grads.items():
-        _assert_close(f"{label} grad {n}", gfull, group_mean[n] if is_split else own[n], atol=1e-7)
+        assert_close(f"{label} grad {n}", gfull, group_mean[n] if is_split else own[n], atol=1e-7)
 
     # unsplit state dict -> fresh unsplit model
     full_sd = gather_full_state_dict(model, ctx)
     fresh = make_model(False)
     fresh.load_state_dict(full_sd, strict=True)
     fresh.eval()
-    _assert_close(f"{label} reloaded output", loss_fn(fresh, batch)[1].detach(), ref_out.detach())
+    assert_close(f"{label} reloaded output", loss_fn(fresh, batch)[1].detach(), ref_out.detach())
 
     # SGD steps with the runtime's reduction; reference: unsplit model on the global batch
     losses, ref_losses = [], []
@@ -156,7 +147,7 @@ def check_model(rank, world, tp, prescaled, make_model, make_batch, loss_fn, ste
     if steps:
         full_sd = gather_full_state_dict(model, ctx)
         for k, v in ref.state_dict().items():
-            _assert_close(f"{label} trained {k}", full_sd[k], v, rtol=1e-4)
+            assert_close(f"{label} trained {k}", full_sd[k], v, rtol=1e-4)
     return names
 
 
@@ -231,19 +222,13 @@ def test_seed_net_tp2_tp4():
 # ---------------------------------------------------------------- Hugging Face models
 
 
-def _hf_quiet():
-    import transformers
-
-    transformers.logging.set_verbosity_error()
-
-
 def _causal_lm(family):
     def make(marked):
         import transformers as tf
 
         from smp_adapter.parallel.marking import tensor_parallelism
 
-        _hf_quiet()
+        hf_quiet()
         common = dict(vocab_size=128, bos_token_id=0, eos_token_id=0, pad_token_id=0)
         if family == "gpt2":
             cfg = tf.GPT2Config(n_layer=2, n_embd=32, n_head=4, n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0,
@@ -330,7 +315,7 @@ def _encoder(family):
 
         from smp_adapter.parallel.marking import tensor_parallelism
 
-        _hf_quiet()
+        hf_quiet()
         if family in ("bert", "roberta"):
             cfg_cls = tf.BertConfig if family == "bert" else tf.RobertaConfig
             cfg = cfg_cls(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
@@ -437,149 +422,3 @@ def test_other_hf_families_tp2():
         names = res[(family, False)]
         missing = [n for n in wanted if n not in names]
         assert not missing, (family, missing, names)
-
-
-# ---------------------------------------------------------------- smp.nn modules built directly
-
-
-def _smp_nn_body(rank, world):
-    import torch.distributed as dist
-    import torch.nn as nn
-    import torch.nn.functional as F
-
-    from smp_adapter.parallel.nn import DistributedEmbedding, DistributedLinear
-    from smp_adapter.parallel.tensor import TPContext, gather_full_state_dict, set_current_tp_context
-
-    for prescaled in (False, True):
-        ctx = TPContext(dist.group.WORLD, rank, world, prescaled)
-        set_current_tp_context(ctx)
-        torch.manual_seed(5 + rank)  # shards are initialised independently, as with smp's dp_rank seeding
-        lin = DistributedLinear(8, 6)
-        emb = DistributedEmbedding(16, 8, padding_idx=3)
-        assert tuple(lin.weight.shape) == (6, 8 // world) and tuple(emb.weight.shape) == (16, 8 // world)
-        # the unsplit equivalents, from the gathered state
-        ref_lin, ref_emb = nn.Linear(8, 6), nn.Embedding(16, 8, padding_idx=3)
-        ref_lin.load_state_dict(gather_full_state_dict(lin, ctx))
-        ref_emb.load_state_dict(gather_full_state_dict(emb, ctx))
-        gen = torch.Generator().manual_seed(0 if prescaled else rank)
-        ids = torch.randint(0, 16, (3, 5), generator=gen)
-        ids[0, 0] = 3
-        x = emb(ids)
-        _assert_close("DistributedEmbedding", x, ref_emb(ids))
-        y = lin(x)
-        _assert_close("DistributedLinear", y, ref_lin(ref_emb(ids)))
-        y.square().sum().backward()
-        assert emb.weight.grad[3].abs().max() == 0, "padding row got a gradient"
-    set_current_tp_context(None)
-    return True
-
-
-def test_smp_nn_modules_tp2():
-    assert run_distributed(_smp_nn_body, 2) == [True, True]
-
-
-# ---------------------------------------------------------------- smp.nn transformer layers vs Hugging Face
-
-
-def _bert_to_smp(sd, prefix=""):
-    """BertLayer state dict -> DistributedTransformerLayer keys (post-LN)."""
-    m = {"attention.self.query": "attention.query", "attention.self.key": "attention.key",
-         "attention.self.value": "attention.value", "attention.output.dense": "attention.dense",
-         "attention.output.LayerNorm": "attention.layernorm", "intermediate.dense": "output.dense1",
-         "output.dense": "output.dense2", "output.LayerNorm": "output.layernorm"}
-    out = {}
-    for k, v in sd.items():
-        mod, _, leaf = k.rpartition(".")
-        out[prefix + m[mod] + "." + leaf] = v
-    return out
-
-
-def _gpt2_block_to_smp(sd, hidden):
-    """GPT2Block state dict (Conv1D weights are [in, out]) -> DistributedTransformerLayer keys (pre-LN)."""
-    q, k, v = sd["attn.c_attn.weight"].t().chunk(3, 0)
-    qb, kb, vb = sd["attn.c_attn.bias"].chunk(3, 0)
-    return {
-        "attention.pre_layernorm.weight": sd["ln_1.weight"], "attention.pre_layernorm.bias": sd["ln_1.bias"],
-        "attention.query.weight": q, "attention.query.bias": qb, "attention.key.weight": k, "attention.key.bias": kb,
-        "attention.value.weight": v, "attention.value.bias": vb,
-        "attention.dense.weight": sd["attn.c_proj.weight"].t(), "attention.dense.bias": sd["attn.c_proj.bias"],
-        "output.pre_layernorm.weight": sd["ln_2.weight"], "output.pre_layernorm.bias": sd["ln_2.bias"],
-        "output.dense1.weight": sd["mlp.c_fc.weight"].t(), "output.dense1.bias": sd["mlp.c_fc.bias"],
-        "output.dense2.weight": sd["mlp.c_proj.weight"].t(), "output.dense2.bias": sd["mlp.c_proj.bias"],
-    }
-
-
-def _first(x):
-    return x[0] if isinstance(x, tuple) else x
-
-
-def _smp_transformer_body(rank, world):
-    import torch.distributed as dist
-    import transformers as tf
-    from transformers.models.bert.modeling_bert import BertLayer
-    from transformers.models.gpt2.modeling_gpt2 import GPT2Block
-
-    from smp_adapter.parallel.nn import DistributedTransformer, DistributedTransformerLayer
-    from smp_adapter.parallel.tensor import TPContext, gather_full_state_dict, set_current_tp_context, shard_state_dict
-
-    _hf_quiet()
-    for prescaled in (False, True):
-        ctx = TPContext(dist.group.WORLD, rank, world, prescaled)
-        set_current_tp_context(ctx)
-        gen = torch.Generator().manual_seed(0 if prescaled else 10 + rank)
-
-        # two post-LN BERT layers == DistributedTransformer(num_layers=2) with an additive padding mask
-        torch.manual_seed(0)
-        bcfg = tf.BertConfig(hidden_size=32, num_attention_heads=4, intermediate_size=64, hidden_act="gelu",
-                             hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, layer_norm_eps=1e-12)
-        bcfg._attn_implementation = "eager"
-        ref_layers = [BertLayer(bcfg).eval() for _ in range(2)]
-        smp = DistributedTransformer(num_layers=2, num_attention_heads=4, attention_head_size=8, hidden_size=32,
-                                     intermediate_size=64, attention_dropout_prob=0.0, hidden_dropout_prob=0.0,
-                                     layernorm_epsilon=1e-12).eval()
-        assert len(smp.seq_layers) == 2 and hasattr(smp.seq_layers[0].attention, "query")
-        full = {}
-        for i, layer in enumerate(ref_layers):
-            full.update(_bert_to_smp(layer.state_dict(), f"seq_layers.{i}."))
-        smp.load_state_dict(shard_state_dict(smp, full, ctx), strict=True)
-        assert tuple(smp.seq_layers[0].attention.query.weight.shape) == (32 // world, 32)
-        assert tuple(smp.seq_layers[0].output.dense2.weight.shape) == (32, 64 // world)
-        x = torch.randn(2, 6, 32, generator=gen, requires_grad=True)
-        keep = torch.ones(2, 6)
-        keep[1, -2:] = 0
-        mask = (1.0 - keep)[:, None, None, :] * torch.finfo(torch.float32).min
-        out, out_mask = smp((x, mask))
-        assert out_mask is mask
-        xr = x.detach().clone().requires_grad_(True)
-        ref = xr
-        for layer in ref_layers:
-            ref = _first(layer(ref, attention_mask=mask))
-        _assert_close(f"DistributedTransformer vs BertLayer prescaled={prescaled}", out, ref)
-        w = torch.randn(out.shape, generator=gen)  # (a squared LN output would have a ~zero gradient)
-        (out * w).sum().backward()
-        (ref * w).sum().backward()
-        _assert_close("DistributedTransformer input grad", x.grad, xr.grad)
-        gathered = gather_full_state_dict(smp, ctx)
-        for k, v in full.items():
-            _assert_close(f"gathered {k}", gathered[k], v)
-
-        # one pre-LN causal GPT-2 block == DistributedTransformerLayer(pre_layernorm, causal)
-        torch.manual_seed(1)
-        gcfg = tf.GPT2Config(n_embd=32, n_head=4, n_positions=16, activation_function="gelu", resid_pdrop=0.0,
-                             attn_pdrop=0.0, embd_pdrop=0.0, layer_norm_epsilon=1e-5)
-        gcfg._attn_implementation = "sdpa"  # causal without a mask (eager needs the model's mask)
-        block = GPT2Block(gcfg, layer_idx=0).eval()
-        layer = DistributedTransformerLayer(num_attention_heads=4, attention_head_size=8, hidden_size=32,
-                                            intermediate_size=128, attention_dropout_prob=0.0,
-                                            hidden_dropout_prob=0.0, causal_mask_size=16, pre_layernorm=True,
-                                            post_layernorm=False).eval()
-        layer.load_state_dict(shard_state_dict(layer, _gpt2_block_to_smp(block.state_dict(), 32), ctx), strict=True)
-        h = torch.randn(2, 7, 32, generator=gen)
-        _assert_close(f"DistributedTransformerLayer vs GPT2Block prescaled={prescaled}",
-                      layer((h, None))[0], _first(block(h)))
-    set_current_tp_context(None)
-    return True
-
-
-def test_smp_transformer_layers_tp2():
-    assert run_distributed(_smp_transformer_body, 2) == [True, True]
