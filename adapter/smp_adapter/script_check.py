@@ -23,7 +23,7 @@ SUPPORTED, PARTIAL, UNSUPPORTED, NEEDS_GPU, ERROR, UNKNOWN = (
 FAILING = (UNSUPPORTED, ERROR, UNKNOWN)  # a script using any of these does not run as-is
 
 _TP = "Megatron-core tensor-parallel layers; see docs"
-# pp > 1 runs on torch.distributed.pipelining within the limits smp.init itself checks (pipeline.support)
+# pp > 1 runs on torch.distributed.pipelining (smp_adapter.pipeline)
 _PP = "stage marks for pipeline_parallel_degree > 1, carried out by torch.distributed.pipelining (see docs/pipeline.md)"
 _S, _P, _U = SUPPORTED, PARTIAL, UNSUPPORTED
 
@@ -243,20 +243,9 @@ class _Checker:
 
 
 def _pipeline_status(cfg) -> tuple[str, str]:
-    pp = cfg.pipeline_parallel_degree
-    from smp_adapter.config.dims import ParallelDims
-    from smp_adapter.errors import SMPConfigError, UnsupportedFeatureError
-    from smp_adapter.pipeline.support import check_pipeline_config
-
-    try:  # the runtime's own rule, on the smallest world these degrees allow
-        check_pipeline_config(cfg, ParallelDims.from_config(cfg, pp * cfg.tensor_parallel_degree *
-                                                            cfg.sharded_data_parallel_degree))
-    except UnsupportedFeatureError as exc:
-        return UNSUPPORTED, str(exc)
-    except SMPConfigError:
-        pass
-    return PARTIAL, (f"pipeline_parallel_degree = {pp}: stages on torch.distributed.pipelining, not smp's "
-                     "execution server (see docs/pipeline.md)")
+    # combinations pp > 1 cannot run (sharded_data_parallel_degree) are option errors, reported above
+    return PARTIAL, (f"pipeline_parallel_degree = {cfg.pipeline_parallel_degree}: stages on "
+                     "torch.distributed.pipelining, not smp's execution server (see docs/pipeline.md)")
 
 
 @dataclass

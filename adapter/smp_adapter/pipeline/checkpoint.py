@@ -54,16 +54,15 @@ def save_stage(staging: Path, model, optimizer) -> None:
         raise SMPUsageError("with pipeline_parallel_degree > 1 a partial checkpoint can be saved only after the first "
                             "@smp.step call, which cuts the model into stages; save after a training step, or save a "
                             "full checkpoint with partial=False")
-    model_sd = model.local_state_dict()  # the same on every rdp rank; computed by all for symmetry
-    optimizer_sd = optimizer.local_state_dict() if optimizer is not None else None
     c = state.coord
     sharded = state.dims.zero_stage > 0
+    mixed = getattr(optimizer, "mixed_precision", None)
     staging.mkdir(parents=True, exist_ok=True)
-    if sharded and optimizer_sd is not None:
-        atomic_torch_save(optimizer_sd, str(optimizer_shard_file(staging, c.pp, c.tp, c.rdp)))
-    mixed = optimizer.__dict__.get("_mixed") if optimizer is not None else None
-    if c.rdp == 0:  # fp16/bf16: the fp32 masters and the loss scaler (the same on every rdp rank)
-        atomic_torch_save({"model": model_sd, "optimizer": None if sharded else optimizer_sd,
+    if sharded and optimizer is not None:  # every rank's own shard of the optimizer state
+        atomic_torch_save(optimizer.local_state_dict(), str(optimizer_shard_file(staging, c.pp, c.tp, c.rdp)))
+    if c.rdp == 0:  # the rest is the same on every rdp rank; fp16/bf16: the fp32 masters and the loss scaler
+        optimizer_sd = optimizer.local_state_dict() if optimizer is not None and not sharded else None
+        atomic_torch_save({"model": model.local_state_dict(), "optimizer": optimizer_sd,
                            "mixed_precision": mixed.state_dict() if mixed is not None else None},
                           str(stage_file(staging, c.pp, c.tp)))
 
@@ -81,7 +80,7 @@ def load_stage(folder: Path, model, optimizer, strict: bool, load_optimizer: boo
     if not isinstance(blob, dict) or "model" not in blob:
         raise SMPCheckpointError(f"{path} is not an smp-adapter stage checkpoint (no 'model' entry)")
     model.load_state_dict(blob["model"], strict=strict)
-    mixed = optimizer.__dict__.get("_mixed") if optimizer is not None else None
+    mixed = getattr(optimizer, "mixed_precision", None)
     if (mixed is None) != (blob.get("mixed_precision") is None):
         raise SMPCheckpointError(f"{path} was saved {'without' if mixed is not None else 'with'} fp16/bf16 and this run "
                                  f"uses {'fp16/bf16' if mixed is not None else 'fp32'}: resume with the saving run's "

@@ -449,7 +449,7 @@ def bound_microbatches(signature, split: dict, m: int) -> list:
 
 def _fp16_loss_scale():
     """The loss scale of fp16/bf16 training with pp > 1 (None without mixed precision)."""
-    mixed = getattr(state.optimizer, "__dict__", {}).get("_mixed") if state.optimizer is not None else None
+    mixed = state.optimizer.mixed_precision if state.optimizer is not None else None
     return mixed.loss_scale if mixed is not None else None
 
 

@@ -66,10 +66,6 @@ def init(config: Mapping[str, Any] | None = None) -> None:
         return
     launch = LaunchEnv.from_environ(os.environ)
     dims = ParallelDims.from_config(cfg, launch.world_size)
-    if dims.pp > 1:
-        from smp_adapter.pipeline.support import check_pipeline_config
-
-        check_pipeline_config(cfg, dims)
     if dims.tp > 1 and dims.hpz_partition_size > 1:
         # DeepSpeed builds hpZ groups from consecutive global ranks; with tp > 1 smp's sharding
         # groups are chunks of the RDP group instead, so the two would disagree.

@@ -50,6 +50,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         # no Optimizer.__init__: state and param_groups belong to the client optimizer (properties below)
         self.__dict__["optimizer"] = optimizer
         self.__dict__["_model"] = s.model
+        # pp > 1 with fp16/bf16: fp32 masters and loss scaling (smp_adapter/pipeline/mixed_precision.py)
+        self.__dict__["mixed_precision"] = None
         if s.model._pipeline is None:
             s.model._attach_engine(build_engine(s.model, optimizer, loss_scale))
         # pp > 1: no DeepSpeed engine; the pipeline reduces gradients in the step, step() updates;
@@ -57,7 +59,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         elif s.cfg.fp16 or s.cfg.bf16:
             from smp_adapter.pipeline.mixed_precision import PipelineMixedPrecision
 
-            self.__dict__["_mixed"] = PipelineMixedPrecision(torch.float16 if s.cfg.fp16 else torch.bfloat16,
+            self.__dict__["mixed_precision"] = PipelineMixedPrecision(torch.float16 if s.cfg.fp16 else torch.bfloat16,
                                                              loss_scale)
         self.__dict__["_clip_norm"] = None
         s.optimizer = self
@@ -112,7 +114,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def _pipeline_step(self) -> None:
         """pp > 1: (fp16/bf16: overflow check, unscaled fp32 master gradients) -> clipping -> the
         torch optimizer, ZeRO-1 sharded with shard_optimizer_state -> (masters back into the model)."""
-        mixed = self.__dict__.get("_mixed")
+        mixed = self.mixed_precision
         if mixed is not None and self._model._pipeline.built:
             if not mixed.attached:
                 mixed.attach(self.optimizer, list(self._model.local_parameters()))
@@ -136,7 +138,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if "_sharding" not in self.__dict__:
             from smp_adapter.pipeline.sharded_optimizer import PipelineStateSharding
 
-            mixed = self.__dict__.get("_mixed")
+            mixed = self.mixed_precision
             params = mixed.masters if mixed is not None else list(self._model.local_parameters())
             self.__dict__["_sharding"] = PipelineStateSharding(params, state.groups.rdp, state.dims.rdp)
         return self.__dict__["_sharding"]
@@ -145,7 +147,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         engine = self.engine
         if engine is None:  # pp > 1
             self.optimizer.zero_grad(set_to_none=set_to_none)
-            mixed = self.__dict__.get("_mixed")
+            mixed = self.mixed_precision
             if mixed is not None:  # the optimizer holds the fp32 masters: clear the model's gradients too
                 mixed.zero_model_grads(set_to_none)
         elif engine.zero_optimization_stage() > 0 or engine.fp16_enabled() or engine.bfloat16_enabled():
@@ -164,7 +166,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if engine is None:  # pp > 1: the norm over all stages' parameters (fp32 masters under fp16/bf16)
             from smp_adapter.pipeline.runtime import clip_grad_norm_pipeline
 
-            mixed = self.__dict__.get("_mixed")
+            mixed = self.mixed_precision
             masters = dict(zip(map(id, mixed.params), mixed.masters)) if mixed is not None and mixed.attached else None
             clip_grad_norm_pipeline(self._model, max_norm, masters)
         elif hasattr(inner, "clip_grad"):  # DeepSpeed fp16 / ZeRO optimizers clip master grads in step()
@@ -182,7 +184,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
     @property
     def overflow(self) -> bool:
         """Whether the last step() was skipped because fp16 gradients overflowed."""
-        mixed = self.__dict__.get("_mixed")
+        mixed = self.mixed_precision
         if mixed is not None:
             return mixed.overflow
         return bool(getattr(getattr(self.engine, "optimizer", None), "overflow", False))
@@ -190,7 +192,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
     @property
     def loss_scale(self) -> float:
         """The current fp16 loss scale (1.0 without fp16)."""
-        mixed = self.__dict__.get("_mixed")
+        mixed = self.mixed_precision
         if mixed is not None:
             return mixed.loss_scale
         inner = getattr(self.engine, "optimizer", None)
@@ -215,7 +217,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         sd = dict(state_dict)
         sd.pop("_smp_is_partial", None)
         engine = self.engine
-        mixed = self.__dict__.get("_mixed")
+        mixed = self.mixed_precision
         if mixed is not None and not mixed.attached:  # loaded into the fp32 masters once they exist
             mixed.pending_optimizer_state = sd
         elif engine is None:

@@ -124,7 +124,7 @@ if args.resume:  # smp.save(model.local_state_dict()) -> clobber the weights -> 
     roundtrip = sorted(before) == sorted(k for k in after if torch.is_tensor(after[k])) and all(
         torch.equal(before[k], after[k]) for k in before)
 
-mixed = optimizer.__dict__.get("_mixed")  # fp16/bf16: the optimizer's state is keyed by the fp32 masters
+mixed = optimizer.mixed_precision  # fp16/bf16: the optimizer's state is keyed by the fp32 masters
 master = dict(zip(map(id, mixed.params), mixed.masters)) if mixed is not None else {}
 local_bytes = sum(p.numel() * p.element_size() for p in model.local_parameters())
 state = model.state_dict()

@@ -4,7 +4,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from tp_common import Net, tiny_gpt2  # noqa: F401  (the seed's conv + linear net, small)
+from tp_common import Net, tiny_gpt2  # the seed's conv + linear net, small
 
 
 class SixLayer(nn.Module):
@@ -20,11 +20,12 @@ class SixLayer(nn.Module):
         return F.log_softmax(self.layers[-1](x), 1)
 
 
-class GroupedNet(nn.Module):
-    """The seed's manual-partition net: children created inside smp.partition(0) / smp.partition(1)."""
+class GroupedNet(Net):
+    """The seed's manual-partition net: Net's layers and forward, its children created inside
+    smp.partition(0) / smp.partition(1)."""
 
     def __init__(self, smp=None):
-        super().__init__()
+        nn.Module.__init__(self)
         import contextlib
 
         part = smp.partition if smp is not None else (lambda i: contextlib.nullcontext())
@@ -34,14 +35,6 @@ class GroupedNet(nn.Module):
         with part(1):
             self.fc1 = nn.Linear(256, 32)
             self.fc2 = nn.Linear(32, 8)
-
-    def forward(self, x):
-        x = F.relu(self.conv1(x))
-        x = F.relu(self.conv2(x))
-        x = F.max_pool2d(x, 2)
-        x = torch.flatten(x, 1)
-        x = F.relu(self.fc1(x))
-        return F.log_softmax(self.fc2(x), 1)
 
 
 def build(name, smp=None):
