@@ -179,6 +179,12 @@ def test_5_2_default_partition_out_of_range():
         SMPConfig.from_dict({"pipeline_parallel_degree": 2, "auto_partition": False, "default_partition": 2})
 
 
+def test_1_2_auto_partition_false_requires_default_partition():
+    with pytest.raises(SMPConfigError, match=r"default_partition = None: is required when auto_partition is false "
+                                             r"\(SageMaker SDK rule\).*add default_partition: 0"):
+        SMPConfig.from_dict({"pipeline_parallel_degree": 2, "auto_partition": False})
+
+
 def test_5_10_sdp_equal_to_dp_is_accepted():
     dims = ParallelDims.from_config(SMPConfig.from_dict({"ddp": True, "sharded_data_parallel_degree": 8}), 8)
     assert (dims.zero_stage, dims.hpz_partition_size) == (3, 1)

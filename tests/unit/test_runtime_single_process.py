@@ -99,9 +99,26 @@ def test_step_misuse_errors(fresh):
         smp.DistributedModel(_mlp())
     with pytest.raises(SMPUsageError, match="already an smp.DistributedModel"):
         smp.DistributedModel(model)
-    with pytest.raises(SMPUsageError, match="partition index must be an integer between 0 and"):
-        with smp.partition(1):
+    with pytest.raises(SMPUsageError, match=r"smp.partition\(-1\): the partition index must be an integer >= 0"):
+        with smp.partition(-1):
             pass
+
+
+def test_partition_marks_ignored_at_pp1_under_auto_partition(fresh):
+    """A pipeline script debugged at pipeline_parallel_degree 1: its smp.partition(1) is ignored."""
+    smp.init({})
+    with smp.partition(1):
+        layer = torch.nn.Linear(2, 2)
+    smp.set_partition(layer, 3)
+    model = smp.DistributedModel(torch.nn.Sequential(layer))
+    assert model(torch.ones(1, 2)).shape == (1, 2)
+
+
+def test_partition_index_checked_when_marks_place_modules(fresh):
+    smp.init({"auto_partition": False, "default_partition": 0})
+    with pytest.raises(SMPUsageError, match=r"smp.set_partition\(1\): the partition index must be between 0 and "
+                                            r"pipeline_parallel_degree - 1 = 0 \(auto_partition is false"):
+        smp.set_partition(torch.nn.Linear(2, 2), 1)
 
 
 def test_optimizer_before_model_is_rejected(fresh):

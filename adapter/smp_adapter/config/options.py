@@ -235,6 +235,12 @@ def _check_cross_key_rules(values: dict[str, Any], raw: Mapping[str, Any], probl
     if sdp > 1 and tp > 1 and not g("prescaled_batch"):
         add(ConfigProblem("prescaled_batch", "must be true when sharded data parallel is combined with tensor parallelism (smp v1.15)",
                           "add prescaled_batch: true and feed every rank of a TP group the same batch", raw.get("prescaled_batch", False)))
+    if raw.get("auto_partition") is False and "default_partition" not in raw:
+        # spec §1.2: the SageMaker SDK required the key; defaulting to 0 would silently put every
+        # unmarked module on stage 0
+        add(ConfigProblem("default_partition", "is required when auto_partition is false (SageMaker SDK rule): it names "
+                          "the stage of modules created outside any smp.partition context",
+                          "add default_partition: 0 (or the stage those modules belong to)", None))
     dp_ = g("default_partition", 0)
     if dp_ >= pp:
         add(ConfigProblem("default_partition", f"must be < pipeline_parallel_degree ({pp}): stages are numbered 0..{pp - 1}",

@@ -1,7 +1,8 @@
 """Manual pipeline-stage marking: ``smp.partition(i)`` and ``smp.set_partition(module, i)``.
 
-The marks are recorded (``module._smp_partition``) and validated against the pipeline degree.
-With pipeline_parallel_degree = 1 every index but 0 is an error. With pp > 1 and
+The marks are recorded (``module._smp_partition``). With ``auto_partition: true`` (the default) they
+are ignored, whatever the pipeline degree, so a pipeline script runs at pp = 1 for debugging; with
+``auto_partition: false`` an index must be below the pipeline degree. With pp > 1 and
 ``auto_partition: false`` the pipeline package (smp_adapter.pipeline.partition.manual_split) turns
 them into stages at the first step; under auto-partitioning they are ignored with a warning.
 """
@@ -19,10 +20,16 @@ _stack: list[int] = []
 
 
 def _check_index(index, api: str) -> int:
-    pp = require_initialized(api).dims.pp
-    if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < pp:
-        raise SMPUsageError(f"smp.{api}({index!r}): the partition index must be an integer between 0 and "
-                            f"pipeline_parallel_degree - 1 = {pp - 1}")
+    s = require_initialized(api)
+    pp = s.dims.pp
+    if isinstance(index, bool) or not isinstance(index, int) or index < 0:
+        raise SMPUsageError(f"smp.{api}({index!r}): the partition index must be an integer >= 0 (a pipeline stage)")
+    # Under auto_partition the marks are ignored (spec §2.2), so a pipeline script can be debugged
+    # at pipeline_parallel_degree 1 unchanged; the range matters only when the marks are used.
+    if not s.cfg.auto_partition and index >= pp:
+        raise SMPUsageError(f"smp.{api}({index!r}): the partition index must be between 0 and "
+                            f"pipeline_parallel_degree - 1 = {pp - 1} (auto_partition is false, so the marks place "
+                            "modules): use a smaller index or raise pipeline_parallel_degree")
     return index
 
 
