@@ -1,0 +1,55 @@
+"""smp.amp.GradScaler with pipeline parallelism (issue 12 item 4), against single-process PyTorch
+with torch.amp.GradScaler on the same model, weights and batches.
+
+The first stage never calls scaler.scale(loss) (its step body stops at model(...)); it must still
+step, skip on overflow and update its scale exactly as the last stage does. fp32 model: multiplying
+and dividing by a power-of-two scale is exact, so losses match within float rounding of the
+microbatch average (1e-5 relative, the tolerance of the other pipeline tests)."""
+
+import json
+
+import torch
+import torch.nn.functional as F
+from launch_util import ROOT, run_ranks
+from mnist_amp_pp import Net, batch
+
+SCRIPT = ROOT / "tests/distributed/scripts/mnist_amp_pp.py"
+
+
+def _reference(steps, size, overflow_at, skip_at=-1):
+    torch.manual_seed(1)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    scaler = torch.amp.GradScaler("cpu")
+    losses, scales = [], []
+    for step in range(steps):
+        data, target = batch(step, size, overflow_at)
+        opt.zero_grad()
+        # two microbatches: smp averages the microbatch losses
+        halves = [(data[:size // 2], target[:size // 2]), (data[size // 2:], target[size // 2:])]
+        mb_losses = [F.nll_loss(model(d), t) for d, t in halves]
+        scaler.scale(sum(mb_losses) / 2).backward()
+        losses.append(sum(x.item() for x in mb_losses) / 2)
+        if step == skip_at:  # the distributed run's last stage overflowed alone: the whole step is skipped
+            next(model.parameters()).grad.view(-1)[0] = float("inf")
+        scaler.step(opt)
+        scaler.update()
+        scales.append(scaler.get_scale())
+    return losses, scales, model.state_dict()
+
+
+def test_grad_scaler_pp2_matches_single_process_and_skips_overflow_on_every_stage(tmp_path):
+    options = {"pipeline_parallel_degree": 2, "microbatches": 2, "ddp": True}
+    results = run_ranks(SCRIPT, 2, args=["--steps", 5, "--overflow-at", 2, "--last-stage-inf-at", 3],
+                        env={"SM_HP_MP_PARAMETERS": json.dumps(options)}, out_dir=tmp_path, timeout=200)
+    ref_losses, ref_scales, ref_state = _reference(5, 8, 2, skip_at=3)
+    assert ref_scales == [65536.0, 65536.0, 32768.0, 16384.0, 16384.0]  # both overflow steps backed off
+    for r in results:
+        assert r["scales"] == ref_scales, r
+        finite = [i for i, x in enumerate(ref_losses) if x == x and abs(x) != float("inf")]
+        torch.testing.assert_close(torch.tensor([r["losses"][i] for i in finite]),
+                                   torch.tensor([ref_losses[i] for i in finite]), rtol=1e-5, atol=0.0)
+    assert sorted(r["pp_rank"] for r in results) == [0, 1]
+    final = results[0]["final_state"] or results[1]["final_state"]
+    for name, ref in ref_state.items():  # a stage that stepped through the overflow would differ here
+        torch.testing.assert_close(torch.tensor(final[name]), ref, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
