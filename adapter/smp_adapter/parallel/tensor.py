@@ -158,10 +158,20 @@ class _Walk:
     def distribute(self, module: nn.Module, qname: str, mark) -> str:
         """Returns "done" (handled or deliberately left whole) or "descend"."""
         from smp_adapter.parallel import hf
-        from smp_adapter.parallel.nn import DistributedLinear, DistributedModule
+        from smp_adapter.parallel.nn import DistributedModule
 
         if isinstance(module, DistributedModule) or getattr(module, "_smp_tp_ctx", None) is not None:
             return "done"  # already distributed (built by the user or by a previous handler)
+        # Under delayed parameter initialisation with sharded data parallel the weights are ZeRO-3
+        # shards (1-D slices): a handler needs them whole to cut its TP slice, so the parameters it
+        # reads are gathered for the duration of that one split (never the whole model at once).
+        # The new TP modules hold plain tensors; DistributedModel partitions them afterwards.
+        with _zero3_gathered(_split_inputs(module, hf)):
+            return self._distribute(module, qname, mark, hf)
+
+    def _distribute(self, module: nn.Module, qname: str, mark, hf) -> str:
+        from smp_adapter.parallel.nn import DistributedLinear
+
         reg = marking.registration_for(module)
         if reg is not None:
             return self._registered(module, qname, mark, reg)
@@ -240,6 +250,30 @@ class _Walk:
         self.replace(module, new)
         self.names.append(qname)
         return "done"
+
+
+def _split_inputs(module: nn.Module, hf) -> list:
+    """The modules whose weights a split of ``module`` reads: for a Hugging Face model (the handler
+    splits its embeddings and LM head) those two, else the module itself."""
+    if hf.unit_spec_for(module) is None and hf.is_hf_model(module):
+        try:
+            return [m for m in (module.get_input_embeddings(), module.get_output_embeddings()) if m is not None]
+        except (AttributeError, NotImplementedError):
+            return []
+    return [module]
+
+
+@contextlib.contextmanager
+def _zero3_gathered(modules: list):
+    params = list({id(p): p for m in modules for p in m.parameters() if hasattr(p, "ds_id")}.values())
+    if not params:
+        yield
+        return
+    import deepspeed
+
+    # collective over the ZeRO group: every rank walks the same model in the same order
+    with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
+        yield
 
 
 def apply_tensor_parallelism(module: nn.Module, ctx: TPContext) -> list:

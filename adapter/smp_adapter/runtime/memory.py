@@ -73,6 +73,31 @@ def initialize_hf_weights_if_random(module: nn.Module) -> None:
     module.tie_weights()
 
 
+def partition_for_zero3(module: nn.Module) -> None:
+    """Sharded data parallel: make every parameter a ZeRO-3 shard now, when DistributedModel wraps
+    the module, as smp v1 did (its sharded data parallel was DeepSpeed). Scripts read
+    ``p.ds_tensor.ds_numel`` right after wrapping, before any optimizer exists. Parameters already
+    partitioned (created under delayed initialisation) are left alone; new ones (tensor-parallel
+    slices built from gathered shards) join them. Floating parameters are cast to the job's dtype
+    first, because DeepSpeed casts only parameters it partitions itself."""
+    import deepspeed
+
+    from smp_adapter.runtime.engine import SMPMpu
+    from smp_adapter.translate.deepspeed import to_deepspeed_config
+
+    whole = [p for p in module.parameters() if not hasattr(p, "ds_id")]
+    if not whole:
+        return
+    dtype = _param_dtype()
+    for p in whole:
+        if p.is_floating_point() and p.dtype != dtype:
+            p.data = p.data.to(dtype)
+    # the same arguments DeepSpeed's engine would use for a module it partitions itself
+    deepspeed.zero.Init(module=module, data_parallel_group=state.groups.rdp, dtype=dtype,
+                        config_dict_or_path=to_deepspeed_config(state.dims),
+                        mpu=SMPMpu() if state.dims.tp > 1 else None)
+
+
 def _param_dtype():
     cfg = state.cfg
     return torch.float16 if cfg.fp16 else torch.bfloat16 if cfg.bf16 else torch.get_default_dtype()

@@ -65,6 +65,10 @@ class DistributedModel(nn.Module):
         before = dict(module.named_modules()) if s.dims.pp > 1 else {}
         if s.dims.tp > 1:
             self._distributed_modules = _apply_tensor_parallelism(module)
+        if s.dims.zero_stage == 3:
+            from smp_adapter.runtime.memory import partition_for_zero3
+
+            partition_for_zero3(module)
         self._pipeline = None
         if s.dims.pp > 1:  # stages are cut at the first step call (smp_adapter/pipeline)
             from smp_adapter.pipeline import PipelineRunner

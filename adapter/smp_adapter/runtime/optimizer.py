@@ -82,7 +82,21 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return self.optimizer.defaults
 
     def __getattr__(self, name):
-        return getattr(self.__dict__["optimizer"], name)
+        # smp v1's sharded data parallel *was* DeepSpeed, and scripts read its ZeRO optimizer's
+        # internals through smp's optimizer (fp32_partitioned_groups_flat, ...): DeepSpeed's
+        # optimizer answers first, then the torch optimizer.
+        d = self.__dict__
+        if "optimizer" not in d:  # during construction
+            raise AttributeError(name)
+        model = d.get("_model")
+        engine = getattr(model, "_engine", None) if model is not None else None
+        wrapper = getattr(engine, "optimizer", None)
+        if wrapper is not None and wrapper is not d["optimizer"]:
+            try:
+                return getattr(wrapper, name)
+            except AttributeError:
+                pass
+        return getattr(d["optimizer"], name)
 
     def __repr__(self):
         return f"smp.DistributedOptimizer({self.optimizer!r})"
