@@ -166,8 +166,10 @@ def _checkpoint_forward(module: nn.Module, preserve_rng_state: bool, followers: 
 
     def segment(*args, **kwargs):
         out = original(*args, **kwargs)
+        # a follower gets the previous output in place of the first argument and the leader's other
+        # arguments: Hugging Face blocks all take (hidden_states, mask, ..., **kwargs) from one loop
         for f in followers:
-            out = f._smp_original_forward(out)
+            out = f._smp_original_forward(out, *args[1:], **kwargs)
         return out
 
     def checkpointed_forward(*args, **kwargs):

@@ -62,6 +62,12 @@ class DistributedModel(nn.Module):
         # must also be averaged over the TP group before DeepSpeed averages over RDP: we then own
         # the reduction (see _reduce_gradients).
         self._manual_reduction = s.dims.tp > 1 and not s.cfg.prescaled_batch
+        if _created_for_tensor_parallelism(module):
+            # smp v1's distributed-transformer names (transformer.seq_layers, .attention, .output),
+            # which scripts walk for set_partition / set_activation_checkpointing
+            from smp_adapter.parallel.smp_layout import add_smp_layout
+
+            add_smp_layout(module)
         before = dict(module.named_modules()) if s.dims.pp > 1 else {}
         if s.dims.tp > 1:
             self._distributed_modules = _apply_tensor_parallelism(module)
@@ -286,6 +292,15 @@ def _is_split(param) -> bool:
     from smp_adapter.parallel.tensor import is_distributed_parameter
 
     return is_distributed_parameter(param)
+
+
+def _created_for_tensor_parallelism(module) -> bool:
+    """Created inside model_creation(tensor_parallelism=True) / tensor_parallelism(), or marked
+    with set_tensor_parallelism (at any tensor-parallel degree, 1 included)."""
+    from smp_adapter.parallel.marking import get_mark
+
+    mark = get_mark(module)
+    return mark is not None and mark.enabled
 
 
 def _is_zero3_partitioned(module) -> bool:
