@@ -158,3 +158,47 @@ def _smp_transformer_body(rank, world):
 
 def test_smp_transformer_layers_tp2():
     assert run_distributed(_smp_transformer_body, 2) == [True, True]
+
+
+# ---------------------------------------------------------------- DistributedTransformerLMHead
+
+
+def _lm_head_body(rank, world):
+    import torch.distributed as dist
+
+    from smp_adapter.parallel.nn import DistributedTransformerLMHead
+    from smp_adapter.parallel.tensor import TPContext, gather_full_state_dict, set_current_tp_context
+
+    kw = dict(num_layers=2, num_attention_heads=2, attention_head_size=8, hidden_size=16, intermediate_size=32,
+              vocab_size=32, num_positions=16, attention_dropout_prob=0.0, hidden_dropout_prob=0.0,
+              causal_mask_size=16, pre_layernorm=True, post_layernorm=True)
+    alone = [dist.new_group([r]) for r in range(world)]  # every rank joins every new_group call
+    for prescaled in (False, True):
+        set_current_tp_context(TPContext(dist.group.WORLD, rank, world, prescaled))
+        # seeded alike: replicated parameters (position embedding, LayerNorms) must be equal on the TP
+        # ranks, as DistributedModel makes them; the shards are then slices of one full model
+        torch.manual_seed(11)
+        lm = DistributedTransformerLMHead(**kw)
+        assert lm.lm_head.weight is lm.word_embedding.weight and tuple(lm.word_embedding.weight.shape) == (16, 16)
+        full = gather_full_state_dict(lm, lm.tp_context)
+        set_current_tp_context(TPContext(alone[rank], 0, 1, False))
+        ref = DistributedTransformerLMHead(**kw)
+        ref.load_state_dict(full)
+        gen = torch.Generator().manual_seed(0 if prescaled else rank)
+        ids = torch.randint(0, 32, (2, 6), generator=gen)
+        mask = torch.zeros(2, 6)
+        mask[1, 4:] = 1  # smp convention: 1 = masked
+        set_current_tp_context(TPContext(dist.group.WORLD, rank, world, prescaled))
+        loss, logits = lm((ids, mask, None, None, ids))
+        ref_loss, ref_logits = ref((ids, mask, None, None, ids))
+        assert_close(f"LM head logits prescaled={prescaled}", logits, ref_logits)
+        assert_close(f"LM head loss prescaled={prescaled}", loss, ref_loss)
+        changed = ids.clone()
+        changed[1, 5] = (ids[1, 5] + 1) % 32  # a masked position: unmasked outputs must not move
+        assert_close("masked position ignored", lm((changed, mask, None, None, None))[1, :4], logits[1, :4])
+    set_current_tp_context(None)
+    return True
+
+
+def test_distributed_transformer_lm_head_tp2_matches_unsplit():
+    assert run_distributed(_lm_head_body, 2) == [True, True]

@@ -344,8 +344,9 @@ def test_smp_nn_size_checks_and_unsupported_features():
         DistributedLinear(5, 4)
     with pytest.raises(UnsupportedFeatureError, match="max_norm"):
         DistributedEmbedding(8, 4, max_norm=1.0)
-    with pytest.raises(UnsupportedFeatureError, match="create the Hugging Face model"):
-        DistributedTransformerLMHead()
+    with pytest.raises(SMPUsageError, match=r"vocab_size=31 is not divisible by the tensor-parallel degree 2: pad "
+                                            r"the vocabulary"):
+        DistributedTransformerLMHead(vocab_size=31)
     lin = DistributedLinear(6, 3)
     assert tuple(lin.weight.shape) == (3, 3) and is_distributed_parameter(lin.weight)
 

@@ -12,10 +12,9 @@ and GPT-2 (pre-LN, causal) layers in the tests:
 * Masks are additive ``[N, 1, 1, S]`` tensors (0 = keep, large negative = masked), as at the layer
   level in the spec; ``causal_mask_size`` additionally masks future positions (self-attention only).
 * ``DistributedTransformer.forward`` returns the same tuple its layers do.
-* ``DistributedTransformerLMHead`` raises ``UnsupportedFeatureError``: its return value is not
-  documented and its mask convention contradicts the layers' (spec 5.18); the Hugging Face model
-  classes (GPT-2, GPT-J, GPT-Neo, GPT-NeoX, BERT, RoBERTa, Llama...) created inside
-  ``smp.tensor_parallelism()`` give the same TP layers with a defined interface.
+* ``DistributedTransformerLMHead``: its return value and parameter names are not documented;
+  smp-adapter's choices are in its docstring (mask: 1 = masked, as the smp docs say; returns the
+  logits, or ``(loss, logits)`` with labels).
 
 Weights are initialised on the full matrix and sliced (normal(0, initializer_range) with zero bias
 when ``use_normal_initialization``, else PyTorch's default), so TP ranks seeded alike hold the
@@ -213,10 +212,96 @@ class DistributedTransformer(DistributedModule):
 
 
 class DistributedTransformerLMHead(DistributedModule):
-    def __init__(self, *args, **kwargs):
-        raise UnsupportedFeatureError(
-            "smp.nn.DistributedTransformerLMHead is not supported by smp-adapter (its return value and attention-mask "
-            "convention are not defined by the smp documentation); create the Hugging Face model (GPT-2, GPT-J, "
-            "GPT-Neo, GPT-NeoX, BERT, RoBERTa, Llama, ...) inside smp.tensor_parallelism(), or compose "
-            "smp.nn.DistributedEmbedding and smp.nn.DistributedTransformer yourself"
-        )
+    """Embeddings + ``DistributedTransformer`` + LM head tied to the word embedding (spec 2.10).
+
+    Where the smp docs are silent (spec 5.18), smp-adapter's choices:
+
+    * parameters: ``word_embedding`` (vocabulary split over TP ranks, so ``vocab_size`` must divide
+      by the TP degree), ``position_embedding`` and ``token_type_embedding`` (whole on every rank),
+      ``transformer`` (with ``seq_layers``), ``lm_head`` (its weight *is* the word embedding's);
+    * ``attention_mask`` follows the smp documentation: ``[N, S]``, **1 marks a masked position**
+      (the opposite of Hugging Face's); ``None`` masks nothing;
+    * the return value is the logits ``[N, S, vocab_size]`` (hidden states ``[N, S, H]`` without the
+      LM head); when ``labels`` are given, ``(loss, logits)`` with the mean cross entropy over labels
+      other than -100, next-token shifted when ``causal_mask_size`` is set (GPT), unshifted otherwise
+      (masked-LM, BERT).
+    """
+
+    def __init__(self, num_layers=12, num_attention_heads=32, attention_head_size=32, hidden_size=1024,
+                 intermediate_size=4096, vocab_size=30522, num_positions=1024, attention_dropout_prob=0.1,
+                 hidden_dropout_prob=0.1, activation="gelu", layernorm_epsilon=1e-5, num_token_types=0,
+                 causal_mask_size=None, add_cross_attention=False, add_lm_head=True, initializer_range=0.02,
+                 use_normal_initialization=False, pre_layernorm=False, post_layernorm=True):
+        super().__init__()
+        from smp_adapter.parallel.layers import vocab_from_embedding, vocab_head_from_linear
+
+        ctx = self.tp_context
+        if vocab_size % ctx.size:
+            raise SMPUsageError(f"DistributedTransformerLMHead: vocab_size={vocab_size} is not divisible by the "
+                                f"tensor-parallel degree {ctx.size}: pad the vocabulary to a multiple of it")
+        std = initializer_range
+
+        def embedding(n):
+            emb = nn.Embedding(n, hidden_size)
+            nn.init.normal_(emb.weight, 0.0, std)  # both smp init modes draw embeddings from N(0, std)
+            return emb
+
+        self.word_embedding = vocab_from_embedding(embedding(vocab_size), ctx)
+        self.position_embedding = embedding(num_positions)
+        self.token_type_embedding = embedding(num_token_types) if num_token_types > 0 else None
+        self.dropout = nn.Dropout(hidden_dropout_prob)
+        self.add_cross_attention, self.causal_mask_size = add_cross_attention, causal_mask_size
+        self.transformer = DistributedTransformer(
+            num_layers=num_layers, num_attention_heads=num_attention_heads, attention_head_size=attention_head_size,
+            hidden_size=hidden_size, intermediate_size=intermediate_size, attention_dropout_prob=attention_dropout_prob,
+            hidden_dropout_prob=hidden_dropout_prob, activation=activation, layernorm_epsilon=layernorm_epsilon,
+            initializer_range=initializer_range, use_normal_initialization=use_normal_initialization,
+            causal_mask_size=causal_mask_size, add_cross_attention=add_cross_attention,
+            pre_layernorm=pre_layernorm, post_layernorm=post_layernorm)
+        self.lm_head = None
+        if add_lm_head:
+            self.lm_head = vocab_head_from_linear(nn.Linear(hidden_size, vocab_size, bias=False), ctx,
+                                                  shared_weight=self.word_embedding.weight)
+
+    @staticmethod
+    def _additive(mask, dtype):
+        """smp's [N, S] mask (1 = masked) -> the layers' additive [N, 1, 1, S] mask."""
+        if mask is None:
+            return None
+        return mask.to(dtype)[:, None, None, :] * torch.finfo(dtype).min
+
+    def forward(self, inputs):
+        inputs = tuple(inputs)
+        expected = 7 if self.add_cross_attention else 5
+        if len(inputs) != expected:
+            names = ("input_ids, attention_mask, token_type_ids, position_ids, cross_states, cross_mask, labels"
+                     if self.add_cross_attention else "input_ids, attention_mask, token_type_ids, position_ids, labels")
+            raise SMPUsageError(f"DistributedTransformerLMHead.forward takes one tuple ({names}); got {len(inputs)} "
+                                "items: pass None for the ones you do not use")
+        input_ids, mask, token_types, positions = inputs[:4]
+        labels = inputs[-1]
+        if positions is None:
+            positions = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0)
+        hidden = self.word_embedding(input_ids) + self.position_embedding(positions)
+        if self.token_type_embedding is not None and token_types is not None:
+            hidden = hidden + self.token_type_embedding(token_types)
+        hidden = self.dropout(hidden)
+        if self.add_cross_attention:
+            cross_states, cross_mask = inputs[4], inputs[5]
+            out = self.transformer((hidden, cross_states, self._additive(mask, hidden.dtype),
+                                    self._additive(cross_mask, hidden.dtype)))
+        else:
+            out = self.transformer((hidden, self._additive(mask, hidden.dtype)))
+        hidden = out[0]
+        if self.lm_head is None:
+            return hidden
+        logits = self.lm_head(hidden)
+        if labels is None:
+            return logits
+        if self.causal_mask_size is not None:
+            logits_for_loss, labels = logits[:, :-1], labels[:, 1:]
+        else:
+            logits_for_loss = logits
+        loss = F.cross_entropy(logits_for_loss.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1),
+                               ignore_index=-100)
+        return loss, logits
