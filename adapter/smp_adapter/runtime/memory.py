@@ -69,8 +69,35 @@ def initialize_hf_weights_if_random(module: nn.Module) -> None:
         return
     from transformers.integrations.deepspeed import initialize_weights_zero3
 
-    initialize_weights_zero3(module)
+    with _zero_group_rank_as_rank():
+        initialize_weights_zero3(module)
     module.tie_weights()
+
+
+@contextlib.contextmanager
+def _zero_group_rank_as_rank():
+    """transformers initialises a gathered ZeRO-3 module on ``deepspeed.comm.get_rank() == 0`` and
+    broadcasts from the ZeRO group's first rank. With tensor parallelism the ZeRO group is the RDP
+    group, and every group but the one holding global rank 0 would broadcast uninitialised memory
+    (seen as NaN losses at tp 2 x sdp 2 with delayed init). While it runs, the argument-free
+    ``get_rank()`` answers the rank inside the ZeRO group, so each group's first rank initialises."""
+    import deepspeed.comm as ds_comm
+    import torch.distributed as dist
+
+    zero_group = state.groups.rdp
+    if zero_group is None or dist.get_world_size(zero_group) == state.world_size:
+        yield
+        return
+    original = ds_comm.get_rank
+
+    def rank_in_zero_group(group=None):  # DeepSpeed's own calls pass group= and keep their answer
+        return dist.get_rank(group=zero_group) if group is None else original(group=group)
+
+    ds_comm.get_rank = rank_in_zero_group
+    try:
+        yield
+    finally:
+        ds_comm.get_rank = original
 
 
 def partition_for_zero3(module: nn.Module) -> None:
