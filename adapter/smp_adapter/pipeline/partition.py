@@ -12,7 +12,9 @@ unit of stages 1..pp-1; ``torch.distributed.pipelining.pipeline`` cuts the expor
   Parameters shared by several modules count once, at their first user.
 * manual: a module's stage is its own ``smp.partition`` / ``set_partition`` mark, else its nearest
   marked ancestor's, else ``default_partition``. Modules owning parameters, in call order, must have
-  non-decreasing stages (a pipeline runs 0 -> pp-1); every stage must get at least one.
+  non-decreasing stages (a pipeline runs 0 -> pp-1); every stage must get at least one. A module on
+  ``default_partition`` only because nothing marked it, running after a later stage's modules,
+  joins the stage running at that point (logged); a *marked* module out of order is an error.
 Parameter-free modules (activations, dropout) run on the stage of whatever is around them (v1.13).
 """
 
@@ -138,21 +140,29 @@ def auto_split(module: nn.Module, prof: Profile, pp: int, memory_weight: float) 
 
 def manual_split(module: nn.Module, prof: Profile, pp: int, default: int) -> list[list[str]]:
     """Units (parameter-owning modules) of each stage, from smp.partition / set_partition marks."""
-    stage_of: dict[str, int] = {}
+    stage_of: dict[str, tuple[int, bool]] = {}  # name -> (stage, placed by a mark rather than by default)
     for name, m in module.named_modules():
         mark = getattr(m, "_smp_partition", None)
-        if mark is None:
+        if mark is not None:
+            stage_of[name] = (mark, True)
+        else:
             parent = name.rpartition(".")[0] if name else None
-            mark = stage_of.get(parent, default) if parent is not None else default
-        stage_of[name] = mark
+            stage_of[name] = stage_of.get(parent, (default, False)) if parent is not None else (default, False)
     mods = dict(module.named_modules())
     owners = [n for n in prof.order if n and _own_params(mods[n])]
     if not owners:
         raise SMPUsageError("the model has no modules with parameters to place on pipeline stages")
     stages: list[list[str]] = [[] for _ in range(pp)]
-    current, last_name = 0, None
+    current, last_name, moved = 0, None, []
     for n in owners:
-        s = stage_of[n]
+        s, marked = stage_of[n]
+        if s < current and not marked:
+            # Left on default_partition but run after a later stage's modules (a final LayerNorm or
+            # LM head after layers placed with set_partition, as the AWS GPT scripts do). smp v1's
+            # executor could send activations back to an earlier stage; sequential stages cannot,
+            # so the module joins the stage running at that point (logged below).
+            moved.append(f"{n} -> {current}")
+            s = current
         if s < current:
             raise SMPUsageError(
                 f"manual partition: module '{n}' is placed on stage {s} but runs after '{last_name}' on stage {current}; "
@@ -160,6 +170,9 @@ def manual_split(module: nn.Module, prof: Profile, pp: int, default: int) -> lis
                 f"call smp.set_partition(model.{n}, {current}) before the first step")
         current, last_name = s, n
         stages[s].append(n)
+    if moved:
+        log.warning("manual partition: modules left on default_partition=%d run after later stages and were placed "
+                    "on the stage running at that point: %s", default, ", ".join(moved))
     empty = [i for i, s in enumerate(stages) if not s]
     if empty:
         raise SMPUsageError(

@@ -267,23 +267,19 @@ class PipelineRunner:
                 self.stage_units = part.manual_split(module, prof, self.num_stages, cfg.default_partition)
             if state.rank == 0:
                 part.log_assignment(module, self.stage_units, "auto" if cfg.auto_partition else "manual")
-            try:
-                pipe = pipeline(module, tuple(args), dict(kwargs), split_spec=part.split_spec(self.stage_units))
-            except Exception as e:  # noqa: BLE001 - export failures come in many types
-                raise UnsupportedFeatureError(
-                    f"pipeline parallelism could not split {type(module).__name__}: torch.export failed to trace it "
-                    f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}). Make its forward traceable "
-                    "(no data-dependent Python control flow, tensors/containers as inputs and outputs; for Hugging "
-                    "Face models pass use_cache=False), or run with pipeline_parallel_degree: 1 and fit the model "
-                    "with tensor_parallel_degree or sharded_data_parallel_degree") from e
-            if pipe.num_stages != self.num_stages:
-                raise UnsupportedFeatureError(
-                    f"splitting {type(module).__name__} produced {pipe.num_stages} stages instead of {self.num_stages}: "
-                    "the split points were not on the traced path. Partition manually (auto_partition: false, "
-                    "smp.partition / smp.set_partition) at modules that run at the top level of forward")
+            pipe = self._split(pipeline, module, args, kwargs)
+            late = self._late_inputs()
+            if late:
+                # Model inputs first used by a later stage (labels=... of a Hugging Face model, whose loss
+                # is computed by the last stage): copied at the very start of forward, they become values
+                # of stage 0 that the splitter passes on, stage to stage, like any activation.
+                hook = module.register_forward_pre_hook(_CarryInputs(module, late), with_kwargs=True)
+                try:
+                    pipe = self._split(pipeline, module, args, kwargs)
+                finally:
+                    hook.remove()
+                self._check_inputs_reach_first_stage(module)
             stage_mods = [pipe.get_stage_module(i) for i in range(self.num_stages)]
-            self._stage_calls = [n for n in pipe.split_gm.graph.nodes if n.op == "call_module"]
-            self._check_inputs_reach_first_stage(module)
         owners = self._tie_to_model(module, stage_mods)
         mine = stage_mods[self.stage_index]
         for name, original in self.tp_originals.items():  # the split (TP) modules go back in
@@ -298,11 +294,49 @@ class PipelineRunner:
         self.built = True
         self.model._mark_partitioned()
 
-    def _check_inputs_reach_first_stage(self, module) -> None:
+    def _split(self, pipeline, module, args, kwargs):
+        spec = part.split_spec(self.stage_units)
+        # pipeline() wraps each split module's forward and never unwraps it; a second split (see
+        # _build) would then recurse forever. Put every forward back exactly as it was.
+        saved = {name: module.get_submodule(name).__dict__.get("forward") for name in spec}
+        try:
+            pipe = pipeline(module, tuple(args), dict(kwargs), split_spec=spec)
+        except Exception as e:  # noqa: BLE001 - export failures come in many types
+            raise UnsupportedFeatureError(
+                f"pipeline parallelism could not split {type(module).__name__}: torch.export failed to trace it "
+                f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}). Make its forward traceable "
+                "(no data-dependent Python control flow, tensors/containers as inputs and outputs; for Hugging "
+                "Face models pass use_cache=False), or run with pipeline_parallel_degree: 1 and fit the model "
+                "with tensor_parallel_degree or sharded_data_parallel_degree") from e
+        finally:
+            for name, forward in saved.items():
+                split_module = module.get_submodule(name)
+                split_module.__dict__.pop("_orig_forward", None)
+                if forward is None:
+                    split_module.__dict__.pop("forward", None)
+                else:
+                    split_module.forward = forward
+        if pipe.num_stages != self.num_stages:
+            raise UnsupportedFeatureError(
+                f"splitting {type(module).__name__} produced {pipe.num_stages} stages instead of {self.num_stages}: "
+                "the split points were not on the traced path. Partition manually (auto_partition: false, "
+                "smp.partition / smp.set_partition) at modules that run at the top level of forward")
+        self._stage_calls = [n for n in pipe.split_gm.graph.nodes if n.op == "call_module"]
+        return pipe
+
+    def _late_inputs(self) -> dict[int, list[str]]:
+        """{stage: model inputs (placeholders) it reads directly} for stages after the first."""
+        late = {}
         for i, node in enumerate(self._stage_calls[1:], start=1):
             used = []
             torch.fx.node.map_arg((node.args, node.kwargs), lambda a: used.append(a) or a)
-            late = [a.target for a in used if a.op == "placeholder"]
+            names = [a.target for a in used if a.op == "placeholder"]
+            if names:
+                late[i] = names
+        return late
+
+    def _check_inputs_reach_first_stage(self, module) -> None:
+        for i, late in self._late_inputs().items():
             if late:
                 raise UnsupportedFeatureError(
                     f"pipeline parallelism: the model input(s) {late} of {type(module).__name__} are first used on "
@@ -414,6 +448,26 @@ class _originals_swapped_in:
     def __exit__(self, *exc):
         for name, mod in self.saved.items():
             _set_submodule(self.module, name, mod)
+
+
+class _CarryInputs:
+    """Forward pre-hook used while exporting: replaces the named model inputs by copies made first
+    thing in forward, so the split graph hands them from stage 0 to the stage that reads them."""
+
+    def __init__(self, module: nn.Module, late: dict):
+        self.signature = inspect.signature(module.forward)
+        self.names = {n for names in late.values() for n in names}
+
+    def __call__(self, module, args, kwargs):
+        try:
+            bound = self.signature.bind_partial(*args, **kwargs)
+        except TypeError:
+            return None
+        for name in self.names:
+            value = bound.arguments.get(name)
+            if isinstance(value, torch.Tensor):
+                bound.arguments[name] = value.clone()
+        return bound.args, bound.kwargs
 
 
 def _get_submodule(root, name):
