@@ -169,6 +169,11 @@ class DistributedModel(nn.Module):
     def get_module(self) -> nn.Module:
         return self.module
 
+    def virtual_named_parameters(self):
+        """smp v1: every parameter of the model under its original name, on every rank (the fp16
+        helpers of smp's examples map names to optimizer state with it)."""
+        return self.module.named_parameters()
+
     def local_parameters(self):
         return (p for _, p in self.local_named_parameters())
 

@@ -81,6 +81,17 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def defaults(self):
         return self.optimizer.defaults
 
+    @property
+    def ds_param_shard_group(self):
+        """smp v1's name for the process group over which ZeRO-3 parameter shards (``p.ds_tensor``)
+        are spread: scripts all-reduce per-shard norms over it. Sharded data parallel only."""
+        wrapper = getattr(self.engine, "optimizer", None) if self._model._engine is not None else None
+        group = getattr(wrapper, "dp_process_group", None)
+        if group is None or self._model._engine.zero_optimization_stage() != 3:
+            raise AttributeError("ds_param_shard_group exists only with sharded_data_parallel_degree > 1 (ZeRO-3 "
+                                 "parameter shards); without it every rank holds whole parameters")
+        return group
+
     def __getattr__(self, name):
         # smp v1's sharded data parallel *was* DeepSpeed, and scripts read its ZeRO optimizer's
         # internals through smp's optimizer (fp32_partitioned_groups_flat, ...): DeepSpeed's
