@@ -8,7 +8,7 @@ One row per key, and exactly one policy per row:
 * ``rejected``   - a non-default value is an error that names the closest supported setting.
 
 Spec: ../shared/spec/smp-api.md §1.3 (v1 keys) and §4 (v2 keys users bring along).
-Type rules (our choice, documented in docs/options.md): bools must be JSON/YAML booleans;
+Type rules (our choice, documented in docs/translation.md): bools must be JSON/YAML booleans;
 ints accept integers and integral floats (``5e8``) but never bools or strings; floats accept
 ints and floats.
 """
@@ -83,6 +83,10 @@ _ROWS = [
     # -- undocumented keys seen in AWS scripts / the SDK ---------------------------------------
     KeySpec("fast_mode", "bool", False, I, "undocumented smp switch passed by AWS examples; no engine equivalent"),
     KeySpec("static_mode", "bool", False, I, "undocumented smp switch passed by AWS examples; no engine equivalent"),
+    KeySpec("overlapping_allreduce", "bool", True, I, "a DistributedModel argument the AWS BERT notebook passes as an option; "
+            "gradients are reduced by the DeepSpeed engine (overlapped with backward on GPUs, after it on CPU) either way"),
+    KeySpec("checkpoint_attentions", "bool", False, I, "undocumented switch of the AWS DLC GPT-2 test; call "
+            "smp.set_activation_checkpointing on the attention modules to checkpoint them"),
     KeySpec("load_partition", "bool", False, I, "undocumented smp partition-file switch; stages are recomputed deterministically here"),
     KeySpec("partition_file", "str", None, I, "undocumented smp partition file; stages are recomputed deterministically here"),
     # -- SMP v2 (torch.sagemaker) keys: a different library -------------------------------------

@@ -143,7 +143,7 @@ def options_from_environ(environ: Mapping[str, str]) -> dict[str, Any]:
 def _check_key(key: Any, value: Any, problems: list[ConfigProblem]) -> Any:
     if not isinstance(key, str) or key not in KEYS:
         close = difflib.get_close_matches(str(key), list(KEYS), n=1, cutoff=0.6)
-        fix = f"did you mean '{close[0]}'?" if close else "remove it (see docs/options.md for the supported keys)"
+        fix = f"did you mean '{close[0]}'?" if close else "remove it (see docs/translation.md for the supported keys)"
         problems.append(ConfigProblem(str(key), "unknown smp option", fix, value))
         return _INVALID
     row = KEYS[key]

@@ -37,6 +37,7 @@ _FAMILIES = {
     "gptneo": ((".attn.attention.q_proj.weight",), ("wpe.weight",)),
     "gptneox": ((".attention.query_key_value.weight",), ()),
     "llama": ((".self_attn.q_proj.weight",), ()),
+    "t5": ((".SelfAttention.q.weight",), ()),
 }
 
 
@@ -79,8 +80,9 @@ def _to_hf(family):
 
 
 def _from_hf(family, name=None):
-    def translate(state_dict):
-        return _validated(state_dict, family)
+    def translate(state_dict, max_seq_len=None):
+        # the DLC GPT-2 script passes the sequence length as a second argument; validated as for _to_hf
+        return _validated(state_dict, family, max_seq_len)
 
     translate.__name__ = name or f"translate_hf_state_dict_to_smdistributed_{family}"
     translate.__doc__ = (f"Hugging Face {family} -> smp state dict. Identity with validation; load it with "
@@ -90,6 +92,10 @@ def _from_hf(family, name=None):
 
 translate_state_dict_to_hf_gpt2 = _to_hf("gpt2")
 translate_hf_state_dict_to_smdistributed_gpt2 = _from_hf("gpt2")
+# the deep-learning-containers GPT-2 script imports the un-suffixed name (a later smp v1 release's)
+translate_hf_state_dict_to_smdistributed = _from_hf("gpt2", "translate_hf_state_dict_to_smdistributed")
+translate_state_dict_to_hf_t5 = _to_hf("t5")
+translate_hf_state_dict_to_smdistributed_t5 = _from_hf("t5")
 translate_state_dict_to_hf_bert = _to_hf("bert")
 translate_hf_state_dict_to_smdistributed_bert = _from_hf("bert")
 translate_state_dict_to_hf_roberta = _to_hf("roberta")
@@ -109,7 +115,10 @@ translate_hf_state_dict_to_smdistributed_llama = _from_hf("llama")
 
 FAMILY_FUNCTIONS = {
     "gpt2": {"translate_state_dict_to_hf_gpt2": translate_state_dict_to_hf_gpt2,
-             "translate_hf_state_dict_to_smdistributed_gpt2": translate_hf_state_dict_to_smdistributed_gpt2},
+             "translate_hf_state_dict_to_smdistributed_gpt2": translate_hf_state_dict_to_smdistributed_gpt2,
+             "translate_hf_state_dict_to_smdistributed": translate_hf_state_dict_to_smdistributed},
+    "t5": {"translate_state_dict_to_hf_t5": translate_state_dict_to_hf_t5,
+           "translate_hf_state_dict_to_smdistributed_t5": translate_hf_state_dict_to_smdistributed_t5},
     "bert": {"translate_state_dict_to_hf_bert": translate_state_dict_to_hf_bert,
              "translate_hf_state_dict_to_smdistributed_bert": translate_hf_state_dict_to_smdistributed_bert},
     "roberta": {"translate_state_dict_to_hf_roberta": translate_state_dict_to_hf_roberta,
