@@ -18,6 +18,8 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 SMP = "smdistributed.modelparallel.torch"
+SMP_ROOT = "smdistributed.modelparallel"
+SMP_TEST = "smdistributed.modelparallel.test.torch"  # smp's test helpers (the AWS BERT example imports them)
 SUPPORTED, PARTIAL, UNSUPPORTED, NEEDS_GPU, ERROR, UNKNOWN = (
     "supported", "partial", "unsupported", "needs-gpu", "error", "unknown")
 FAILING = (UNSUPPORTED, ERROR, UNKNOWN)  # a script using any of these does not run as-is
@@ -51,16 +53,22 @@ SUPPORT: dict[str, tuple[str, str]] = {
                                        "DistributedTransformerLMHead", "DistributedTransformer",
                                        "DistributedTransformerLayer", "DistributedAttentionLayer",
                                        "DistributedTransformerOutputLayer")},
-    "nn.FusedLayerNorm": (_U, "use torch.nn.LayerNorm"),
-    "nn.FlashAttentionLayer": (_U, "use torch.nn.functional.scaled_dot_product_attention"),
+    "nn.FusedLayerNorm": (_S, "torch.nn.LayerNorm (isinstance accepts any nn.LayerNorm, as smp's own layers were FusedLayerNorm)"),
+    "nn.FlashAttentionLayer": (_S, "torch.nn.functional.scaled_dot_product_attention (use_alibi raises)"),
+    "nn.huggingface.t5": (_S, "translation functions validate and pass through"),
+    "utils": (_S, ""), "utils.rmsg": (_S, "'[rank] message'"),
+    "utils.get_distribution_axis": (_S, "split axis of a TP parameter, None otherwise"),
+    "state_mod": (_S, ""), "state_mod.state": (_S, "the same object as smp.state"),
+    "test.torch.utils": (_S, ""), "test.torch.utils.dump_model": (_S, "records local weights, gradients, output, loss"),
+    "test.torch.utils.verify": (_S, "compares with a dump_model record"),
     "nn.huggingface": (_S, "translation functions validate and pass through: smp-adapter's full state dict "
                            "already has the Hugging Face layout"),
     "model": (_S, "smp.model.DistributedModel, the module path transformers' Trainer checks"),
-    "amp": (_S, ""), "amp.GradScaler": (_S, "torch.amp.GradScaler on the rank's device"),
+    "amp": (_S, ""), "amp.GradScaler": (_S, "torch.amp.GradScaler, overflow agreed over all ranks (pipeline stages too)"),
     "optimizers": (_S, ""), "optimizers.FusedAdam": (_S, "torch.optim.AdamW (fused kernel on CUDA)"),
-    "optimizers.FusedLamb": (_P, "GPU only (DeepSpeed FusedLamb); on CPU use torch.optim.AdamW"),
-    "optimizers.FusedLAMB": (_P, "GPU only (DeepSpeed FusedLamb); on CPU use torch.optim.AdamW"),
-    "optimizers.FusedNovoGrad": (_U, "use torch.optim.AdamW or smp.optimizers.FusedAdam"),
+    "optimizers.FusedLamb": (_S, "apex LAMB semantics in plain PyTorch"),
+    "optimizers.FusedLAMB": (_S, "apex LAMB semantics in plain PyTorch"),
+    "optimizers.FusedNovoGrad": (_S, "apex NovoGrad semantics in plain PyTorch"),
     "patches": (_S, ""), "patches.checkpoint": (_S, ""),
     "patches.checkpoint.checkpoint": (_S, "torch.utils.checkpoint (non-reentrant)"),
     "patches.checkpoint.checkpoint_sequential": (_S, "torch.utils.checkpoint per segment"),
@@ -70,6 +78,7 @@ SUPPORT: dict[str, tuple[str, str]] = {
         "local_state_dict", "load_state_dict", "register_post_partition_hook", "register_post_step_hook", "cpu",
         "distributed_modules", "is_distributed_parameter", "is_distributed_buffer", "is_scaled_batch_parameter",
         "is_scaled_batch_buffer", "default_reducer_named_parameters", "scaled_batch_reducer_named_parameters")},
+    "DistributedModel.virtual_named_parameters": (_S, ""),
     "DistributedModel.join": (_U, "give every data-parallel rank the same number of batches "
                                   "(DistributedSampler, drop_last=True)"),
     "DistributedModel.register_comm_hook": (_U, "remove it: the engine averages gradients over the data-parallel group"),
@@ -79,7 +88,7 @@ SUPPORT: dict[str, tuple[str, str]] = {
                                             "sharded_data_parallel_degree > 1) it raises: use local_state_dict() "
                                             "or smp.save_checkpoint"),
 }
-_NAMESPACES = {"nn", "amp", "optimizers", "patches", "patches.checkpoint"}  # their unknown members are unknown
+_NAMESPACES = {"nn", "amp", "optimizers", "patches", "patches.checkpoint", "utils", "state_mod", "test.torch.utils"}  # their unknown members are unknown
 _WRAPPERS = ("DistributedModel", "DistributedOptimizer")
 _GPU_CALLS = ("torch.cuda.set_device", "torch.cuda.current_device", "torch.cuda.synchronize")
 GPU_NOTE = "needs a GPU (on CPU guard with torch.cuda.is_available())"
@@ -130,8 +139,11 @@ class _Checker:
             elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
                 for a in node.names:
                     self.bindings[a.asname or a.name] = f"{node.module}.{a.name}"
-                    if (f"{node.module}.{a.name}" + ".").startswith(SMP + "."):
-                        key, status, note = lookup(f"{node.module}.{a.name}"[len(SMP) + 1:])
+                    full = f"{node.module}.{a.name}"
+                    relative = (full[len(SMP) + 1:] if (full + ".").startswith(SMP + ".") else
+                                full[len(SMP_ROOT) + 1:] if (full + ".").startswith(SMP_TEST + ".") else None)
+                    if relative is not None:
+                        key, status, note = lookup(relative)
                         self.add(node, f"from {node.module} import {a.name}", key, "import", status, note)
         for node in ast.walk(self.tree):
             if isinstance(node, ast.Assign):

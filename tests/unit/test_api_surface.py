@@ -4,6 +4,7 @@ features smp-adapter does not carry out raise UnsupportedFeatureError naming the
 import importlib
 
 import pytest
+import torch
 
 import smdistributed.modelparallel as smp_pkg
 import smdistributed.modelparallel.torch as smp
@@ -64,15 +65,15 @@ def test_sub_modules_and_spellings():
     assert ckpt.checkpoint and ckpt.checkpoint_sequential
     for mod in ("smdistributed.modelparallel.torch.exceptions", "smdistributed.modelparallel.backend.exceptions"):
         assert issubclass(importlib.import_module(mod).UnsupportedFeatureError, Exception)
-    for family in ("gpt2", "bert", "roberta", "gptj", "gptneo", "gptneox"):
+    for family in ("gpt2", "bert", "roberta", "gptj", "gptneo", "gptneox", "t5"):
         importlib.import_module(f"smdistributed.modelparallel.torch.nn.huggingface.{family}")
     from smdistributed.modelparallel.torch.nn.huggingface.gptj import translate_hf_gptj_state_dict_to_smdistributed_gptj  # noqa: F401,E501
     from smdistributed.modelparallel.torch.nn.huggingface.roberta import translate_state_dict_to_smdistributed  # noqa: F401
 
 
 def test_unsupported_features_say_what_to_use_instead():
-    with pytest.raises(UnsupportedFeatureError, match="use torch.optim.AdamW"):
-        smp.optimizers.FusedNovoGrad([])
+    with pytest.raises(UnsupportedFeatureError, match=r"FusedNovoGrad\(norm_type=1\): only the L2 norm"):
+        smp.optimizers.FusedNovoGrad([torch.nn.Parameter(torch.ones(1))], norm_type=1)
     with pytest.raises(UnsupportedFeatureError, match="DistributedSampler"):
         smp.DistributedModel.join(object())
     with pytest.raises(UnsupportedFeatureError, match="remove it"):

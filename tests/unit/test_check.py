@@ -122,7 +122,7 @@ mp.state.cfg.fp16
     assert got[(7, "tensor_parallel_degree")] == "partial"
     assert got[(8, "nn.DistributedLinear")] == "partial"
     assert got[(9, "DistributedModel")] == "supported"
-    assert got[(10, "optimizers.FusedNovoGrad")] == "unsupported"
+    assert got[(10, "optimizers.FusedNovoGrad")] == "supported"
     assert got[(11, "amp.GradScaler")] == "supported"
     assert got[(12, "DistributedModel.join")] == got[(13, "DistributedModel.register_comm_hook")] == "unsupported"
     assert got[(14, "patches.checkpoint.checkpoint")] == "supported"

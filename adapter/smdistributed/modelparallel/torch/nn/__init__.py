@@ -1,4 +1,7 @@
-"""smp.nn: tensor-parallel modules (spec §2.10), implemented on Megatron-core layers."""
+"""smp.nn: tensor-parallel modules (spec §2.10) on Megatron-core layers, and FusedLayerNorm /
+FlashAttentionLayer without apex (smp_adapter/parallel/fused_modules.py)."""
+
+from smp_adapter.parallel.fused_modules import FlashAttentionLayer, FusedLayerNorm  # noqa: F401
 
 
 def __getattr__(name):

@@ -1,0 +1,1 @@
+"""smdistributed.modelparallel.test: testing helpers the public AWS BERT example imports."""
