@@ -4,3 +4,9 @@ smp-adapter follows, so scripts that check ``>= 1.x`` keep working."""
 
 __version__ = "1.15.0"
 ADAPTER = "smp-adapter"
+
+# `smp-adapter launch` on a machine without GPUs asks for CUDA on CPU ranks (docs/launch.md): done
+# here, at the first smp import, before the script's own torch.cuda calls
+from smp_adapter.runtime.cuda_on_cpu import install_if_requested as _install_cuda_on_cpu  # noqa: E402
+
+_install_cuda_on_cpu()

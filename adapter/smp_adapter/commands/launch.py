@@ -34,6 +34,7 @@ from smp_adapter.errors import SMPAdapterError
 from smp_adapter.translate.launch import LAUNCHERS, NODE_RANK_PLACEHOLDER, to_launch_plan
 
 NAME = "launch"
+CUDA_ON_CPU = "SMP_ADAPTER_CUDA_ON_CPU"
 # run the launchers with this interpreter, so the ranks get it too (both use sys.executable)
 LAUNCHER_MODULES = {"deepspeed": "deepspeed.launcher.runner", "torchrun": "torch.distributed.run"}
 # rank variables of an enclosing launcher must not leak into this job
@@ -232,6 +233,8 @@ def build(args: argparse.Namespace) -> dict[str, Any]:
         sm["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // plan.nprocs_per_node))
     if args.device == "cpu":
         sm["CUDA_VISIBLE_DEVICES"] = ""
+    if cpu and os.environ.get(CUDA_ON_CPU) != "0":  # an unchanged GPU script runs on CPU ranks (runtime/cuda_on_cpu.py)
+        sm[CUDA_ON_CPU] = "1"
     command = list(plan.command)
     tail = len(hp_args) + len(script_args) + 1  # the script and its arguments end every command
     head, rest = command[:-tail], command[-tail:]
@@ -272,6 +275,9 @@ def run(args: argparse.Namespace) -> int:
     for note in plan.notes:
         print(f"smp-adapter launch: note: {note}", file=sys.stderr)
     print(f"smp-adapter launch: {summary}; rank logs in {b['dirs']['logs']}", file=sys.stderr, flush=True)
+    if b["set"].get(CUDA_ON_CPU) == "1":
+        print("smp-adapter launch: CUDA on CPU ranks: the script's torch.cuda calls and 'cuda' devices run on the CPU, "
+              f"one simulated GPU per rank (docs/launch.md; {CUDA_ON_CPU}=0 turns it off)", file=sys.stderr, flush=True)
     env = {k: v for k, v in os.environ.items() if k not in SCRUB and not k.startswith("OMPI_COMM_WORLD")}
     env.update(b["set"])
     from smp_adapter.launcher import Supervisor

@@ -1,0 +1,87 @@
+"""CUDA on CPU ranks (smp_adapter/runtime/cuda_on_cpu.py), in a fresh interpreter each time: the
+shim changes torch for the whole process."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+SCRIPT_SIDE = """
+import json, time, torch
+import smdistributed.modelparallel.torch as smp
+from torch.cuda.amp import autocast
+
+# a library's view: code whose module name is deepspeed.* gets the real answers
+library = {"__name__": "deepspeed.fake_probe"}
+exec("import torch\\nanswer = (torch.cuda.is_available(), torch.cuda.device_count())", library)
+
+out = {"available": torch.cuda.is_available(), "count": torch.cuda.device_count(), "library": library["answer"]}
+torch.cuda.set_device(1)
+out["current"] = torch.cuda.current_device()
+device = torch.device("cuda", smp.local_rank() if smp.is_initialized() else 0)
+x = torch.ones(2, 3).to(device)
+out["to"] = str(x.device)
+out["factory"] = str(torch.zeros(2, device="cuda:1").device)
+out["cuda"] = str(torch.ones(1).cuda().device)
+layer = torch.nn.Linear(3, 3).cuda()
+out["module"] = str(layer.weight.device)
+out["module_to"] = str(torch.nn.Linear(3, 3).to("cuda").weight.device)
+torch.cuda.synchronize(); torch.cuda.empty_cache(); torch.cuda.reset_peak_memory_stats()
+out["memory"] = [torch.cuda.memory_allocated() > 0, torch.cuda.max_memory_allocated(device=0) > 0,
+                 torch.cuda.get_device_properties(0).total_memory > 0, torch.cuda.mem_get_info()[1] > 0]
+start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+start.record(); time.sleep(0.01); end.record(); end.synchronize()
+out["elapsed_ms"] = start.elapsed_time(end)
+with autocast(True):
+    out["autocast_dtype"] = str(layer(x).dtype)
+scaler = torch.cuda.amp.GradScaler()
+out["scaled"] = scaler.scale(torch.tensor(1.0)).item()
+out["legacy_type"] = isinstance(torch.cuda.FloatTensor([1.0]), torch.cuda.FloatTensor)
+print("RESULT " + json.dumps(out))
+"""
+
+
+def _run(code: str, env_extra: dict) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "SMP_ADAPTER_CUDA_ON_CPU"}
+    env.update({"PYTHONPATH": str(ROOT / "adapter"), "CUDA_VISIBLE_DEVICES": "", "DS_ACCELERATOR": "cpu",
+                "LOCAL_WORLD_SIZE": "4", **env_extra})
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True, text=True,
+                          timeout=120)
+
+
+def _result(proc) -> dict:
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stdout[-2000:] + proc.stderr[-3000:]
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def test_gpu_calls_of_a_script_run_on_the_cpu():
+    out = _result(_run(SCRIPT_SIDE, {"SMP_ADAPTER_CUDA_ON_CPU": "1"}))
+    assert (out["available"], out["count"], out["current"]) == (True, 4, 1)  # one GPU per local rank
+    assert out["library"] == [False, 0]  # DeepSpeed & co. keep seeing the CPU machine
+    assert {out[k] for k in ("to", "factory", "cuda", "module", "module_to")} == {"cpu"}
+    assert out["memory"] == [True, True, True, True]
+    assert 5.0 <= out["elapsed_ms"] < 5000.0
+    assert out["autocast_dtype"] == "torch.bfloat16"  # torch.cuda.amp.autocast -> CPU autocast
+    assert out["scaled"] == 65536.0 and out["legacy_type"] is True
+
+
+def test_not_installed_unless_asked():
+    proc = _run("""
+        import torch
+        import smdistributed.modelparallel.torch as smp
+        from smp_adapter.runtime import cuda_on_cpu
+        print("RESULT", __import__("json").dumps([torch.cuda.is_available(), cuda_on_cpu._installed]))
+    """, {})
+    assert _result(proc) == [False, False]
+
+
+def test_without_the_shim_the_script_fails_as_on_a_cpu_machine():
+    """What the shim prevents: the first CUDA call of the script dies."""
+    proc = _run(SCRIPT_SIDE, {"SMP_ADAPTER_CUDA_ON_CPU": "0"})
+    assert proc.returncode != 0
+    assert "module 'torch._C' has no attribute '_cuda_setDevice'" in proc.stderr, proc.stderr[-2000:]
