@@ -91,7 +91,8 @@ SUPPORT: dict[str, tuple[str, str]] = {
 _NAMESPACES = {"nn", "amp", "optimizers", "patches", "patches.checkpoint", "utils", "state_mod", "test.torch.utils"}  # their unknown members are unknown
 _WRAPPERS = ("DistributedModel", "DistributedOptimizer")
 _GPU_CALLS = ("torch.cuda.set_device", "torch.cuda.current_device", "torch.cuda.synchronize")
-GPU_NOTE = "needs a GPU (on CPU guard with torch.cuda.is_available())"
+GPU_NOTE = ("a GPU call: through smp-adapter launch on CPU ranks it runs on the CPU (CUDA on CPU ranks); run "
+            "directly (python script.py) on a machine without GPUs it fails")
 
 
 @dataclass(frozen=True)
@@ -288,7 +289,8 @@ class Report:
         if self.exit_status(cpu):
             lines.append("verdict: does not run as-is (fix the unsupported/unknown/error uses above)")
         elif c[NEEDS_GPU]:
-            lines.append("verdict: runs as-is on GPU machines; on CPU guard the needs-gpu lines")
+            lines.append("verdict: runs as-is (on CPU ranks through smp-adapter launch, which runs the needs-gpu "
+                         "lines on the CPU)")
         else:
             lines.append("verdict: runs as-is")
         return "\n".join(lines)

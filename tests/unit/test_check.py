@@ -160,7 +160,8 @@ device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 model = smp.DistributedModel(torch.nn.Linear(2, 2).cuda())
 """)
     assert main(["check", str(script)]) == 0
-    assert "verdict: runs as-is on GPU machines" in capsys.readouterr().out
+    assert "verdict: runs as-is (on CPU ranks through smp-adapter launch, which runs the needs-gpu lines on the CPU)" \
+        in capsys.readouterr().out
     report = check_source(script.read_text())
     assert [(u.line, u.status) for u in report.uses if u.kind == "gpu"] == [(8, "needs-gpu")]  # only the .cuda()
     assert main(["check", str(script), "--cpu"]) == 1
@@ -203,3 +204,21 @@ def test_check_as_a_process_exit_codes():
                           str(SEEDS / "seed002_vit_sdp.py")], capture_output=True, text=True, env=env, timeout=60)
     assert run.returncode == 1, run.stderr
     assert "vit.encoder.layer" in run.stdout and "verdict: does not run as-is" in run.stdout
+
+
+AWS_STYLE = Path(__file__).resolve().parents[1] / "fixtures" / "aws_style"
+
+
+@pytest.mark.parametrize("script", ["gpt/train.py", "bert/pretrain.py", "mnist/train_mnist.py"])
+def test_aws_style_scripts_are_predicted_to_run(capsys, script):
+    """These scripts run through launch --cpu in tests/distributed/test_aws_style_*.py: check must say
+    so, and must have seen their client-specific names."""
+    code, report = check_json(capsys, AWS_STYLE / script)
+    assert code == 0 and report["runs_as_is"], [u for u in report["uses"] if u["status"] in FAILING]
+    names = {u["name"] for u in report["uses"]}
+    expected = {"gpt/train.py": {"nn.FusedLayerNorm", "model_creation", "set_partition", "set_activation_checkpointing",
+                                 "save_checkpoint", "resume_from_checkpoint", "DistributedModel.get_module"},
+                "bert/pretrain.py": {"optimizers.FusedLAMB", "DistributedOptimizer", "step"},
+                "mnist/train_mnist.py": {"partition", "amp.GradScaler", "save"}}[script]
+    assert expected <= names, expected - names
+    assert any(u["status"] == "needs-gpu" for u in report["uses"])  # they hard-code CUDA, and run anyway

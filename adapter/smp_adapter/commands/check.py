@@ -12,7 +12,7 @@ DistributedModel / DistributedOptimizer, and every option dict given to ``smp.in
   error        invalid smp options, or a known slip (torch.optim.AdaDelta, transformers 5's ViT layout)
   needs-gpu    CUDA-only call not guarded by torch.cuda.is_available()
 
-Exit status: 0 the script should run as-is (needs-gpu lines only matter with --cpu), 1 it uses
+Exit status: 0 the script should run as-is (needs-gpu lines run on CPU ranks through launch; they count only with --cpu), 1 it uses
 something unsupported/unknown/erroneous, 2 the file cannot be read or does not parse.
 """
 
@@ -34,7 +34,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("script", metavar="SCRIPT.py", help="training script to check (not executed)")
     p.add_argument("--json", action="store_true", help="print one JSON document instead of the table")
     p.add_argument("--cpu", action="store_true",
-                   help="the script must run on CPU: needs-gpu lines make the exit status 1")
+                   help="the script will run on CPU *without* smp-adapter launch (python script.py): needs-gpu "
+                        "lines then make the exit status 1")
     return p
 
 

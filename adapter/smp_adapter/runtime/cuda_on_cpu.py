@@ -26,8 +26,9 @@ How:
 
 Limits: tensors report ``is_cuda == False`` and ``device.type == "cpu"``; code that branches on
 those takes its CPU path. The mode lives in the thread that imported smp (CPU autograd runs there
-too). Each torch call pays a Python-level check: measured ~2 us per op, ~10 % of a step of the tiny
-test models, negligible for real ones (docs/launch.md).
+too). Each torch call pays a Python-level check. Measured on the 2-core CI machine (AdamW step of a
+4-layer MLP, batch 32, one thread, 3 alternated runs): width 64 0.47 -> 0.85 ms (+0.38 ms, about 6 us
+per torch call), width 1024 within run-to-run noise (25-39 ms). A smoke-test tool, not for timing.
 """
 
 from __future__ import annotations
