@@ -59,9 +59,9 @@ parser.add_argument("--batch_size", type=int, default=32)
 args, _ = parser.parse_known_args()
 
 smp.init()
-if torch.cuda.is_available():  # the original calls torch.cuda.set_device unconditionally (GPU only)
-    torch.cuda.set_device(smp.local_rank())
-device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+# the seed's GPU setup, unchanged: on CPU ranks smp-adapter launch runs it on the CPU (docs/launch.md §7)
+torch.cuda.set_device(smp.local_rank())
+device = torch.device("cuda")
 
 dataset = ru.digits(args.samples)  # generated stand-in for MNIST (no download)
 if smp.dp_size() > 1:  # shard by data-parallel rank, as the original does with SplitDataset

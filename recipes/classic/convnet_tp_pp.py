@@ -64,9 +64,9 @@ parser.add_argument("--batch_size", type=int, default=32)
 args, _ = parser.parse_known_args()
 
 smp.init()
-if torch.cuda.is_available():
-    torch.cuda.set_device(smp.local_rank())
-device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+# the seed's GPU setup, unchanged: on CPU ranks smp-adapter launch runs it on the CPU (docs/launch.md §7)
+torch.cuda.set_device(smp.local_rank())
+device = torch.device("cuda")
 dataset = ru.digits(args.samples)
 if smp.dp_size() > 1:
     dataset = torch.utils.data.Subset(dataset, range(smp.dp_rank(), len(dataset), smp.dp_size()))

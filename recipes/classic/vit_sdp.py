@@ -34,9 +34,9 @@ parser.add_argument("--batch_size", type=int, default=4)
 args, _ = parser.parse_known_args()
 
 smp.init()
-if torch.cuda.is_available():
-    torch.cuda.set_device(smp.local_rank())
-device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+# the seed's GPU setup, unchanged: on CPU ranks smp-adapter launch runs it on the CPU (docs/launch.md §7)
+torch.cuda.set_device(smp.local_rank())
+device = torch.device("cuda")
 config = ViTConfig(image_size=args.image_size, patch_size=8, hidden_size=args.hidden_size,
                    num_hidden_layers=args.num_hidden_layers, num_attention_heads=4,
                    intermediate_size=4 * args.hidden_size, num_labels=10)
