@@ -2,7 +2,7 @@
 
 Model: a Llama-style decoder from a LlamaConfig (hidden 2048, 18 layers, 16 heads, SwiGLU 5632,
 vocab 32000, untied head: ~1.06B parameters), bf16 (smp option ``bf16``), torch.optim.AdamW.
-Both sides use the same DeepSpeed config (smp_adapter.translate.deepspeed.to_deepspeed_config plus
+Both sides use the same DeepSpeed config (smp_adapter.translate.deepspeed.to_deepspeed_config, as
 the runtime's gradient_accumulation_steps) and the same data:
 
   adapter: smp.init, smp.DistributedModel, smp.DistributedOptimizer, @smp.step + model.backward,
@@ -90,11 +90,9 @@ def native_config(options: dict, nprocs: int, per_rank_batch: int) -> dict:
     from smp_adapter.translate.deepspeed import to_deepspeed_config
 
     dims = ParallelDims.from_config(SMPConfig.from_sources(options, {}), nprocs)
-    config = to_deepspeed_config(dims, per_rank_batch=per_rank_batch)
-    config["gradient_accumulation_steps"] = dims.cfg.microbatches  # backward_passes_per_step = 1
-    if dims.zero_stage in (1, 3):
-        config["zero_optimization"]["overlap_comm"] = torch.cuda.is_available()  # runtime/engine.py's rule
-    return config
+    # the runtime's own config: backward_passes_per_step 1, the backend the job runs on
+    return to_deepspeed_config(dims, per_rank_batch=per_rank_batch,
+                               backend="nccl" if torch.cuda.is_available() else "gloo")
 
 
 # =============================================================================================

@@ -38,8 +38,9 @@ def test_missing_entries_of_this_stage_are_refused_unless_not_strict():
 def _model():
     module = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
     local = {"0.weight", "0.bias"}
-    return SimpleNamespace(module=module, _pipeline=SimpleNamespace(built=True, stage_units=[["0"], ["1"]],
-                                                                     local_keys=local))
+    # a built PipelineRunner's surface: the model, its stage assignment, this stage's keys
+    return SimpleNamespace(module=module, built=True, stage_units=[["0"], ["1"]], local_keys=local,
+                           on_partitioned=lambda check: check())
 
 
 def test_entries_of_another_model_are_refused_and_nothing_is_loaded():

@@ -25,6 +25,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from smp_adapter.errors import SMPCheckpointError, SMPUsageError
+from smp_adapter.runtime.checkpoint_files import atomic_torch_save, safe_torch_load
 from smp_adapter.runtime.state import state
 
 STAGE_MARK = "_smp_stage_units"
@@ -38,19 +39,17 @@ def optimizer_shard_file(folder: Path, pp_rank: int, tp_rank: int, rdp_rank: int
     return Path(folder) / f"optimizer_pp{pp_rank}_tp{tp_rank}_rdp{rdp_rank}.pt"
 
 
-def mark_stage(model, sd: dict) -> dict:
+def mark_stage(runner, sd: dict) -> dict:
     """Add the stage assignment to a local state dict (once the model is partitioned)."""
-    runner = model._pipeline
     if runner.built:
         sd[STAGE_MARK] = [list(units) for units in runner.stage_units]
     return sd
 
 
-def save_stage(staging: Path, model, optimizer) -> None:
+def save_stage(staging: Path, runner, optimizer) -> None:
     """This rank's part of a partial checkpoint (rdp rank 0 of each (pp, tp) position writes)."""
-    from smp_adapter.runtime.checkpoint import atomic_torch_save
-
-    if not model._pipeline.built:
+    model = runner.model
+    if not runner.built:
         raise SMPUsageError("with pipeline_parallel_degree > 1 a partial checkpoint can be saved only after the first "
                             "@smp.step call, which cuts the model into stages; save after a training step, or save a "
                             "full checkpoint with partial=False")
@@ -68,8 +67,6 @@ def save_stage(staging: Path, model, optimizer) -> None:
 
 
 def load_stage(folder: Path, model, optimizer, strict: bool, load_optimizer: bool) -> None:
-    from smp_adapter.runtime.checkpoint import safe_torch_load
-
     c = state.coord
     path = stage_file(folder, c.pp, c.tp)
     if not path.exists():
@@ -100,10 +97,9 @@ def load_stage(folder: Path, model, optimizer, strict: bool, load_optimizer: boo
         optimizer.load_state_dict(blob["optimizer"])
 
 
-def load_stage_state_dict(model, sd: dict, strict: bool = True):
+def load_stage_state_dict(runner, sd: dict, strict: bool = True):
     """Load this stage's entries (a dict from ``local_state_dict``, layout already checked)."""
-    runner = model._pipeline
-    module = model.module
+    module = runner.module
     saved_units = sd.pop(STAGE_MARK, None)
     names = set(module.state_dict().keys())
     unexpected = sorted(set(sd) - names)
@@ -113,13 +109,8 @@ def load_stage_state_dict(model, sd: dict, strict: bool = True):
                                  "(or pass strict=False to skip them)")
     module.load_state_dict({k: v for k, v in sd.items() if k in names}, strict=False)
 
-    def check(model_, _optimizer=None):
-        _check_stage(runner, saved_units, set(sd) & names, strict)
-
-    if runner.built:
-        check(model)
-    else:  # the partition is made at the first step: check it then
-        handle = model.register_post_partition_hook(lambda m, o: (handle.remove(), check(m)))
+    # the partition is made at the first step: checked then if it does not exist yet
+    runner.on_partitioned(lambda: _check_stage(runner, saved_units, set(sd) & names, strict))
     return None
 
 

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from smp_adapter.errors import SMPUsageError
+from smp_adapter.runtime.partition import partition_mark
 
 log = logging.getLogger("smp_adapter.pipeline")
 
@@ -142,7 +143,7 @@ def manual_split(module: nn.Module, prof: Profile, pp: int, default: int) -> lis
     """Units (parameter-owning modules) of each stage, from smp.partition / set_partition marks."""
     stage_of: dict[str, tuple[int, bool]] = {}  # name -> (stage, placed by a mark rather than by default)
     for name, m in module.named_modules():
-        mark = getattr(m, "_smp_partition", None)
+        mark = partition_mark(m)
         if mark is not None:
             stage_of[name] = (mark, True)
         else:

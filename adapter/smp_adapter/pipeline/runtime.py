@@ -31,6 +31,7 @@ from torch import nn
 
 from smp_adapter.errors import SMPUsageError, UnsupportedFeatureError
 from smp_adapter.pipeline import partition as part
+from smp_adapter.runtime.partition import partition_mark
 from smp_adapter.runtime.state import state
 
 
@@ -66,6 +67,19 @@ class PipelineRunner:
         self._mode = None
         self._replay = None
         self._loss = None
+        #: fp16/bf16: returns the current loss scale (set by the pipeline engine with the optimizer)
+        self.loss_scale_source = None
+
+    @property
+    def module(self) -> nn.Module:
+        return self.model.module
+
+    def on_partitioned(self, callback) -> None:
+        """Run ``callback()`` once the stages exist (now, if they already do)."""
+        if self.built:
+            callback()
+        else:
+            handle = self.model.register_post_partition_hook(lambda m, o: (handle.remove(), callback()))
 
     @property
     def is_first(self) -> bool:
@@ -157,16 +171,15 @@ class PipelineRunner:
                     leaves = [t for t in torch.utils._pytree.tree_leaves(output)
                               if isinstance(t, torch.Tensor) and t.requires_grad]
                     return sum((t.sum() * 0.0 for t in leaves), torch.zeros(()))
-                loss_scale = _fp16_loss_scale()
+                loss_scale = self.loss_scale_source() if self.loss_scale_source is not None else None
                 if loss_scale is None:
                     return loss * scale
                 return loss.float() * (scale * loss_scale)  # in fp32: the scale may exceed fp16's range
 
-            sched._loss_fn = loss_fn
             targets = [torch.tensor(j) for j in range(n)]
-            sched._step_microbatches(arg_mbs, kwarg_mbs, targets, None)
+            sched.run_microbatches(arg_mbs, kwarg_mbs, loss_fn, targets)
         else:
-            sched._step_microbatches(arg_mbs, kwarg_mbs, None, None)
+            sched.run_microbatches(arg_mbs, kwarg_mbs)
             if self.is_last:
                 for j, mb in enumerate(idx):
                     self._run_body(func, bound_mbs[mb], stage.output_chunks[j], results, mb)
@@ -190,24 +203,16 @@ class PipelineRunner:
         return output
 
     def _schedule(self, n: int, training: bool, simple: bool):
-        from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
-        from torch.distributed.pipelining.schedules import _ScheduleForwardOnly
+        from smp_adapter.pipeline.schedules import make_schedule
 
         key = (n, training, simple)
         if key not in self._schedules:
-            if not training:
-                sched = _ScheduleForwardOnly(self.stage, n)
-            else:
-                # with fewer microbatches than stages 1F1B never reaches a steady state: GPipe is the same order
-                cls = ScheduleGPipe if simple or n < self.num_stages else Schedule1F1B
-                # loss_fn is replaced per call; scaling is done on the loss (smp's average)
-                sched = cls(self.stage, n, loss_fn=lambda o, t: o, scale_grads=False)
-            self._schedules[key] = sched
+            self._schedules[key] = make_schedule(self.stage, n, training, simple, self.num_stages)
         sched = self._schedules[key]
         if key != self._last_schedule:
             # the stage's buffers were set up by another schedule (train <-> eval, another group size):
             # make this one set them up again (every rank switches at the same call)
-            sched._stage_forward_initialized = sched._stage_backward_initialized = False
+            sched.reset_stage_setup()
             self._last_schedule = key
         return sched
 
@@ -259,7 +264,7 @@ class PipelineRunner:
                 example_out = module(*args, **kwargs)
             self.out_spec = torch.utils._pytree.tree_flatten(example_out)[1]
             if cfg.auto_partition:
-                marked = [n for n, m in module.named_modules() if getattr(m, "_smp_partition", None) is not None]
+                marked = [n for n, m in module.named_modules() if partition_mark(m) is not None]
                 if marked and state.rank == 0:
                     warnings.warn(f"auto_partition is true: smp.partition/set_partition marks are ignored ({marked[:3]}"
                                   f"{'...' if len(marked) > 3 else ''}); set auto_partition: false to use them")
@@ -293,7 +298,7 @@ class PipelineRunner:
         self.stage = build_stage(mine, self.stage_index, pipe.info(), state.device, group=self.group)
         self.tp_originals = {}
         self.built = True
-        self.model._mark_partitioned()
+        self.model.mark_partitioned()
 
     def _split(self, pipeline, module, args, kwargs):
         spec = part.split_spec(self.stage_units)
@@ -369,14 +374,14 @@ class PipelineRunner:
         for i, sm in enumerate(stage_mods):
             for name, _ in list(sm.named_parameters(remove_duplicate=False)):
                 target = module.get_parameter(name)
-                _set_tensor(sm, name, target, parameter=True)
+                _set_tensor(sm, name, target)
                 owners.setdefault(id(target), set()).add(i)
             for name, _ in list(sm.named_buffers(remove_duplicate=False)):
                 try:
                     target = module.get_buffer(name)
                 except AttributeError:
                     continue
-                _set_tensor(sm, name, target, parameter=False)
+                _set_tensor(sm, name, target)
         return owners
 
     def _make_tie_groups(self, owners: dict) -> None:
@@ -504,35 +509,24 @@ def _has_submodule(root, name) -> bool:
 def _set_submodule(root, name, new) -> None:
     parent, _, leaf = name.rpartition(".")
     owner = root.get_submodule(parent) if parent else root
-    owner._modules[leaf] = new
+    setattr(owner, leaf, new)  # nn.Module.__setattr__ registers it as a submodule
 
 
-def _set_tensor(root, name, tensor, parameter: bool) -> None:
+def _set_tensor(root, name, tensor) -> None:
     parent, _, leaf = name.rpartition(".")
     owner = root.get_submodule(parent) if parent else root
-    if parameter:
-        owner._parameters[leaf] = tensor
-    else:
-        owner._buffers[leaf] = tensor
+    # nn.Module.__setattr__: a Parameter is registered as one; a tensor assigned to an existing
+    # buffer name replaces that buffer (its persistence is kept)
+    setattr(owner, leaf, tensor)
 
 
-def bound_microbatches(signature, split: dict, m: int) -> list:
-    return [inspect.BoundArguments(signature, {n: v[mb] for n, v in split.items()}) for mb in range(m)]
-
-
-def _fp16_loss_scale():
-    """The loss scale of fp16/bf16 training with pp > 1 (None without mixed precision)."""
-    mixed = state.optimizer.mixed_precision if state.optimizer is not None else None
-    return mixed.loss_scale if mixed is not None else None
-
-
-def clip_grad_norm_pipeline(model, max_norm: float, masters: dict | None = None) -> None:
+def clip_grad_norm_pipeline(runner: PipelineRunner, max_norm: float, masters: dict | None = None) -> None:
     """Global-norm clipping over all stages and TP ranks (runtime/clipping.py). A parameter tied
     across stages is counted on the lowest stage holding it. ``masters`` (id(parameter) -> its fp32
     master, fp16/bf16): clip the masters' gradients instead."""
     from smp_adapter.runtime.clipping import clip_by_global_norm
 
-    runner = model._pipeline
+    model = runner.model
     holder = (lambda p: masters.get(id(p), p)) if masters else (lambda p: p)
     not_counted = {id(p) for p, grp in runner.tied if min(dist.get_process_group_ranks(grp)) != state.rank}
     grads = [(holder(p).grad, model.is_distributed_parameter(p), id(p) not in not_counted)

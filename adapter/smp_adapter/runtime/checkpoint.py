@@ -1,5 +1,6 @@
-"""Checkpoints (spec §2.13): smp.save / smp.load, save_checkpoint / resume_from_checkpoint,
-and the model state-dict helpers behind DistributedModel.
+"""Checkpoints (spec §2.13): smp.save / smp.load and the model state-dict helpers behind
+DistributedModel. save_checkpoint / resume_from_checkpoint are in checkpoint_dirs.py, the file
+primitives in checkpoint_files.py (a leaf both import).
 
 Layout written by ``save_checkpoint(path, tag)`` (our encoding of smp's rankinfo, docs/runtime.md):
     <path>/<tag>_partial/          one directory per partial checkpoint
@@ -24,35 +25,19 @@ import os
 import torch
 
 from smp_adapter.errors import SMPCheckpointError, SMPUsageError
+from smp_adapter.runtime.checkpoint_files import (LAYOUT_MARK, PARTIAL_MARK, atomic_torch_save, check_layout,
+                                                  current_layout, safe_torch_load)
 from smp_adapter.runtime.state import require_initialized, state
-
-PARTIAL_MARK = "_smp_is_partial"
-LAYOUT_MARK = "_smp_layout"
-MANIFEST = "smp_manifest.json"
-
-
-# -- layout --------------------------------------------------------------------------------------
-def current_layout() -> dict:
-    d = state.dims
-    return {"pp": d.pp, "tp": d.tp, "rdp": d.rdp, "sdp": d.sdp, "zero_stage": d.zero_stage,
-            "placement": d.grid.order, "world_size": d.world_size}
-
-
-def check_layout(saved: dict, what: str) -> None:
-    now = current_layout()
-    keys = ("pp", "tp", "rdp", "sdp", "zero_stage", "placement")
-    diff = {k: (saved.get(k), now[k]) for k in keys if saved.get(k) != now[k]}
-    if diff:
-        detail = ", ".join(f"{k}: saved {a} vs now {b}" for k, (a, b) in diff.items())
-        raise SMPCheckpointError(
-            f"{what} was saved with another parallel layout ({detail}). Partial checkpoints load only into the same "
-            "layout: relaunch with the saved degrees, or save a full checkpoint (partial=False) and load that instead")
 
 
 # -- model state dicts ---------------------------------------------------------------------------
 def _zero3(model) -> bool:
+    return _is_zero3_module(model.module)
+
+
+def _is_zero3_module(module) -> bool:
     """Parameters are ZeRO-3 shards (after the engine is built, or created under zero.Init)."""
-    return any(hasattr(p, "ds_id") for p in model.module.parameters())
+    return any(hasattr(p, "ds_id") for p in module.parameters())
 
 
 def full_model_state_dict(model, gather_to_rank0: bool = False) -> dict:
@@ -63,18 +48,25 @@ def full_model_state_dict(model, gather_to_rank0: bool = False) -> dict:
         import deepspeed
 
         with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
-            sd = {k: v.detach().clone().cpu() for k, v in module.state_dict().items()}
+            # copies: the gathered tensors are freed again when the context ends
+            sd = {k: v.detach().clone().cpu() for k, v in _unsplit_state_dict(module).items()}
     elif state.dims.tp > 1:
-        from smp_adapter.parallel.tensor import current_tp_context, gather_full_state_dict
-
-        sd = gather_full_state_dict(module, current_tp_context())
+        sd = _unsplit_state_dict(module)
     else:
         sd = {k: v.detach().clone().cpu() for k, v in module.state_dict().items()}
-    if getattr(model, "_pipeline", None) is not None:  # pp > 1: each stage contributes its entries
-        sd = model._pipeline.full_state_dict(sd)
+    sd = model.runtime_engine.merge_full_state_dict(sd)  # pp > 1: each stage contributes its entries
     if gather_to_rank0 and state.rank != 0:
         return {}
     return sd
+
+
+def _unsplit_state_dict(module) -> dict:
+    """The module's state dict with tensor-parallel shards gathered (collective over TP)."""
+    if state.dims.tp == 1:
+        return module.state_dict()
+    from smp_adapter.parallel.tensor import current_tp_context, gather_full_state_dict
+
+    return gather_full_state_dict(module, current_tp_context())
 
 
 def local_model_state_dict(model) -> dict:
@@ -84,10 +76,7 @@ def local_model_state_dict(model) -> dict:
         sd.update({n: b.detach().clone().cpu() for n, b in module.named_buffers()})
     else:
         sd = {k: v.detach().clone().cpu() for k, v in module.state_dict().items()}
-    if getattr(model, "_pipeline", None) is not None:
-        from smp_adapter.pipeline.checkpoint import mark_stage
-
-        sd = mark_stage(model, model._pipeline.local_state_dict(sd))
+    sd = model.runtime_engine.local_state_dict(sd)
     sd[PARTIAL_MARK] = True
     sd[LAYOUT_MARK] = current_layout()
     return sd
@@ -100,26 +89,27 @@ def load_model_state_dict(model, state_dict, strict: bool = True):
     module = model.module
     if sd.pop(PARTIAL_MARK, False):
         check_layout(sd.pop(LAYOUT_MARK, current_layout()), "this partial state dict")
-        if getattr(model, "_pipeline", None) is not None:  # this stage's entries only
-            from smp_adapter.pipeline.checkpoint import load_stage_state_dict
-
-            return load_stage_state_dict(model, sd, strict=strict)
-        if _zero3(model):
-            with torch.no_grad():
-                for n, p in module.named_parameters():
-                    p.ds_tensor.copy_(sd[n])
-            return None
-        return module.load_state_dict(sd, strict=strict)
+        return model.runtime_engine.load_local_state_dict(sd, strict)
     sd.pop(LAYOUT_MARK, None)
+    if state.dims.tp > 1:  # this rank's slices of the unsplit tensors
+        from smp_adapter.parallel.tensor import current_tp_context, shard_state_dict
+
+        sd = shard_state_dict(module, sd, current_tp_context())
     if _zero3(model):
         import deepspeed
 
         with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=0):
             return module.load_state_dict(sd, strict=strict)
-    if state.dims.tp > 1:
-        from smp_adapter.parallel.tensor import current_tp_context, shard_state_dict
+    return module.load_state_dict(sd, strict=strict)
 
-        return module.load_state_dict(shard_state_dict(module, sd, current_tp_context()), strict=strict)
+
+def load_whole_local_state_dict(module, sd: dict, strict: bool):
+    """A partial state dict whose every entry is this rank's (pp = 1): ZeRO-3 shards or tensors."""
+    if _is_zero3_module(module):
+        with torch.no_grad():
+            for n, p in module.named_parameters():
+                p.ds_tensor.copy_(sd[n])
+        return None
     return module.load_state_dict(sd, strict=strict)
 
 
@@ -140,12 +130,6 @@ def save(obj, f, partial: bool = True, pickle_module=None, pickle_protocol: int 
     atomic_torch_save(obj, path, pickle_protocol)
 
 
-def atomic_torch_save(obj, path: str, pickle_protocol: int = 2) -> None:
-    tmp = f"{path}.tmp.{os.getpid()}"
-    torch.save(obj, tmp, pickle_protocol=pickle_protocol)
-    os.replace(tmp, path)
-
-
 def load(f, map_location=None, pickle_module=None, pickle_load_args=None, partial: bool = True,
          weights_only: bool = True):
     """torch.load(weights_only=True); partial=True picks this rank's file (all historic names)."""
@@ -163,20 +147,5 @@ def load(f, map_location=None, pickle_module=None, pickle_load_args=None, partia
     return safe_torch_load(f, map_location, weights_only)
 
 
-def safe_torch_load(path: str, map_location=None, weights_only: bool = True):
-    if not os.path.exists(path):
-        raise SMPCheckpointError(f"checkpoint file {path} does not exist: check the path and tag")
-    try:
-        return torch.load(path, map_location=map_location, weights_only=weights_only)
-    except Exception as exc:  # pickle / zip errors: the file is not a (safe) torch checkpoint
-        raise SMPCheckpointError(
-            f"{path} is not a loadable checkpoint ({type(exc).__name__}: {str(exc).splitlines()[0][:200]}). Loading "
-            "uses torch.load(weights_only=True); if you trust a file holding other Python objects, pass "
-            "weights_only=False to smp.load") from None
-
-
-# -- save_checkpoint / resume_from_checkpoint ----------------------------------------------------
-from smp_adapter.runtime.checkpoint_dirs import resume_from_checkpoint, save_checkpoint  # noqa: E402,F401
-
-__all__ = ["save", "load", "save_checkpoint", "resume_from_checkpoint", "full_model_state_dict",
-           "local_model_state_dict", "load_model_state_dict"]
+__all__ = ["save", "load", "full_model_state_dict", "local_model_state_dict", "load_model_state_dict",
+           "atomic_torch_save", "safe_torch_load"]

@@ -1,5 +1,6 @@
 """``smp.save_checkpoint`` / ``smp.resume_from_checkpoint``: checkpoint directories, written
-atomically (see the layout in checkpoint.py)."""
+atomically (see the layout in checkpoint.py). What goes into a partial checkpoint's directory is
+the engine's (runtime/engines: DeepSpeed's own format, or one file per pipeline stage)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from pathlib import Path
 import torch
 
 from smp_adapter.errors import SMPCheckpointError, SMPUsageError
-from smp_adapter.runtime import checkpoint as ckpt
+from smp_adapter.runtime import checkpoint_files as ckpt
 from smp_adapter.runtime.state import require_initialized, state
 
 
@@ -68,15 +69,10 @@ def _save_partial(path: Path, tag: str, model, optimizer, user_content) -> None:
     if s.rank == 0 and staging.exists():
         shutil.rmtree(staging)  # left by a crash during an earlier save
     _barrier()
-    if optimizer is None or (s.dims.pp == 1 and model._engine is None):
+    if optimizer is None or not model.runtime_engine.ready_for_checkpoint:
         raise SMPUsageError("partial checkpoints need the optimizer: create smp.DistributedOptimizer before "
                             "smp.save_checkpoint(..., partial=True), or save a full checkpoint with partial=False")
-    if s.dims.pp > 1:  # no DeepSpeed engine: one file per stage (smp_adapter/pipeline/checkpoint.py)
-        from smp_adapter.pipeline.checkpoint import save_stage
-
-        save_stage(staging, model, optimizer)
-    else:
-        model._engine.save_checkpoint(str(staging), tag="ds", save_latest=False)
+    model.runtime_engine.save_partial(staging, optimizer)
     rng = {"cpu": torch.get_rng_state()}
     if torch.cuda.is_available():
         rng["cuda"] = torch.cuda.get_rng_state()
@@ -136,19 +132,11 @@ def resume_from_checkpoint(path, tag=None, partial: bool = True, strict: bool = 
                                  "it may be from an interrupted save: resume from an earlier tag")
     manifest = json.loads(manifest_file.read_text())
     ckpt.check_layout(manifest.get("layout", {}), f"checkpoint {folder}")
-    if s.optimizer is None or (s.dims.pp == 1 and model._engine is None):
+    if s.optimizer is None or not model.runtime_engine.ready_for_checkpoint:
         raise SMPUsageError("resume a partial checkpoint after creating smp.DistributedOptimizer (the optimizer "
                             "state is restored into it)")
     load_opt = load_optimizer and load_sharded_optimizer_state
-    if s.dims.pp > 1:
-        from smp_adapter.pipeline.checkpoint import load_stage
-
-        load_stage(folder, model, s.optimizer, strict, load_opt)
-    else:
-        loaded, _ = model._engine.load_checkpoint(str(folder), tag="ds", load_module_strict=strict,
-                                                 load_optimizer_states=load_opt, load_lr_scheduler_states=load_opt)
-        if loaded is None:
-            raise SMPCheckpointError(f"DeepSpeed could not load {folder}/ds: the checkpoint is incomplete")
+    model.runtime_engine.load_partial(folder, s.optimizer, strict, load_opt)
     rng_file = folder / f"rng_rank{s.rank}.pt"
     if rng_file.exists():
         rng = ckpt.safe_torch_load(str(rng_file))

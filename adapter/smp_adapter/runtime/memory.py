@@ -33,12 +33,13 @@ def delay_param_initialization(enabled: bool = True):
     # libraries (transformers) import it lazily while building models - so load it first.
     import torch._dynamo  # noqa: F401
 
+    from smp_adapter.runtime.engines.deepspeed_groups import zero_init_arguments
     from smp_adapter.translate.deepspeed import to_deepspeed_config
 
-    ds_config = to_deepspeed_config(s.dims)
+    ds_config = to_deepspeed_config(s.dims, backend=s.backend)
     try:
-        with deepspeed.zero.Init(config_dict_or_path=ds_config, dtype=_param_dtype(),
-                                 data_parallel_group=s.groups.rdp, remote_device=None, enabled=True):
+        with deepspeed.zero.Init(config_dict_or_path=ds_config, dtype=_param_dtype(), remote_device=None,
+                                 enabled=True, **zero_init_arguments()):
             _announce_zero3_to_transformers(ds_config)
             yield
     finally:
@@ -109,7 +110,7 @@ def partition_for_zero3(module: nn.Module) -> None:
     first, because DeepSpeed casts only parameters it partitions itself."""
     import deepspeed
 
-    from smp_adapter.runtime.engine import SMPMpu
+    from smp_adapter.runtime.engines.deepspeed_groups import zero_init_arguments
     from smp_adapter.translate.deepspeed import to_deepspeed_config
 
     whole = [p for p in module.parameters() if not hasattr(p, "ds_id")]
@@ -120,9 +121,8 @@ def partition_for_zero3(module: nn.Module) -> None:
         if p.is_floating_point() and p.dtype != dtype:
             p.data = p.data.to(dtype)
     # the same arguments DeepSpeed's engine would use for a module it partitions itself
-    deepspeed.zero.Init(module=module, data_parallel_group=state.groups.rdp, dtype=dtype,
-                        config_dict_or_path=to_deepspeed_config(state.dims),
-                        mpu=SMPMpu() if state.dims.tp > 1 else None)
+    deepspeed.zero.Init(module=module, dtype=dtype, config_dict_or_path=to_deepspeed_config(state.dims, backend=state.backend),
+                        **zero_init_arguments())
 
 
 def _param_dtype():

@@ -1,11 +1,9 @@
-"""``smp.DistributedModel`` over a DeepSpeed engine (spec §2.7).
+"""``smp.DistributedModel`` (spec §2.7): the smp surface over the job's engine.
 
-Two training styles work with pp = 1 (spec §5.6):
-  * smp style: ``model(x)`` and ``model.backward(loss)`` inside an ``@smp.step`` function;
-  * plain style: ``model(x)``, ``loss.backward()``, ``optimizer.step()`` outside any step function.
-    DeepSpeed's ZeRO-0 engine refuses ``loss.backward()`` on outputs of ``engine(...)``, so in
-    this style (ZeRO 0) the forward runs the module directly and ``DistributedOptimizer.step``
-    all-reduces the gradients before updating: same result, same single reduction.
+The constructor prepares the module the same way for every layout (same initial weights on every
+replica, smp's distributed-transformer names, the tensor-parallel split) and then hands it to the
+engine the layout needs (runtime/engines: DeepSpeed at pp = 1, torch pipelining at pp > 1). Every
+method below delegates execution to that engine and never asks which one it is.
 """
 
 from __future__ import annotations
@@ -14,8 +12,8 @@ import torch
 from torch import nn
 
 from smp_adapter.errors import SMPUsageError
+from smp_adapter.runtime.engines.base import model_dtype
 from smp_adapter.runtime.state import require_initialized, state
-
 
 
 class DistributedModel(nn.Module):
@@ -43,9 +41,6 @@ class DistributedModel(nn.Module):
         self.broadcast_buffers = broadcast_buffers
         self.trace_device = trace_device  # no tracing pass here: accepted for compatibility
         self.partitioned = False
-        self._engine = None
-        self._plain_backward_pending = False
-        self._reduce_after_backward = True
         self._post_partition_hooks: list = []
         self._post_step_hooks: list = []
         self._distributed_modules: list[str] = []
@@ -58,112 +53,48 @@ class DistributedModel(nn.Module):
         # Every replica starts from dp rank 0's weights (users seed with dp_rank); done before the
         # tensor-parallel split, so each TP rank's shard is a slice of the same matrix.
         _sync_initial_state(module)
-        # Without prescaled_batch each TP rank trains on its own samples, so replicated parameters
-        # must also be averaged over the TP group before DeepSpeed averages over RDP: we then own
-        # the reduction (see _reduce_gradients).
-        self._manual_reduction = s.dims.tp > 1 and not s.cfg.prescaled_batch
         if _created_for_tensor_parallelism(module):
             # smp v1's distributed-transformer names (transformer.seq_layers, .attention, .output),
             # which scripts walk for set_partition / set_activation_checkpointing
             from smp_adapter.parallel.smp_layout import add_smp_layout
 
             add_smp_layout(module)
-        before = dict(module.named_modules()) if s.dims.pp > 1 else {}
+        before = dict(module.named_modules())
         if s.dims.tp > 1:
             self._distributed_modules = _apply_tensor_parallelism(module)
-        if s.dims.zero_stage == 3:
-            from smp_adapter.runtime.memory import partition_for_zero3
+        from smp_adapter.runtime.engines import create_engine
 
-            partition_for_zero3(module)
-        self._pipeline = None
-        if s.dims.pp > 1:  # stages are cut at the first step call (smp_adapter/pipeline)
-            from smp_adapter.pipeline import PipelineRunner
-
-            if _model_dtype(s.cfg) is not None:  # fp16/bf16: no DeepSpeed engine to cast the model
-                module.to(_model_dtype(s.cfg))
-
-            self._pipeline = PipelineRunner(self, {n: before[n] for n in self._distributed_modules})
-        self._floating_buffers = [b for b in module.buffers() if b.is_floating_point()]  # found once
+        #: the engine that executes this model (runtime/engines); chosen once, here
+        self.runtime_engine = create_engine(self, s.dims, {n: before[n] for n in self._distributed_modules})
         s.model = self
 
     # -- engine ----------------------------------------------------------------------------------
     @property
     def engine(self):
-        if self._pipeline is not None:
-            return None  # pp > 1: torch.distributed.pipelining runs the model, no DeepSpeed engine
-        if self._engine is None:
-            from smp_adapter.runtime.engine import build_engine
+        """DeepSpeed's engine at pp = 1 (built on first use), None at pp > 1."""
+        return self.runtime_engine.deepspeed_engine
 
-            self._engine = build_engine(self)  # no optimizer: evaluation-only use
-            self._mark_partitioned()
-        return self._engine
-
-    def _attach_engine(self, engine) -> None:
-        if self._engine is not None:
-            raise SMPUsageError("smp.DistributedOptimizer must be created before the model's first forward pass "
-                                "(create it right after smp.DistributedModel)")
-        self._engine = engine
-        self._mark_partitioned()
-
-    def _mark_partitioned(self) -> None:
+    def mark_partitioned(self) -> None:
+        """Called by the engine once the model has its final placement (runs post-partition hooks)."""
         if not self.partitioned:
             self.partitioned = True
             for hook in list(self._post_partition_hooks):
                 hook(self, state.optimizer)
 
+    def run_post_step_hooks(self, optimizer) -> None:
+        """Called by DistributedOptimizer.step after each update."""
+        for hook in list(self._post_step_hooks):
+            hook(self, optimizer)
+
     # -- forward / backward ----------------------------------------------------------------------
     def forward(self, *args, **kwargs):
-        args, kwargs = _cast_floats((args, kwargs), _model_dtype(state.cfg))
-        if self._pipeline is not None:
-            return self._pipeline.forward(args, kwargs)
-        engine = self.engine
-        if self.training and self.broadcast_buffers and self._floating_buffers:
-            _broadcast_buffers(self._floating_buffers)
-        if state.in_step:
-            return engine(*args, **kwargs)
-        # plain style (spec §5.6): gradients are reduced in the next optimizer.step()
-        if torch.is_grad_enabled() and self.training:
-            self._plain_backward_pending = True
-            if engine.zero_optimization_stage() < 3:
-                # DeepSpeed's own hooks on engine outputs would reduce (or, for ZeRO 0, refuse)
-                # a direct loss.backward(); run the module and reduce in optimizer.step()
-                engine.set_gradient_accumulation_boundary(False)
-                return self.module(*args, **kwargs)
-            engine.set_gradient_accumulation_boundary(True)
-        return engine(*args, **kwargs)
-
-    def _reduce_gradients(self) -> None:
-        """Average gradients over data-parallel ranks now: replicated parameters over the TP group
-        first when each TP rank had its own samples, then everything over DeepSpeed's group."""
-        engine = self.engine
-        if self._manual_reduction:
-            from smp_adapter.parallel.tensor import current_tp_context, tp_gradient_sync
-
-            tp_gradient_sync(self.module.parameters(), current_tp_context())
-        engine.set_gradient_accumulation_boundary(True)
-        engine.allreduce_gradients()
-
-    def _before_microbatch(self, mb: int, num_microbatches: int) -> None:
-        """Called by @smp.step: reduce gradients only after the last microbatch of every
-        backward_passes_per_step-th step call."""
-        last_call = (state.step_calls + 1) % self.backward_passes_per_step == 0
-        self._reduce_after_backward = last_call and mb == num_microbatches - 1
-        if self._engine is not None:
-            self._engine.set_gradient_accumulation_boundary(self._reduce_after_backward
-                                                            and not self._manual_reduction)
+        args, kwargs = _cast_floats((args, kwargs), model_dtype(state.cfg))
+        return self.runtime_engine.forward(args, kwargs)
 
     def backward(self, tensors, grad_tensors=None, retain_graph=None, create_graph=None):
         if retain_graph or create_graph:
             raise SMPUsageError("DistributedModel.backward does not support retain_graph/create_graph (as smp v1)")
-        if self._pipeline is not None:
-            return self._pipeline.backward(_scalar_loss(tensors, grad_tensors))
-        engine = self.engine
-        tensors = _scalar_loss(tensors, grad_tensors)
-        reduce_now = self._reduce_after_backward if state.in_step else True
-        engine.set_gradient_accumulation_boundary(reduce_now and not self._manual_reduction)
-        engine.backward(tensors, scale_wrt_gas=self.average_grads_across_microbatches)
-        if reduce_now and self._manual_reduction:
-            self._reduce_gradients()
+        self.runtime_engine.backward(_scalar_loss(tensors, grad_tensors))
 
     # -- parameters ------------------------------------------------------------------------------
     def get_module(self) -> nn.Module:
@@ -178,25 +109,19 @@ class DistributedModel(nn.Module):
         return (p for _, p in self.local_named_parameters())
 
     def local_named_parameters(self):
-        if self._pipeline is not None:
-            return iter(self._pipeline.local_named_parameters())
-        return self.module.named_parameters()  # pp = 1: every module is on this rank
+        return self.runtime_engine.local_named_parameters()
 
     def local_buffers(self):
         return (b for _, b in self.local_named_buffers())
 
     def local_named_buffers(self):
-        if self._pipeline is not None:
-            return iter(self._pipeline.local_named_buffers())
-        return self.module.named_buffers()
+        return self.runtime_engine.local_named_buffers()
 
     def local_modules(self):
         return (m for _, m in self.local_named_modules())
 
     def local_named_modules(self):
-        if self._pipeline is not None:
-            return iter(self._pipeline.local_named_modules())
-        return self.module.named_modules()
+        return self.runtime_engine.local_named_modules()
 
     def distributed_modules(self):
         return list(self._distributed_modules)
@@ -312,10 +237,6 @@ def _is_zero3_partitioned(module) -> bool:
     return any(hasattr(p, "ds_id") for p in module.parameters())
 
 
-def _model_dtype(cfg):
-    return torch.float16 if cfg.fp16 else torch.bfloat16 if cfg.bf16 else None
-
-
 def _cast_floats(obj, dtype):
     """fp16/bf16 jobs: floating inputs follow the model's dtype, as smp's FP16 module wrapper did."""
     if dtype is None:
@@ -345,18 +266,3 @@ def _sync_initial_state(module) -> None:
     with torch.no_grad():
         for tensor in list(module.parameters()) + list(module.buffers()):
             dist.broadcast(tensor.data, src=src, group=s.groups.dp)
-
-
-def _broadcast_buffers(buffers) -> None:
-    """broadcast_buffers=True (DDP behaviour, spec §3.2.8): floating buffers (BatchNorm statistics)
-    follow dp rank 0 at every training forward."""
-    import torch.distributed as dist
-
-    if state.world_size == 1 or dist.get_world_size(state.groups.dp) == 1:
-        return
-    from smp_adapter.runtime.comm import get_dp_group
-
-    src = get_dp_group()[0]
-    for b in buffers:
-        dist.broadcast(b.data, src=src, group=state.groups.dp)
-

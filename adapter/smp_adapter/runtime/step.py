@@ -15,7 +15,7 @@ import inspect
 from typing import Any, Callable
 
 from smp_adapter.errors import SMPUsageError
-from smp_adapter.runtime.state import require_initialized
+from smp_adapter.runtime.state import require_initialized, state
 
 
 class StepOutput:
@@ -90,26 +90,30 @@ def step(func: Callable | None = None, *, non_split_inputs=None, input_split_axe
         m = s.cfg.microbatches
         split = {name: _split(value, m, axes.get(name, 0), name) if name not in non_split else [value] * m
                  for name, value in bound.arguments.items()}
-        results = []
+        bound_mbs = [inspect.BoundArguments(bound.signature, {n: v[mb] for n, v in split.items()}) for mb in range(m)]
         s.in_step = True
-        pipeline = getattr(s.model, "_pipeline", None)
         try:
-            if pipeline is not None:  # pp > 1: the pipeline schedule runs the body (smp_adapter/pipeline)
-                from smp_adapter.pipeline import bound_microbatches
-
-                results = pipeline.run_step(func, bound_microbatches(bound.signature, split, m), detach_outputs)
-            for mb in range(m if pipeline is None else 0):
-                s.microbatch = mb
-                if s.model is not None:
-                    s.model._before_microbatch(mb, m)
-                bound_mb = inspect.BoundArguments(bound.signature, {n: v[mb] for n, v in split.items()})
-                results.append(func(*bound_mb.args, **bound_mb.kwargs))
+            if s.model is None:  # a step function without a model: the body runs once per microbatch
+                results = run_microbatches(func, bound_mbs)
+            else:  # the engine runs the microbatches (DeepSpeed: in order; pipeline: a schedule)
+                results = s.model.runtime_engine.run_step(func, bound_mbs, detach_outputs)
         finally:
             s.in_step, s.microbatch = False, None
         s.step_calls += 1
         return _merge(results, detach_outputs)
 
     return run_step
+
+
+def run_microbatches(func, bound_mbs: list, before_each=None) -> list:
+    """Run the body once per microbatch, in order; ``before_each(mb, m)`` first if given."""
+    results = []
+    for mb, bound in enumerate(bound_mbs):
+        state.microbatch = mb
+        if before_each is not None:
+            before_each(mb, len(bound_mbs))
+        results.append(func(*bound.args, **bound.kwargs))
+    return results
 
 
 def _split(value: Any, m: int, axis: int, name: str) -> list:

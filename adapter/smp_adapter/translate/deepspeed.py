@@ -1,14 +1,10 @@
-"""smp options -> a DeepSpeed config dict (pure; no deepspeed import).
+"""smp options -> a DeepSpeed config dict (pure; no deepspeed import): the one config of a job.
 
-Mapping (design.md §2):
-  ddp, no sharding                 -> ZeRO stage 0 (plain data-parallel all-reduce)
-  shard_optimizer_state            -> ZeRO stage 1
-  sharded_data_parallel_degree     -> ZeRO stage 3 (+ zero_hpz_partition_size = sdp when sdp < rdp)
-  microbatches                     -> gradient_accumulation_steps; micro batch = batch / microbatches
-  fp16 / bf16                      -> fp16 (dynamic or static loss scale) / bf16
-  sdp_gradient_clipping            -> gradient_clipping (only under sdp; DeepSpeed >= 0.19.3 defaults
-                                      to 1.0, so 0.0 is emitted explicitly to mean "off")
-  offload_activations              -> activation_checkpointing.cpu_checkpointing
+The runtime builds its DeepSpeed engine (and zero.Init) from ``to_deepspeed_config`` with the
+job's backend and backward_passes_per_step; ``smp-adapter translate`` prints the same function's
+output. Which DeepSpeed entries each smp option decides is ``DEEPSPEED_KEYS`` below, held once:
+the emitter writes those entries, ``translate --explain`` reads them back from the emitted config,
+and a test checks docs/translation.md's table against it.
 
 Batch arithmetic: per optimizer step each data-parallel rank runs `microbatches` microbatches of
 ``train_micro_batch_size_per_gpu`` samples; DeepSpeed derives train_batch_size = micro x gas x
@@ -22,6 +18,42 @@ from dataclasses import dataclass
 from typing import Any
 
 from smp_adapter.config.dims import ParallelDims
+
+# smp option -> the DeepSpeed entries (dotted paths) it decides.
+DEEPSPEED_KEYS: dict[str, tuple[str, ...]] = {
+    "ddp": ("zero_optimization.stage",),  # 0: plain data-parallel all-reduce
+    "shard_optimizer_state": ("zero_optimization.stage",),  # 1
+    "sharded_data_parallel_degree": ("zero_optimization.stage", "zero_optimization.zero_hpz_partition_size"),  # 3 (+ hpZ)
+    "microbatches": ("gradient_accumulation_steps", "train_micro_batch_size_per_gpu"),
+    "pipeline_parallel_degree": ("pipeline.stages",),
+    "fp16": ("fp16.enabled",),  # loss scale from DistributedOptimizer's arguments
+    "bf16": ("bf16.enabled",),
+    "offload_activations": ("activation_checkpointing.cpu_checkpointing",),
+    "sdp_reduce_bucket_size": ("zero_optimization.reduce_bucket_size",),
+    "sdp_param_persistence_threshold": ("zero_optimization.stage3_param_persistence_threshold",),
+    "sdp_max_live_parameters": ("zero_optimization.stage3_max_live_parameters",),
+    # only under sdp; DeepSpeed >= 0.19.3 defaults to 1.0, so 0.0 is emitted otherwise to mean "off"
+    "sdp_gradient_clipping": ("gradient_clipping",),
+}
+# sharded data parallel options copied unchanged (as integers) into their one DeepSpeed entry
+SDP_COPIED = ("sdp_reduce_bucket_size", "sdp_param_persistence_threshold", "sdp_max_live_parameters")
+
+
+def deepspeed_value(config, path: str):
+    """The value at a dotted path of a DeepSpeed config (None when absent)."""
+    for part in path.split("."):
+        if not isinstance(config, dict):
+            return None
+        config = config.get(part)
+    return config
+
+
+def _put(config: dict, path: str, value) -> None:
+    *parents, leaf = path.split(".")
+    for part in parents:
+        config = config.setdefault(part, {})
+    config[leaf] = value
+
 
 # Apex/smp dynamic loss scaling arguments (spec §2.8) and their DeepSpeed fp16 keys.
 DEFAULT_DYNAMIC_LOSS_ARGS = {"init_scale": 2**32, "scale_factor": 2.0, "scale_window": 1000, "min_scale": 1,
@@ -53,23 +85,30 @@ def fp16_section(loss: LossScaleArgs) -> dict[str, Any]:
 
 
 def to_deepspeed_config(dims: ParallelDims, per_rank_batch: int | None = None,
-                        loss_scale: LossScaleArgs | None = None) -> dict[str, Any]:
-    """The DeepSpeed config for this job.
+                        loss_scale: LossScaleArgs | None = None, backward_passes_per_step: int = 1,
+                        backend: str | None = None) -> dict[str, Any]:
+    """The DeepSpeed config for this job: the one the runtime's engine is built with.
 
     ``per_rank_batch`` is the batch each rank passes to smp.step (default: one sample per
     microbatch; the engine only uses it for throughput figures and batch-size checks).
+    ``backward_passes_per_step`` (a DistributedModel argument): step calls per optimizer step.
+    ``backend`` ("nccl" / "gloo"; None when translating for a job not yet launched): decides
+    overlap_comm for ZeRO 1/3 (see _zero_section).
     """
     cfg = dims.cfg
     per_rank_batch = cfg.microbatches if per_rank_batch is None else per_rank_batch
     micro = dims.micro_batch_size(per_rank_batch)
     ds: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": micro,
-        "gradient_accumulation_steps": cfg.microbatches,
+        # engine.backward divides each microbatch loss by this: smp's average over microbatches
+        # (the runtime sets the reduction boundary itself, after the last microbatch of every
+        # backward_passes_per_step-th step call)
+        "gradient_accumulation_steps": cfg.microbatches * backward_passes_per_step,
         "gradient_clipping": float(cfg.sdp_gradient_clipping) if dims.sdp > 1 else 0.0,
         "steps_per_print": 2**31 - 1,  # smp scripts print their own progress
         "zero_allow_untested_optimizer": True,  # any torch optimizer works under smp
         "wall_clock_breakdown": False,
-        "zero_optimization": _zero_section(dims),
+        "zero_optimization": _zero_section(dims, backend),
     }
     if cfg.fp16:
         ds["fp16"] = fp16_section(loss_scale or LossScaleArgs())
@@ -83,18 +122,18 @@ def to_deepspeed_config(dims: ParallelDims, per_rank_batch: int | None = None,
     return ds
 
 
-def _zero_section(dims: ParallelDims) -> dict[str, Any]:
+def _zero_section(dims: ParallelDims, backend: str | None) -> dict[str, Any]:
     cfg = dims.cfg
     stage = dims.zero_stage
     zero: dict[str, Any] = {"stage": stage}
+    if backend is not None and stage in (1, 3):
+        # Overlapped reduction needs CUDA streams; on CPU (gloo) it only adds work.
+        zero["overlap_comm"] = backend == "nccl"
     if stage == 3:
-        zero.update({
-            "reduce_bucket_size": int(cfg.sdp_reduce_bucket_size),
-            "stage3_param_persistence_threshold": int(cfg.sdp_param_persistence_threshold),
-            "stage3_max_live_parameters": int(cfg.sdp_max_live_parameters),
-            # Gather the full (unsharded) weights for state_dict(): smp full checkpoints need them.
-            "stage3_gather_16bit_weights_on_model_save": True,
-        })
+        for key in SDP_COPIED:
+            _put(zero, DEEPSPEED_KEYS[key][0].removeprefix("zero_optimization."), int(getattr(cfg, key)))
+        # Gather the full (unsharded) weights for state_dict(): smp full checkpoints need them.
+        zero["stage3_gather_16bit_weights_on_model_save"] = True
         if dims.hpz_partition_size > 1:
             zero["zero_hpz_partition_size"] = dims.hpz_partition_size
     return zero

@@ -5,7 +5,8 @@ Every name of spec §2.1 is exported here; tests/unit/test_api_surface.py pins t
 """
 
 from smp_adapter.errors import UnsupportedFeatureError as _Unsupported
-from smp_adapter.runtime.checkpoint import load, resume_from_checkpoint, save, save_checkpoint
+from smp_adapter.runtime.checkpoint import load, save
+from smp_adapter.runtime.checkpoint_dirs import resume_from_checkpoint, save_checkpoint
 from smp_adapter.runtime.comm import (
     DP_GROUP,
     MP_GROUP,

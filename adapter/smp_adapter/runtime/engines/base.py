@@ -1,0 +1,150 @@
+"""The interface every engine carries out for ``DistributedModel``, ``DistributedOptimizer``,
+``@smp.step`` and the checkpoint code (docs/architecture.md).
+
+An engine owns *how* a wrapped model is executed; the smp objects own *what* the user asked for.
+The smp objects call only these methods and never ask which engine they hold. One engine per
+DistributedModel, chosen once from the layout (``engines.create_engine``).
+
+Lifecycle: created by ``DistributedModel`` after tensor-parallel splitting; ``attach_optimizer`` when
+``DistributedOptimizer`` is created; then per step ``run_step`` (microbatches), ``forward`` /
+``backward`` from inside or outside the step function, ``optimizer_step``.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+from smp_adapter.errors import UnsupportedFeatureError
+
+
+class Engine(ABC):
+    #: registry name (``engines.ENGINES``)
+    name: str = ""
+
+    def __init__(self, model, tp_originals: dict):
+        """``model``: the DistributedModel (public members only); ``tp_originals``: qualified name ->
+        module as it was before the tensor-parallel split (pipeline tracing needs them)."""
+        self.model = model
+
+    # -- model -----------------------------------------------------------------------------------
+    @abstractmethod
+    def run_step(self, func, bound_mbs: list, detach: bool) -> list:
+        """Run the step body once per microbatch (``bound_mbs``: its bound arguments, one per
+        microbatch); return the body's return values, one per microbatch."""
+
+    @abstractmethod
+    def forward(self, args: tuple, kwargs: dict):
+        """``model(*args, **kwargs)``, inside a step function or outside (plain style)."""
+
+    @abstractmethod
+    def backward(self, loss) -> None:
+        """``model.backward(loss)`` with a scalar loss."""
+
+    @abstractmethod
+    def local_named_parameters(self):
+        ...
+
+    @abstractmethod
+    def local_named_buffers(self):
+        ...
+
+    @abstractmethod
+    def local_named_modules(self):
+        ...
+
+    @property
+    def deepspeed_engine(self):
+        """DeepSpeed's own engine when there is one (``model.engine``), else None."""
+        return None
+
+    # -- model state dicts (runtime/checkpoint.py builds them; the engine adds its part) ---------
+    def merge_full_state_dict(self, sd: dict) -> dict:
+        """A full-layout state dict of this rank's entries -> the whole model's (collective)."""
+        return sd
+
+    def local_state_dict(self, sd: dict) -> dict:
+        """This rank's part of a full-layout state dict (and the engine's marks)."""
+        return sd
+
+    def load_local_state_dict(self, sd: dict, strict: bool):
+        """Load a partial state dict (layout already checked): every entry is this rank's."""
+        from smp_adapter.runtime.checkpoint import load_whole_local_state_dict
+
+        return load_whole_local_state_dict(self.model.module, sd, strict)
+
+    # -- optimizer -------------------------------------------------------------------------------
+    @abstractmethod
+    def attach_optimizer(self, optimizer, loss_scale) -> None:
+        """``smp.DistributedOptimizer(optimizer, ...)`` was created (``loss_scale``: LossScaleArgs)."""
+
+    @property
+    @abstractmethod
+    def ready_for_checkpoint(self) -> bool:
+        """Whether the optimizer side exists, as partial checkpoints need."""
+
+    @abstractmethod
+    def optimizer_step(self, optimizer, clip_norm: float | None) -> None:
+        """Reduce what is still unreduced, clip (``clip_norm``), update."""
+
+    @abstractmethod
+    def zero_grad(self, optimizer, set_to_none: bool) -> None:
+        ...
+
+    @property
+    def overflow(self) -> bool:
+        """Whether the last step was skipped because fp16 gradients overflowed."""
+        return False
+
+    @property
+    def loss_scale(self) -> float:
+        return 1.0
+
+    @property
+    def mixed_precision(self):
+        """The engine's own fp16/bf16 master-weight keeper, if it has one (None otherwise)."""
+        return None
+
+    @property
+    def optimizer_internals(self):
+        """The engine's optimizer wrapper that scripts may read attributes of (DeepSpeed's ZeRO
+        optimizer), or None."""
+        return None
+
+    def param_shard_group(self):
+        """The process group ZeRO-3 parameter shards are spread over; AttributeError without one."""
+        raise AttributeError("ds_param_shard_group exists only with sharded_data_parallel_degree > 1 (ZeRO-3 "
+                             "parameter shards); without it every rank holds whole parameters")
+
+    @abstractmethod
+    def optimizer_state_dict(self, optimizer) -> dict:
+        ...
+
+    @abstractmethod
+    def optimizer_local_state_dict(self, optimizer) -> dict:
+        ...
+
+    @abstractmethod
+    def load_optimizer_state_dict(self, optimizer, sd: dict) -> None:
+        ...
+
+    # -- partial checkpoints (runtime/checkpoint_dirs.py) ----------------------------------------
+    @abstractmethod
+    def save_partial(self, staging, optimizer) -> None:
+        """Write this rank's model and optimizer state into the staging directory."""
+
+    @abstractmethod
+    def load_partial(self, folder, optimizer, strict: bool, load_optimizer: bool) -> None:
+        ...
+
+
+def model_dtype(cfg):
+    """The dtype fp16/bf16 jobs hold the model in (None: as created)."""
+    return torch.float16 if cfg.fp16 else torch.bfloat16 if cfg.bf16 else None
+
+
+def refuse_full_sharded_optimizer_state():
+    raise UnsupportedFeatureError(
+        "a full optimizer state_dict is not available with optimizer-state sharding (as in smp v1): use "
+        "optimizer.local_state_dict() or smp.save_checkpoint(..., partial=True)")

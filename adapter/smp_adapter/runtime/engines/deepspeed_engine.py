@@ -1,0 +1,233 @@
+"""The DeepSpeed engine (pipeline_parallel_degree 1): ZeRO 0/1/3 (+ hpZ), fp16/bf16, TP layers inside.
+
+smp creates the optimizer *after* the model, while ``deepspeed.initialize`` wants both at once, so
+DeepSpeed's engine is built when ``smp.DistributedOptimizer`` is created (or at the first forward
+of a model used without an optimizer, e.g. evaluation-only scripts).
+
+Two training styles (spec §5.6):
+  * smp style: ``model(x)`` and ``model.backward(loss)`` inside an ``@smp.step`` function;
+  * plain style: ``model(x)``, ``loss.backward()``, ``optimizer.step()`` outside any step function.
+    DeepSpeed's ZeRO-0 engine refuses ``loss.backward()`` on outputs of ``engine(...)``, so in this
+    style (ZeRO 0/1) the forward runs the module directly and ``optimizer_step`` all-reduces the
+    gradients before updating: same result, same single reduction.
+
+Gradient accumulation: DeepSpeed's gradient_accumulation_steps is microbatches x
+backward_passes_per_step (translate/deepspeed.py), so ``engine.backward`` divides each microbatch
+loss by that number (= the average over microbatches smp promises). The reduction boundary is set
+here explicitly: after the last microbatch of every backward_passes_per_step-th step call, so
+gradients are reduced when the step function returns, as smp v1 guarantees.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from smp_adapter.errors import SMPCheckpointError, SMPUsageError
+from smp_adapter.runtime.engines.base import Engine, refuse_full_sharded_optimizer_state
+from smp_adapter.runtime.state import state
+
+
+class DeepSpeedEngine(Engine):
+    name = "deepspeed"
+
+    def __init__(self, model, tp_originals: dict):
+        super().__init__(model, tp_originals)
+        self._ds = None  # deepspeed.DeepSpeedEngine, built lazily (module docstring)
+        self._client_optimizer = None
+        self._plain_backward_pending = False
+        self._reduce_after_backward = True
+        # Without prescaled_batch each TP rank trains on its own samples, so replicated parameters
+        # must also be averaged over the TP group before DeepSpeed averages over RDP: we then own
+        # the reduction (see _reduce_gradients).
+        self._manual_reduction = state.dims.tp > 1 and not state.cfg.prescaled_batch
+        self._floating_buffers = [b for b in model.module.buffers() if b.is_floating_point()]
+        if state.dims.zero_stage == 3:
+            from smp_adapter.runtime.memory import partition_for_zero3
+
+            partition_for_zero3(model.module)  # scripts read p.ds_tensor right after wrapping
+
+    # -- DeepSpeed's engine ----------------------------------------------------------------------
+    @property
+    def deepspeed_engine(self):
+        if self._ds is None:
+            self._ds = self._build(None, None)  # no optimizer: evaluation-only use
+            self.model.mark_partitioned()
+        return self._ds
+
+    def attach_optimizer(self, optimizer, loss_scale) -> None:
+        if self._ds is not None:
+            raise SMPUsageError("smp.DistributedOptimizer must be created before the model's first forward pass "
+                                "(create it right after smp.DistributedModel)")
+        self._client_optimizer = optimizer
+        self._ds = self._build(optimizer, loss_scale)
+        self.model.mark_partitioned()
+
+    def _build(self, optimizer, loss_scale):
+        import deepspeed
+
+        from smp_adapter.runtime.engines.deepspeed_groups import adopt_smp_hpz_group, mpu_or_none
+        from smp_adapter.translate.deepspeed import to_deepspeed_config
+
+        config = to_deepspeed_config(state.dims, loss_scale=loss_scale,
+                                     backward_passes_per_step=self.model.backward_passes_per_step,
+                                     backend=state.backend)
+        module = self.model.module
+        params = [p for p in module.parameters() if p.requires_grad] if optimizer is None else None
+        adopt_smp_hpz_group()
+        engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, config=config, mpu=mpu_or_none(),
+                                               model_parameters=params, dist_init_required=False)
+        return engine
+
+    # -- model -----------------------------------------------------------------------------------
+    def run_step(self, func, bound_mbs: list, detach: bool) -> list:
+        from smp_adapter.runtime.step import run_microbatches
+
+        return run_microbatches(func, bound_mbs, before_each=self._before_microbatch)
+
+    def _before_microbatch(self, mb: int, num_microbatches: int) -> None:
+        """Reduce gradients only after the last microbatch of every backward_passes_per_step-th call."""
+        last_call = (state.step_calls + 1) % self.model.backward_passes_per_step == 0
+        self._reduce_after_backward = last_call and mb == num_microbatches - 1
+        if self._ds is not None:
+            self._ds.set_gradient_accumulation_boundary(self._reduce_after_backward and not self._manual_reduction)
+
+    def forward(self, args, kwargs):
+        engine, model = self.deepspeed_engine, self.model
+        if model.training and model.broadcast_buffers and self._floating_buffers:
+            _broadcast_buffers(self._floating_buffers)
+        if state.in_step:
+            return engine(*args, **kwargs)
+        # plain style (spec §5.6): gradients are reduced in the next optimizer.step()
+        if torch.is_grad_enabled() and model.training:
+            self._plain_backward_pending = True
+            if engine.zero_optimization_stage() < 3:
+                # DeepSpeed's own hooks on engine outputs would reduce (or, for ZeRO 0, refuse)
+                # a direct loss.backward(); run the module and reduce in optimizer.step()
+                engine.set_gradient_accumulation_boundary(False)
+                return model.module(*args, **kwargs)
+            engine.set_gradient_accumulation_boundary(True)
+        return engine(*args, **kwargs)
+
+    def backward(self, loss) -> None:
+        engine = self.deepspeed_engine
+        reduce_now = self._reduce_after_backward if state.in_step else True
+        engine.set_gradient_accumulation_boundary(reduce_now and not self._manual_reduction)
+        engine.backward(loss, scale_wrt_gas=self.model.average_grads_across_microbatches)
+        if reduce_now and self._manual_reduction:
+            self._reduce_gradients()
+
+    def _reduce_gradients(self) -> None:
+        """Average gradients over data-parallel ranks now: replicated parameters over the TP group
+        first when each TP rank had its own samples, then everything over DeepSpeed's group."""
+        engine = self.deepspeed_engine
+        if self._manual_reduction:
+            from smp_adapter.parallel.tensor import current_tp_context, tp_gradient_sync
+
+            tp_gradient_sync(self.model.module.parameters(), current_tp_context())
+        engine.set_gradient_accumulation_boundary(True)
+        engine.allreduce_gradients()
+
+    def local_named_parameters(self):
+        return self.model.module.named_parameters()  # pp = 1: every module is on this rank
+
+    def local_named_buffers(self):
+        return self.model.module.named_buffers()
+
+    def local_named_modules(self):
+        return self.model.module.named_modules()
+
+    # -- optimizer -------------------------------------------------------------------------------
+    @property
+    def ready_for_checkpoint(self) -> bool:
+        return self._ds is not None
+
+    def optimizer_step(self, optimizer, clip_norm) -> None:
+        engine = self.deepspeed_engine
+        if self._plain_backward_pending and engine.zero_optimization_stage() < 3:
+            self._reduce_gradients()  # plain style: gradients were only local so far
+        self._plain_backward_pending = False
+        if clip_norm is not None:
+            self._clip(clip_norm)
+        engine.set_gradient_accumulation_boundary(True)
+        engine.step()
+
+    def _clip(self, max_norm: float) -> None:
+        inner = self.deepspeed_engine.optimizer
+        module = self.model.module
+        if hasattr(inner, "clip_grad"):  # DeepSpeed fp16 / ZeRO optimizers clip master grads in step()
+            inner.clip_grad = max_norm
+        elif state.dims.tp > 1:  # the same factor on every TP rank (runtime/clipping.py)
+            from smp_adapter.runtime.clipping import clip_by_global_norm
+
+            grads = [(p.grad, self.model.is_distributed_parameter(p), True) for p in module.parameters()
+                     if p.grad is not None]
+            clip_by_global_norm(grads, max_norm, tp_group=state.groups.tp)
+        else:
+            torch.nn.utils.clip_grad_norm_(module.parameters(), max_norm)
+
+    def zero_grad(self, optimizer, set_to_none: bool) -> None:
+        engine = self.deepspeed_engine
+        if engine.zero_optimization_stage() > 0 or engine.fp16_enabled() or engine.bfloat16_enabled():
+            engine.optimizer.zero_grad(set_to_none=set_to_none)
+        else:
+            optimizer.zero_grad(set_to_none=set_to_none)
+
+    @property
+    def overflow(self) -> bool:
+        return bool(getattr(getattr(self._ds, "optimizer", None), "overflow", False))
+
+    @property
+    def loss_scale(self) -> float:
+        inner = getattr(self._ds, "optimizer", None)
+        return float(getattr(inner, "cur_scale", getattr(inner, "loss_scale", 1.0)) or 1.0)
+
+    @property
+    def optimizer_internals(self):
+        wrapper = getattr(self._ds, "optimizer", None)
+        return wrapper if wrapper is not self._client_optimizer else None
+
+    def param_shard_group(self):
+        group = getattr(self.optimizer_internals, "dp_process_group", None)
+        if group is None or self._ds.zero_optimization_stage() != 3:
+            return super().param_shard_group()
+        return group
+
+    def optimizer_state_dict(self, optimizer) -> dict:
+        if self.deepspeed_engine.zero_optimization_stage() > 0:
+            refuse_full_sharded_optimizer_state()
+        return self.deepspeed_engine.optimizer.state_dict()
+
+    def optimizer_local_state_dict(self, optimizer) -> dict:
+        return dict(self.deepspeed_engine.optimizer.state_dict())
+
+    def load_optimizer_state_dict(self, optimizer, sd: dict) -> None:
+        engine = self.deepspeed_engine
+        if engine.zero_optimization_stage() > 0:
+            engine.optimizer.load_state_dict([sd], load_optimizer_states=True)
+        else:
+            engine.optimizer.load_state_dict(sd)
+
+    # -- partial checkpoints: DeepSpeed's own format under <tag>_partial/ds ------------------------
+    def save_partial(self, staging, optimizer) -> None:
+        self._ds.save_checkpoint(str(staging), tag="ds", save_latest=False)
+
+    def load_partial(self, folder, optimizer, strict: bool, load_optimizer: bool) -> None:
+        loaded, _ = self._ds.load_checkpoint(str(folder), tag="ds", load_module_strict=strict,
+                                             load_optimizer_states=load_optimizer,
+                                             load_lr_scheduler_states=load_optimizer)
+        if loaded is None:
+            raise SMPCheckpointError(f"DeepSpeed could not load {folder}/ds: the checkpoint is incomplete")
+
+
+def _broadcast_buffers(buffers) -> None:
+    """broadcast_buffers=True (DDP behaviour, spec §3.2.8): floating buffers (BatchNorm statistics)
+    follow dp rank 0 at every training forward."""
+    import torch.distributed as dist
+
+    if state.world_size == 1 or dist.get_world_size(state.groups.dp) == 1:
+        return
+    from smp_adapter.runtime.comm import get_dp_group
+
+    src = get_dp_group()[0]
+    for b in buffers:
+        dist.broadcast(b.data, src=src, group=state.groups.dp)

@@ -1,0 +1,77 @@
+"""The process groups DeepSpeed is given: smp's, never DeepSpeed's own guesses.
+
+* ``SMPMpu``: the ``mpu`` interface DeepSpeed asks for when tp > 1. Its data-parallel group is
+  smp's RDP group, its model-parallel group smp's TP group.
+* hpZ: DeepSpeed's secondary-partition group is smp's sharding group (``adopt_smp_hpz_group``).
+"""
+
+from __future__ import annotations
+
+from smp_adapter.runtime.state import state
+
+
+class SMPMpu:
+    """DeepSpeed's ``mpu`` backed by smp's groups (used when tp > 1)."""
+
+    def __init__(self):
+        self.g, self.c, self.d = state.groups, state.coord, state.dims
+
+    def get_model_parallel_rank(self):
+        return self.c.tp
+
+    def get_model_parallel_world_size(self):
+        return self.d.tp
+
+    def get_model_parallel_group(self):
+        return self.g.tp
+
+    get_tensor_model_parallel_rank = get_model_parallel_rank
+    get_tensor_model_parallel_world_size = get_model_parallel_world_size
+    get_tensor_model_parallel_group = get_model_parallel_group
+
+    def get_data_parallel_rank(self):
+        return self.c.rdp
+
+    def get_data_parallel_world_size(self):
+        return self.d.rdp
+
+    def get_data_parallel_group(self):
+        return self.g.rdp
+
+    def get_pipeline_model_parallel_rank(self):
+        return self.c.pp
+
+    def get_pipeline_model_parallel_world_size(self):
+        return self.d.pp
+
+    def get_pipeline_model_parallel_group(self):
+        return self.g.pp
+
+
+def mpu_or_none():
+    return SMPMpu() if state.dims.tp > 1 else None
+
+
+def adopt_smp_hpz_group() -> None:
+    """hpZ (sharded_data_parallel_degree < rdp size): make DeepSpeed's secondary-partition group
+    smp's sharding group (RankGrid.sdp_groups: consecutive chunks of this rank's RDP group).
+
+    Left alone, DeepSpeed builds that group from consecutive *global* ranks. With tp > 1 those mix
+    TP ranks, which hold different shards of each weight, and its secondary all-gather would then
+    assemble weights from different shards. DeepSpeed has no public argument for the group its
+    ZeRO-3 optimizer uses: it reads the module global below and builds its own only while it is
+    None, so the group is put there before any zero.Init or deepspeed.initialize. shutdown()
+    clears it with DeepSpeed's other cached groups (runtime/init.py)."""
+    if state.dims.hpz_partition_size == 1:
+        return
+    from deepspeed.utils import groups as ds_groups
+
+    if ds_groups._get_zero_param_intra_parallel_group() is None:
+        ds_groups._ZERO_PARAM_INTRA_PARALLEL_GROUP = state.groups.sdp
+
+
+def zero_init_arguments() -> dict:
+    """The process-group arguments of ``deepspeed.zero.Init``: the ones DeepSpeed's engine uses."""
+    adopt_smp_hpz_group()
+    return {"data_parallel_group": state.groups.rdp, "mpu": mpu_or_none(),
+            "zero_param_parallel_group": state.groups.sdp if state.dims.hpz_partition_size > 1 else None}

@@ -1,0 +1,161 @@
+"""The pipeline engine (pipeline_parallel_degree > 1): torch.distributed.pipelining stages.
+
+There is no DeepSpeed engine here. The pieces, all in smp_adapter/pipeline:
+  * ``PipelineRunner`` (runtime.py): cuts the model into stages at the first step, runs the
+    schedule, reduces gradients (tied parameters over their stages, then TP / RDP);
+  * ``PipelineMixedPrecision`` (mixed_precision.py): fp16/bf16 fp32 masters and loss scaling;
+  * ``PipelineStateSharding`` (sharded_optimizer.py): shard_optimizer_state, ZeRO-1 over the
+    stage's RDP group;
+  * checkpoint.py: one file per (pp, tp) position.
+
+An optimizer step: (fp16/bf16: overflow check, unscaled fp32 master gradients) -> clipping -> the
+torch optimizer (sharded with shard_optimizer_state) -> (masters back into the model).
+"""
+
+from __future__ import annotations
+
+from smp_adapter.runtime.engines.base import Engine, model_dtype, refuse_full_sharded_optimizer_state
+from smp_adapter.runtime.state import state
+
+
+class PipelineEngine(Engine):
+    name = "pipeline"
+
+    def __init__(self, model, tp_originals: dict):
+        super().__init__(model, tp_originals)
+        from smp_adapter.pipeline import PipelineRunner
+
+        dtype = model_dtype(state.cfg)
+        if dtype is not None:  # fp16/bf16: no DeepSpeed engine to cast the model
+            model.module.to(dtype)
+        self.runner = PipelineRunner(model, tp_originals)  # stages are cut at the first step call
+        self._mixed = None
+        self._sharding = None
+
+    # -- model -----------------------------------------------------------------------------------
+    def run_step(self, func, bound_mbs: list, detach: bool) -> list:
+        return self.runner.run_step(func, bound_mbs, detach)
+
+    def forward(self, args, kwargs):
+        return self.runner.forward(args, kwargs)
+
+    def backward(self, loss) -> None:
+        self.runner.backward(loss)
+
+    def local_named_parameters(self):
+        return iter(self.runner.local_named_parameters())
+
+    def local_named_buffers(self):
+        return iter(self.runner.local_named_buffers())
+
+    def local_named_modules(self):
+        return iter(self.runner.local_named_modules())
+
+    def merge_full_state_dict(self, sd: dict) -> dict:
+        return self.runner.full_state_dict(sd)  # each stage contributes its entries
+
+    def local_state_dict(self, sd: dict) -> dict:
+        from smp_adapter.pipeline.checkpoint import mark_stage
+
+        return mark_stage(self.runner, self.runner.local_state_dict(sd))
+
+    def load_local_state_dict(self, sd: dict, strict: bool):
+        from smp_adapter.pipeline.checkpoint import load_stage_state_dict
+
+        return load_stage_state_dict(self.runner, sd, strict=strict)  # this stage's entries only
+
+    # -- optimizer -------------------------------------------------------------------------------
+    def attach_optimizer(self, optimizer, loss_scale) -> None:
+        cfg = state.cfg
+        if cfg.fp16 or cfg.bf16:
+            from smp_adapter.pipeline.mixed_precision import PipelineMixedPrecision
+
+            self._mixed = PipelineMixedPrecision(model_dtype(cfg), loss_scale)
+            self.runner.loss_scale_source = lambda: self._mixed.loss_scale
+
+    @property
+    def ready_for_checkpoint(self) -> bool:
+        return True
+
+    @property
+    def mixed_precision(self):
+        return self._mixed
+
+    def optimizer_step(self, optimizer, clip_norm) -> None:
+        mixed = self._mixed
+        if mixed is not None and self.runner.built:
+            if not mixed.attached:
+                mixed.attach(optimizer, list(self.model.local_parameters()))
+            if not mixed.prepare_step():
+                return  # overflow on some rank: every rank skips this step
+        if clip_norm is not None:
+            self._clip(clip_norm)
+        sharding = self._state_sharding()
+        if sharding is not None:  # shard_optimizer_state: ZeRO-1 over the stage's rdp group
+            sharding.step(optimizer)
+        else:
+            optimizer.step()
+        if mixed is not None and mixed.attached:
+            mixed.finish_step()
+
+    def _clip(self, max_norm: float) -> None:
+        """The norm over all stages' parameters (fp32 masters under fp16/bf16)."""
+        from smp_adapter.pipeline.runtime import clip_grad_norm_pipeline
+
+        mixed = self._mixed
+        masters = dict(zip(map(id, mixed.params), mixed.masters)) if mixed is not None and mixed.attached else None
+        clip_grad_norm_pipeline(self.runner, max_norm, masters)
+
+    def _state_sharding(self):
+        """shard_optimizer_state with rdp > 1: the owner of each stage parameter's state
+        (pipeline/sharded_optimizer.py), set up at the first step (after partitioning)."""
+        if state.dims.zero_stage == 0 or state.dims.rdp == 1 or not self.runner.built:
+            return None  # (before the first step there are no stages and no gradients)
+        if self._sharding is None:
+            from smp_adapter.pipeline.sharded_optimizer import PipelineStateSharding
+
+            mixed = self._mixed
+            params = mixed.masters if mixed is not None else list(self.model.local_parameters())
+            self._sharding = PipelineStateSharding(params, state.groups.rdp, state.dims.rdp)
+        return self._sharding
+
+    def zero_grad(self, optimizer, set_to_none: bool) -> None:
+        optimizer.zero_grad(set_to_none=set_to_none)
+        if self._mixed is not None:  # the optimizer holds the fp32 masters: clear the model's gradients too
+            self._mixed.zero_model_grads(set_to_none)
+
+    @property
+    def overflow(self) -> bool:
+        return self._mixed.overflow if self._mixed is not None else False
+
+    @property
+    def loss_scale(self) -> float:
+        return self._mixed.loss_scale if self._mixed is not None else 1.0
+
+    def optimizer_state_dict(self, optimizer) -> dict:
+        if state.dims.zero_stage > 0:
+            refuse_full_sharded_optimizer_state()
+        return optimizer.state_dict()  # this stage's state (other stages' parameters have none)
+
+    def optimizer_local_state_dict(self, optimizer) -> dict:
+        return dict(optimizer.state_dict())
+
+    def load_optimizer_state_dict(self, optimizer, sd: dict) -> None:
+        mixed = self._mixed
+        if mixed is not None and not mixed.attached:  # loaded into the fp32 masters once they exist
+            mixed.pending_optimizer_state = sd
+        else:
+            optimizer.load_state_dict(sd)
+
+    # -- partial checkpoints: one file per stage ---------------------------------------------------
+    def save_partial(self, staging, optimizer) -> None:
+        from smp_adapter.pipeline.checkpoint import save_stage
+
+        save_stage(staging, self.runner, optimizer)
+
+    def load_partial(self, folder, optimizer, strict: bool, load_optimizer: bool) -> None:
+        from smp_adapter.pipeline.checkpoint import load_stage
+
+        load_stage(folder, self.model, optimizer, strict, load_optimizer)
+
+
