@@ -56,6 +56,26 @@ def test_gpt2_tp2_dp2_matches_and_reloads_with_from_pretrained(tmp_path, prescal
         torch.testing.assert_close(reloaded(ids).logits, expected(ids).logits, rtol=1e-5, atol=1e-5)
 
 
+def test_hpz_with_tensor_parallelism_tp2_sdp2_of_rdp4(tmp_path):
+    """smp v1.15's layout (tp 4, sdp 4 of rdp 8) in small: tp 2 x rdp 4 on 8 processes, sdp 2 < rdp 4,
+    i.e. ZeRO-3 with hpZ groups of 2. DeepSpeed's hpZ group must be smp's sharding group, a chunk of
+    the rank's RDP group: DeepSpeed's own choice (consecutive global ranks) pairs the two TP ranks,
+    which hold different shards. Trained with SGD against the unsplit model on the global batch
+    (prescaled_batch, which sdp with tp requires: the 4 RDP ranks read 4 batches)."""
+    from smp_adapter.config.dims import ParallelDims
+    from smp_adapter.config.options import SMPConfig
+
+    options = {"tensor_parallel_degree": 2, "ddp": True, "sharded_data_parallel_degree": 2, "prescaled_batch": True,
+               "sdp_param_persistence_threshold": 0, "sdp_gradient_clipping": 0.0}
+    results = run_ranks(SCRIPT, 8, args=["--model", "gpt2", "--steps", 2],
+                        env={"SM_HP_MP_PARAMETERS": json.dumps(options)}, out_dir=tmp_path)
+    grid = ParallelDims.from_config(SMPConfig.from_dict(options), 8).grid
+    for r in results:
+        assert r["hpz_group"] == next(list(g) for g in grid.sdp_groups(2) if r["rank"] in g)
+        assert set(r["hpz_group"]) <= set(grid.rdp_group(r["rank"]))
+    _check(results, "gpt2", steps=2)
+
+
 @pytest.mark.parametrize("tp,extra", [(2, {}), (2, {"pipeline_parallel_degree": 2, "microbatches": 2}),
                                      (2, {"shard_optimizer_state": True, "microbatches": 2})],
                          ids=["tp2", "tp2-pp2", "tp2-dp2-zero1"])

@@ -20,7 +20,7 @@ from typing import Any, Mapping
 
 from smp_adapter.config.dims import ParallelDims
 from smp_adapter.config.options import SMPConfig
-from smp_adapter.errors import SMPUsageError, UnsupportedFeatureError
+from smp_adapter.errors import SMPUsageError
 from smp_adapter.runtime.state import state
 
 DEFAULT_TIMEOUT_S = 600.0
@@ -55,6 +55,15 @@ def collective_timeout() -> timedelta:
     return timedelta(seconds=seconds)
 
 
+def resolve_layout(config: Mapping[str, Any] | None, environ: Mapping[str, str]):
+    """The pure part of smp.init: (options, ParallelDims, LaunchEnv) from the script's dict and the
+    environment. Every layout rule is ParallelDims' own, so translate and launch (which build the
+    same ParallelDims) accept and refuse exactly what smp.init does."""
+    cfg = SMPConfig.from_sources(config, environ)
+    launch = LaunchEnv.from_environ(environ)
+    return cfg, ParallelDims.from_config(cfg, launch.world_size), launch
+
+
 def init(config: Mapping[str, Any] | None = None) -> None:
     """smp.init(): environment options (SM_HP_MP_PARAMETERS) override the script's dict."""
     cfg = SMPConfig.from_sources(config, os.environ)
@@ -64,15 +73,8 @@ def init(config: Mapping[str, Any] | None = None) -> None:
                 "smp.init() was called again with different options; call it once at the start of the script "
                 f"(first: {state.cfg.to_dict()}, now: {cfg.to_dict()})")
         return
-    launch = LaunchEnv.from_environ(os.environ)
-    dims = ParallelDims.from_config(cfg, launch.world_size)
-    if dims.tp > 1 and dims.hpz_partition_size > 1:
-        # DeepSpeed builds hpZ groups from consecutive global ranks; with tp > 1 smp's sharding
-        # groups are chunks of the RDP group instead, so the two would disagree.
-        raise UnsupportedFeatureError(
-            f"sharded_data_parallel_degree ({dims.sdp}) smaller than the rdp size ({dims.rdp}) together with "
-            "tensor_parallel_degree > 1 is not supported: use sharded_data_parallel_degree = rdp size "
-            f"({dims.rdp}), or tensor_parallel_degree: 1")
+    environ_before = dict(os.environ)
+    cfg, dims, launch = resolve_layout(config, os.environ)
     _warn_once(cfg.warnings, launch.rank)
     import torch
 
@@ -100,6 +102,9 @@ def init(config: Mapping[str, Any] | None = None) -> None:
     _build_groups(dims, launch.rank, backend)
     _set_tp_context()
     state.initialized = True
+    # what smp.init (and DeepSpeed's init_distributed) put into the environment: undone by shutdown()
+    state.environ_changes = {k: environ_before.get(k) for k in set(environ_before) | set(os.environ)
+                             if environ_before.get(k) != os.environ.get(k)}
     if state.owns_process_group:
         import atexit
         import sys
@@ -126,7 +131,7 @@ def _destroy_at_exit() -> None:
     try:
         if not (state.owns_process_group and dist.is_initialized()):
             return
-        if not getattr(state, "failed", False) and state.world_size > 1 and state.groups.objects is not None:
+        if not state.failed and state.world_size > 1 and state.groups.objects is not None:
             # bounded: a rank that died makes this fail after EXIT_BARRIER_S, never hang
             dist.monitored_barrier(group=state.groups.objects, timeout=timedelta(seconds=EXIT_BARRIER_S))
         dist.destroy_process_group()
@@ -202,6 +207,11 @@ def _build_groups(dims: ParallelDims, rank: int, backend: str) -> None:
             if rank in ranks:
                 mine = group
         setattr(state.groups, kind, mine)
+    if dims.hpz_partition_size > 1:  # hpZ: chunks of sdp ranks of each RDP group (runtime/engines/deepspeed_groups.py)
+        for ranks in grid.sdp_groups(dims.sdp):
+            group = dist.new_group(list(ranks))
+            if rank in ranks:
+                state.groups.sdp = group
     # Pickled-object collectives (smp.broadcast/send/allgather) travel over gloo even in NCCL jobs.
     state.groups.objects = world if backend == "gloo" else dist.new_group(backend="gloo")
 
@@ -237,7 +247,28 @@ def shutdown() -> None:
     if state.owns_process_group and dist.is_initialized():
         dist.destroy_process_group()
         _reset_deepspeed_group_caches()
+    for name, value in state.environ_changes.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
     state.reset()
+    _reset_module_globals()
+
+
+def _reset_module_globals() -> None:
+    """Process-wide values outside ``state``: the TP context, open marking contexts (and the
+    nn.Module.__init__ wrapper), smp.nn's weight-copy flag, the warnings already given."""
+    import sys
+
+    from smp_adapter import module_init_hooks
+
+    module_init_hooks.reset()
+    _warned.clear()
+    for name in ("smp_adapter.parallel.context", "smp_adapter.parallel.marking", "smp_adapter.parallel.nn"):
+        module = sys.modules.get(name)  # not imported: nothing to reset
+        if module is not None:
+            module.reset()
 
 
 def _reset_deepspeed_group_caches() -> None:

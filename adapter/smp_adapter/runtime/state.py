@@ -22,6 +22,7 @@ class ProcessGroups:
     rdp: Any = None
     dp: Any = None
     mp: Any = None
+    sdp: Any = None  # hpZ only (sdp < rdp size): this rank's sharding group, a chunk of its RDP group
     objects: Any = None  # gloo group over the world for pickled-object collectives (NCCL jobs too)
 
 
@@ -56,6 +57,8 @@ class State:
         self.tracing = False
         self.launcher = None
         self.owns_process_group = False
+        self.environ_changes: dict = {}  # variable -> value before smp.init (None: unset), restored by shutdown
+        self.failed = False  # an uncaught exception reached sys.excepthook (runtime/init.py)
         self.hf_deepspeed_config = None  # keeps transformers' ZeRO-3 awareness alive
 
     @property

@@ -65,10 +65,15 @@ for step in range(args.steps):
     # mean over the readers = the loss of the whole global batch
     losses.append(sum(smp.allgather(loss.item(), smp.WORLD)) / smp.size())
 
-state = model.state_dict()  # gathered, original layout (collective over TP)
+hpz_group = None
+if smp.state.dims.hpz_partition_size > 1:  # the group DeepSpeed's ZeRO-3 uses for hpZ (secondary shards)
+    from deepspeed.utils import groups as ds_groups
+
+    hpz_group = torch.distributed.get_process_group_ranks(ds_groups._get_zero_param_intra_parallel_group())
+state = model.state_dict()  # gathered, original layout (collective over TP, and over RDP under ZeRO-3)
 if args.save_hf and smp.rank() == 0:
     plain = tiny_gpt2()
     plain.load_state_dict(state)
     plain.save_pretrained(args.save_hf)
 write_result({"losses": losses, "split": split, "final_state": {k: v.tolist() for k, v in state.items()},
-              "readers": readers})
+              "readers": readers, "rank": smp.rank(), "hpz_group": hpz_group})
