@@ -28,7 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
     for name in COMMANDS:
         module = importlib.import_module(f"smp_adapter.commands.{name}")
         sub = module.add_parser(subparsers)
-        sub.set_defaults(_run=module.run)
+        sub.set_defaults(run_command=module.run)
     return parser
 
 
@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as exc:  # --help / --version (0) and usage errors (2): return, don't exit
         return exc.code if isinstance(exc.code, int) else EXIT_USAGE
     try:
-        return args._run(args)
+        return args.run_command(args)
     except SMPAdapterError as exc:
         print(f"smp-adapter {args.command}: error: {exc}", file=sys.stderr)
         return EXIT_USAGE

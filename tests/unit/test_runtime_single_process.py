@@ -169,3 +169,23 @@ def test_checkpoint_round_trip_and_bad_files(fresh, tmp_path):
     (tmp_path / "t2_partial").mkdir()
     with pytest.raises(SMPCheckpointError, match="not a complete smp-adapter partial checkpoint"):
         smp.resume_from_checkpoint(str(tmp_path), tag="t2")
+
+
+def test_shutdown_clears_every_process_wide_value_and_the_environment_init_set(fresh):
+    import os
+
+    from smp_adapter.parallel import context, marking
+
+    original_init = nn.Module.__init__
+    before = dict(os.environ)
+    smp.init({"tensor_parallel_degree": 1, "ddp": True})
+    context.set_current_tp_context(context.TPContext(group=None, rank=0, size=1))
+    opened = smp.tensor_parallelism()
+    opened.__enter__()  # a context left open (a script that died inside it)
+    assert nn.Module.__init__ is not original_init and marking.current_mark() is not None
+    assert dict(os.environ) != before  # smp.init exported the rendezvous (MASTER_ADDR, ...)
+    shutdown()
+    assert nn.Module.__init__ is original_init
+    assert marking.current_mark() is None and context.current_tp_context() is None
+    assert dict(os.environ) == before
+    assert smp.is_initialized() is False and smp.state.failed is False

@@ -70,6 +70,16 @@ class ParallelDims:
     def sdp(self) -> int:
         return self.cfg.sharded_data_parallel_degree
 
+    def stage_index_problem(self, index: int) -> str | None:
+        """Why a manual partition mark ``index`` cannot be used, or None. Under auto_partition the
+        marks are ignored (spec §2.2), so any index >= 0 is fine and a pipeline script can be
+        debugged at pipeline_parallel_degree 1 unchanged; otherwise it must name a stage."""
+        if not self.cfg.auto_partition and index >= self.pp:
+            return (f"the partition index must be between 0 and pipeline_parallel_degree - 1 = {self.pp - 1} "
+                    "(auto_partition is false, so the marks place modules): use a smaller index or raise "
+                    "pipeline_parallel_degree")
+        return None
+
     # -- what the engines get ------------------------------------------------------------------
     @property
     def zero_stage(self) -> int:

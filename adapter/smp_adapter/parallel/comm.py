@@ -14,16 +14,14 @@ All ranks of a TP group must pass equally shaped tensors (smp requires equal bat
 
 from __future__ import annotations
 
-import copy
-
 import torch
 import torch.distributed as dist
 
 # Split modules keep their TP group (Megatron's layers as ``tp_group``, ours in a TPContext), and a
 # ProcessGroup cannot be pickled, so ``copy.deepcopy(model)`` (EMA copies, HF utilities) would fail.
 # A process group is a handle to shared state: a deep copy refers to the same group.
-if hasattr(dist, "ProcessGroup"):
-    copy._deepcopy_dispatch.setdefault(dist.ProcessGroup, lambda group, memo: group)
+if hasattr(dist, "ProcessGroup") and "__deepcopy__" not in vars(dist.ProcessGroup):
+    dist.ProcessGroup.__deepcopy__ = lambda group, memo: group
 
 # torch >= 2.13 renames the tensor collectives; keep working on the older names too.
 _all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

@@ -27,6 +27,8 @@ import torch
 import torch.nn as nn
 
 from smp_adapter.parallel import comm, marking
+from smp_adapter.parallel.context import using_tp_context
+from smp_adapter.parallel.nn import DistributedEmbedding
 from smp_adapter.parallel.layers import column_from_dense, dense_sizes, row_from_dense, vocab_from_embedding, vocab_head_from_linear
 
 
@@ -226,9 +228,6 @@ def _problem(walk, unit, spec: UnitSpec) -> Optional[str]:
 
 
 def split_unit(walk, unit: nn.Module, qname: str, spec: UnitSpec) -> None:
-    from smp_adapter.parallel.nn import DistributedEmbedding
-    from smp_adapter.parallel.tensor import using_tp_context
-
     why = _problem(walk, unit, spec)
     if why:
         walk.warn(qname, unit, why)

@@ -20,13 +20,14 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
-import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 import torch.nn as nn
 
 from smp_adapter.errors import SMPUsageError
+from smp_adapter.module_init_hooks import on_module_created
+from smp_adapter.parallel.context import DistributedModule
 
 _MARK_ATTR = "_smp_tp_mark"
 _INIT_ARGS_ATTR = "_smp_tp_init_args"
@@ -49,33 +50,7 @@ def _set_mark(module: nn.Module, mark: TPMark) -> None:
 
 # ---------------------------------------------------------------- context manager
 
-_stack: list[TPMark] = []
-_stack_lock = threading.RLock()
-_orig_module_init = None
-
-
-def _marking_init(self, *args, **kwargs):
-    _orig_module_init(self, *args, **kwargs)
-    if _stack:
-        _set_mark(self, _stack[-1])
-
-
-def _push(mark: TPMark) -> None:
-    global _orig_module_init
-    with _stack_lock:
-        if not _stack:
-            _orig_module_init = nn.Module.__init__
-            nn.Module.__init__ = _marking_init
-        _stack.append(mark)
-
-
-def _pop() -> None:
-    global _orig_module_init
-    with _stack_lock:
-        _stack.pop()
-        if not _stack:
-            nn.Module.__init__ = _orig_module_init
-            _orig_module_init = None
+_stack: list[TPMark] = []  # open contexts' marks, innermost last (current_mark)
 
 
 @contextlib.contextmanager
@@ -84,11 +59,14 @@ def tensor_parallelism(enabled: bool = True, **kwargs):
 
     ``kwargs`` override matching ``__init__`` arguments of the substituted distributed module.
     """
-    _push(TPMark(bool(enabled), dict(kwargs)))
+    mark = TPMark(bool(enabled), dict(kwargs))
+    _stack.append(mark)
     try:
-        yield
+        with on_module_created(lambda module: _set_mark(module, mark)):
+            yield
     finally:
-        _pop()
+        if _stack and _stack[-1] is mark:  # (reset() may have cleared the stack already)
+            _stack.pop()
 
 
 def marking_context(enabled: bool = True, **kwargs):
@@ -96,6 +74,11 @@ def marking_context(enabled: bool = True, **kwargs):
     delayed-initialisation contexts; same as ``tensor_parallelism``. ``model_creation`` ignores
     ``tensor_parallel_config`` when TP is off, so callers pass ``enabled=False`` without kwargs then."""
     return tensor_parallelism(enabled, **kwargs)
+
+
+def reset() -> None:
+    """Forget open contexts (smp.shutdown); registrations stay (they belong to classes)."""
+    _stack.clear()
 
 
 def current_mark() -> Optional[TPMark]:
@@ -198,8 +181,6 @@ def tp_register_with_module(
     ``module_cls``. ``init_hook(*init_args) -> (args, kwargs)`` for ``dist_module.__init__`` (return
     None to leave that instance whole); ``forward_hook(*forward_args) -> (args, kwargs)`` for its
     forward; ``return_hook(output)`` maps the distributed output to what the original returns."""
-    from smp_adapter.parallel.nn import DistributedModule  # local: nn imports torch.distributed
-
     if not (isinstance(module_cls, type) and issubclass(module_cls, nn.Module)):
         raise SMPUsageError(f"tp_register: {module_cls!r} is not a torch.nn.Module subclass")
     if not (isinstance(dist_module, type) and issubclass(dist_module, DistributedModule)):

@@ -19,40 +19,23 @@ import torch.nn.functional as F
 from smp_adapter.errors import SMPUsageError, UnsupportedFeatureError
 from smp_adapter.parallel import comm, marking
 from smp_adapter.parallel.layers import ShardLayout, mark_distributed, row_parallel_forward
-from smp_adapter.parallel.tensor import TPContext, require_tp_context, using_tp_context
+from smp_adapter.parallel.context import DistributedModule, TPContext, using_tp_context
+from smp_adapter.parallel.transformer import (
+    DistributedAttentionLayer,
+    DistributedTransformer,
+    DistributedTransformerLayer,
+    DistributedTransformerLMHead,
+    DistributedTransformerOutputLayer,
+)
 
 
-class DistributedModule(nn.Module):
-    """Base class of every TP module (custom ones registered with ``smp.tp_register`` too).
-
-    ``self.tp_context`` (a ``TPContext``), ``tp_rank``, ``tp_size``, ``tp_group`` are available after
-    ``super().__init__()``. Parameters are treated as replicated unless tagged with
-    ``smp_adapter.parallel.tensor.mark_distributed_parameter`` (which also applies the gradient
-    scale of split parameters, see ``layers.mark_distributed``).
-    """
-
-    def __init__(self):
-        super().__init__()
-        object.__setattr__(self, "_smp_tp_ctx", require_tp_context(f"smp.nn.{type(self).__name__}"))
-
-    @property
-    def tp_context(self) -> TPContext:
-        return self._smp_tp_ctx
-
-    @property
-    def tp_rank(self) -> int:
-        return self._smp_tp_ctx.rank
-
-    @property
-    def tp_size(self) -> int:
-        return self._smp_tp_ctx.size
-
-    @property
-    def tp_group(self):
-        return self._smp_tp_ctx.group
+_skip_init = False  # True only inside from_linear (the weights are copied in, not drawn)
 
 
-_skip_init = False
+def reset() -> None:
+    """smp.shutdown: back to drawing initial weights (in case a from_linear was interrupted)."""
+    global _skip_init
+    _skip_init = False
 
 
 def _divisible(what: str, value: int, tp: int) -> None:
@@ -214,16 +197,6 @@ def build_registered(module: nn.Module, reg, mark_kwargs: dict):
         object.__setattr__(new, "forward", forward)
     return new, None
 
-
-# ---------------------------------------------------------------- transformer modules
-
-from smp_adapter.parallel.transformer import (  # noqa: E402  (they build on the classes above)
-    DistributedAttentionLayer,
-    DistributedTransformer,
-    DistributedTransformerLayer,
-    DistributedTransformerLMHead,
-    DistributedTransformerOutputLayer,
-)
 
 __all__ = [
     "DistributedModule",

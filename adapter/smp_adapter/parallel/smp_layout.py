@@ -75,7 +75,7 @@ def block_list(body: nn.Module):
 def _with_properties(obj: nn.Module, props: dict) -> None:
     """Swap ``obj``'s class for a same-named subclass carrying ``props`` (name -> getter)."""
     props = {n: g for n, g in props.items() if n not in type(obj).__dict__ and n not in vars(obj)
-             and n not in obj._modules}
+             and n not in dict(obj.named_children())}
     if not props:
         return
     cls = type(obj)

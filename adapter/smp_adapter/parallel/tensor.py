@@ -25,74 +25,18 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from dataclasses import dataclass
 from typing import Iterable, Optional
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from smp_adapter.errors import NotInitializedError
-from smp_adapter.parallel import marking
-from smp_adapter.parallel.layers import DISTRIBUTED_ATTR, LAYOUT_ATTR
-
-
-@dataclass(frozen=True)
-class TPContext:
-    group: "torch.distributed.ProcessGroup | None"  # the caller's TP group (None when size == 1)
-    rank: int  # tp_rank
-    size: int  # tp_size
-    prescaled_batch: bool = False
-
-
-_current: Optional[TPContext] = None
-
-
-def set_current_tp_context(ctx: Optional[TPContext]) -> None:
-    """Set (or clear, with None) the process-wide TP context; the runtime calls it after smp.init."""
-    global _current
-    if ctx is not None and not isinstance(ctx, TPContext):
-        raise TypeError(f"expected a TPContext, got {type(ctx).__name__}")
-    _current = ctx
-
-
-def current_tp_context() -> Optional[TPContext]:
-    """The TP context set by the runtime, or None before ``smp.init``."""
-    return _current
-
-
-def require_tp_context(what: str) -> TPContext:
-    if _current is None:
-        raise NotInitializedError(
-            f"{what} needs the tensor-parallel group: call smp.init() before creating it"
-        )
-    return _current
-
-
-@contextlib.contextmanager
-def using_tp_context(ctx: TPContext):
-    """Temporarily make ``ctx`` current (apply_tensor_parallelism builds registered modules in it)."""
-    global _current
-    prev, _current = _current, ctx
-    try:
-        yield ctx
-    finally:
-        _current = prev
-
-
-def is_distributed_parameter(p) -> bool:
-    """True for parameters split across the TP ranks (reduce them over the RDP group)."""
-    return bool(getattr(p, DISTRIBUTED_ATTR, False))
-
-
-def mark_distributed_parameter(p: nn.Parameter, layout=None, ctx: Optional[TPContext] = None) -> None:
-    """For custom ``DistributedModule``s: declare ``p`` split across TP ranks (optionally with a
-    ``layers.ShardLayout`` so ``gather_full_state_dict`` can reassemble it). Without
-    ``prescaled_batch`` the parameter is assumed to compute on the TP group's gathered batch, and
-    its gradient is divided by tp (see ``layers.mark_distributed``). ``ctx`` defaults to the current one."""
-    from smp_adapter.parallel.layers import mark_distributed
-
-    mark_distributed(p, layout, ctx or require_tp_context("mark_distributed_parameter"))
+from smp_adapter.parallel import hf, marking
+from smp_adapter.parallel.context import (  # noqa: F401  (re-exported: the runtime's interface)
+    TPContext, current_tp_context, is_distributed_parameter, mark_distributed_parameter, require_tp_context,
+    set_current_tp_context, using_tp_context)
+from smp_adapter.parallel.layers import LAYOUT_ATTR, vocab_from_embedding
+from smp_adapter.parallel.nn import DistributedLinear, DistributedModule, build_registered
 
 
 # ---------------------------------------------------------------- replacement
@@ -125,10 +69,10 @@ class _Walk:
     def replace(self, old: nn.Module, new: nn.Module) -> None:
         """Swap ``old`` for ``new`` wherever it is registered (a module may be used twice)."""
         new.train(old.training)
-        for m in self.root.modules():
-            for key, child in list(m._modules.items()):
-                if child is old:
-                    m._modules[key] = new
+        for qname, child in list(self.root.named_modules(remove_duplicate=False)):
+            if child is old and qname:
+                parent, _, leaf = qname.rpartition(".")
+                setattr(self.root.get_submodule(parent) if parent else self.root, leaf, new)
 
     def warn(self, qname: str, module: nn.Module, why: str) -> None:
         """Leave ``module`` whole (it is not visited again) and say why."""
@@ -157,8 +101,6 @@ class _Walk:
 
     def distribute(self, module: nn.Module, qname: str, mark) -> str:
         """Returns "done" (handled or deliberately left whole) or "descend"."""
-        from smp_adapter.parallel import hf
-        from smp_adapter.parallel.nn import DistributedModule
 
         if isinstance(module, DistributedModule) or getattr(module, "_smp_tp_ctx", None) is not None:
             return "done"  # already distributed (built by the user or by a previous handler)
@@ -170,7 +112,6 @@ class _Walk:
             return self._distribute(module, qname, mark, hf)
 
     def _distribute(self, module: nn.Module, qname: str, mark, hf) -> str:
-        from smp_adapter.parallel.nn import DistributedLinear
 
         reg = marking.registration_for(module)
         if reg is not None:
@@ -200,7 +141,6 @@ class _Walk:
                 return "done"
             if self._is_root(module, qname):
                 return "done"
-            from smp_adapter.parallel.layers import vocab_from_embedding
 
             self.replace(module, vocab_from_embedding(module, self.ctx))
             self.names.append(qname)
@@ -234,7 +174,6 @@ class _Walk:
         return None
 
     def _registered(self, module, qname, mark, reg) -> str:
-        from smp_adapter.parallel.nn import build_registered
 
         other = self.shared_with(module)
         if other is not None:

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from smp_adapter.errors import SMPUsageError, UnsupportedFeatureError
 from smp_adapter.parallel import comm
 from smp_adapter.parallel.layers import column_from_dense, enter_region, row_from_dense
-from smp_adapter.parallel.nn import DistributedModule
+from smp_adapter.parallel.context import DistributedModule
 
 _ACTIVATIONS = {"gelu": F.gelu, "relu": F.relu}
 
