@@ -341,3 +341,25 @@ def test_explain_from_config_alone():
     by_key = {r.key: r for r in rows}
     assert by_key["pipeline"].status == "approximated" and by_key["pipeline"].source == "given"
     assert by_key["active_microbatches"].engine_value == 2
+
+
+def test_docs_mapping_table_names_the_deepspeed_entries_the_emitter_writes():
+    """One home for the smp -> DeepSpeed mapping: DEEPSPEED_KEYS. The docs' table must name every
+    entry it lists for a key, and every listed entry must be one the emitter can write."""
+    from pathlib import Path
+
+    from smp_adapter.translate.deepspeed import DEEPSPEED_KEYS, deepspeed_value
+
+    table = (Path(__file__).resolve().parents[2] / "docs" / "translation.md").read_text()
+    rows = {line.split("|")[1].strip(): line.split("|")[2] for line in table.splitlines() if line.startswith("| `")}
+    for key, paths in DEEPSPEED_KEYS.items():
+        assert f"`{key}`" in rows, f"docs/translation.md has no row for {key}"
+        for path in paths:
+            assert f"`{path}`" in rows[f"`{key}`"], f"the docs' DeepSpeed column for {key} does not name {path}"
+    # a job that turns every mapped option on: every listed entry is in the emitted config
+    options = {"ddp": True, "sharded_data_parallel_degree": 2, "microbatches": 2, "bf16": True,
+               "offload_activations": True}
+    ds = to_deepspeed_config(ParallelDims.from_config(SMPConfig.from_dict(options), 4))
+    missing = [p for key, paths in DEEPSPEED_KEYS.items() for p in paths
+               if deepspeed_value(ds, p) is None and key not in ("pipeline_parallel_degree", "fp16")]
+    assert missing == []

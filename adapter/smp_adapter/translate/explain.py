@@ -19,17 +19,15 @@ from smp_adapter.config.dims import ParallelDims
 from smp_adapter.config.distribution import JobSpec
 from smp_adapter.config.keys import KEYS, Policy
 from smp_adapter.config.options import SMPConfig
+from smp_adapter.translate.deepspeed import DEEPSPEED_KEYS, SDP_COPIED, deepspeed_value
 from smp_adapter.translate.megatron import MegatronPlan
 
 STATUSES = ("exact", "approximated", "ignored", "default")
 # Keys shown even when left at their default: they decide the layout and the engines.
 CORE_KEYS = ("pipeline_parallel_degree", "tensor_parallel_degree", "microbatches", "placement_strategy", "ddp",
              "shard_optimizer_state", "sharded_data_parallel_degree", "prescaled_batch", "fp16", "bf16")
-# sdp_* key -> DeepSpeed key (the zero_optimization section, except gradient_clipping: top level)
-SDP_KEYS = {"sdp_reduce_bucket_size": "zero_optimization.reduce_bucket_size",
-            "sdp_param_persistence_threshold": "zero_optimization.stage3_param_persistence_threshold",
-            "sdp_max_live_parameters": "zero_optimization.stage3_max_live_parameters",
-            "sdp_gradient_clipping": "gradient_clipping"}
+# sharded data parallel keys shown when sdp > 1: each decides one DeepSpeed entry (DEEPSPEED_KEYS)
+SDP_KEYS = SDP_COPIED + ("sdp_gradient_clipping",)
 
 
 @dataclass(frozen=True)
@@ -77,6 +75,11 @@ def _alias_given(key: str, given: Mapping[str, Any]) -> bool:
     return any(KEYS[k].alias_of == key for k in given if k in KEYS)
 
 
+def _ds(key: str, first: int | None = None) -> str:
+    """'deepspeed <entries>' for an smp key, from the one mapping table (translate/deepspeed.py)."""
+    return "deepspeed " + "; ".join(DEEPSPEED_KEYS[key][:first])
+
+
 def _map_key(key: str, cfg: SMPConfig, dims: ParallelDims, ds: Mapping[str, Any], mg: MegatronPlan) -> tuple:
     """(engine key, engine value, status, note) for one smp key."""
     row = KEYS.get(key)
@@ -87,12 +90,12 @@ def _map_key(key: str, cfg: SMPConfig, dims: ParallelDims, ds: Mapping[str, Any]
         return "-", "-", "ignored", f"default value accepted; {row.note}"
     if key in ("pipeline_parallel_degree", "partitions"):
         note = "alias of pipeline_parallel_degree (pre-v1.6 name)" if key == "partitions" else ""
-        return "megatron pipeline_model_parallel_size; deepspeed pipeline.stages", dims.pp, "exact", note
+        return f"megatron pipeline_model_parallel_size; {_ds('pipeline_parallel_degree')}", dims.pp, "exact", note
     if key == "tensor_parallel_degree":
         return "megatron tensor_model_parallel_size", dims.tp, "exact", "Megatron-core parallel layers for marked modules"
     if key == "microbatches":
         how = "pipeline microbatches" if dims.pp > 1 else "gradient accumulation inside one smp.step call"
-        return "deepspeed gradient_accumulation_steps; megatron num_microbatches", ds["gradient_accumulation_steps"], "exact", how
+        return f"{_ds(key, 1)}; megatron num_microbatches", ds["gradient_accumulation_steps"], "exact", how
     if key == "pipeline":
         if dims.pp == 1:
             return "-", "-", "ignored", "no pipeline with pipeline_parallel_degree 1"
@@ -107,7 +110,7 @@ def _map_key(key: str, cfg: SMPConfig, dims: ParallelDims, ds: Mapping[str, Any]
     if key == "placement_strategy":
         flag = mg.megatron_lm_order_flag()
         cli = ("Megatron-LM CLI: default order" if flag == "" else f"Megatron-LM CLI: {flag}" if flag
-               else "no Megatron-LM CLI equivalent; order passed to initialize_model_parallel")
+               else "no Megatron-LM CLI equivalent; pass order to initialize_model_parallel")
         return "megatron order; deepspeed ProcessTopology axes", \
             f"{mg.order}; {'-'.join(dims.grid.deepspeed_topology_axes())}", "exact", f"{cfg.placement_order}; {cli}"
     if key == "auto_partition":
@@ -135,9 +138,9 @@ def _map_key(key: str, cfg: SMPConfig, dims: ParallelDims, ds: Mapping[str, Any]
         note = ("ZeRO-1: optimizer state sharded over the data-parallel ranks holding the same parameters"
                 if cfg.shard_optimizer_state else "sharded data parallel shards optimizer state already"
                 if dims.sdp > 1 else "optimizer state not sharded")
-        return "deepspeed zero_optimization.stage; megatron use_distributed_optimizer", zero.get("stage"), "exact", note
+        return f"{_ds(key)}; megatron use_distributed_optimizer", zero.get("stage"), "exact", note
     if key == "offload_activations":
-        return "deepspeed activation_checkpointing.cpu_checkpointing", cfg.offload_activations, "approximated", \
+        return _ds(key), cfg.offload_activations, "approximated", \
             "checkpointed activations go to CPU, but are copied back synchronously (no prefetch horizon)"
     if key == "delayed_parameter_initialization":
         how = "deepspeed.zero.Init" if dims.zero_stage == 3 else "meta-device init, materialised after partitioning"
@@ -148,27 +151,23 @@ def _map_key(key: str, cfg: SMPConfig, dims: ParallelDims, ds: Mapping[str, Any]
     if key in ("fp16", "fp16_params"):
         note = "loss scale from DistributedOptimizer(static_loss_scale/dynamic_loss_scale)"
         if key == "fp16_params":
-            return "deepspeed fp16.enabled; megatron fp16", cfg.fp16, "approximated", f"{row.note}; {note}"
-        return "deepspeed fp16.enabled; megatron fp16", cfg.fp16, "exact", note
+            return f"{_ds('fp16')}; megatron fp16", cfg.fp16, "approximated", f"{row.note}; {note}"
+        return f"{_ds('fp16')}; megatron fp16", cfg.fp16, "exact", note
     if key == "bf16":
         note = "smp v1 allowed bf16 only with sharded data parallel; accepted without it here" if cfg.bf16 and dims.sdp == 1 else ""
-        return "deepspeed bf16.enabled; megatron bf16", cfg.bf16, "exact", note
+        return f"{_ds(key)}; megatron bf16", cfg.bf16, "exact", note
     if key == "sharded_data_parallel_degree":
         if dims.sdp == 1:
-            return "deepspeed zero_optimization.stage", zero.get("stage"), "exact", "sharded data parallel off"
+            return _ds(key, 1), zero.get("stage"), "exact", "sharded data parallel off"
         if dims.hpz_partition_size > 1:
-            return "deepspeed zero_optimization.stage + zero_hpz_partition_size", f"3 + {dims.hpz_partition_size}", "approximated", \
+            return f"{_ds(key, 1)} + zero_hpz_partition_size", f"3 + {dims.hpz_partition_size}", "approximated", \
                 (f"MiCS groups of {dims.sdp} ranks approximated by ZeRO-3 + hpZ: parameters gathered inside each group, "
                  f"optimizer state sharded over all {dims.rdp} replicas (less memory than MiCS)")
-        return "deepspeed zero_optimization.stage", 3, "exact", f"ZeRO-3 over all {dims.rdp} replicas"
+        return _ds(key, 1), 3, "exact", f"ZeRO-3 over all {dims.rdp} replicas"
     if key in SDP_KEYS:
         if dims.sdp == 1:
             return "-", "-", "ignored", "only used with sharded_data_parallel_degree > 1"
-        path = SDP_KEYS[key]
-        value: Any = ds
-        for part in path.split("."):
-            value = value.get(part)
-        return f"deepspeed {path}", value, "exact", ""
+        return _ds(key), deepspeed_value(ds, DEEPSPEED_KEYS[key][0]), "exact", ""
     return "-", "-", "ignored", row.note if row else "not an smp option"
 
 

@@ -25,7 +25,8 @@ cp and ep are 1 for smp v1, so with all three degrees > 1:
   cluster (DPT) -> "tp-pp-dp" = --use-tp-pp-dp-mapping      (exact)
   PDT           -> "tp-dp-pp" = Megatron-LM's default        (exact)
   DTP, PTD, TDP, spread (TPD): TP is not the fastest axis -> no Megatron-LM CLI equivalent;
-  pass ``order`` to initialize_model_parallel directly (smp-adapter's runtime does).
+  pass ``order`` to initialize_model_parallel directly. (smp-adapter's own runtime never calls
+  initialize_model_parallel: its tensor-parallel layers take smp's TP group directly, parallel/layers.py.)
 Axes of size 1 do not affect placement, so they are dropped before comparing; e.g. spread
 with tp = 1 is the CLI default, and any strategy with pp = 1 and tp = 1 is exact.
 """
