@@ -189,3 +189,18 @@ def test_shutdown_clears_every_process_wide_value_and_the_environment_init_set(f
     assert marking.current_mark() is None and context.current_tp_context() is None
     assert dict(os.environ) == before
     assert smp.is_initialized() is False and smp.state.failed is False
+
+
+def test_backward_without_a_distributed_optimizer_names_the_fix(fresh):
+    smp.init({"ddp": True})
+    model = smp.DistributedModel(_mlp())
+
+    @smp.step
+    def train_step(model, x, y):
+        loss = F.cross_entropy(model(x), y)
+        model.backward(loss)
+        return loss
+
+    with pytest.raises(SMPUsageError, match=r"model.backward\(\) needs an optimizer: wrap it with "
+                                            r"smp.DistributedOptimizer\(optimizer\)"):
+        train_step(model, torch.randn(4, 4), torch.tensor([0, 1, 2, 0]))
