@@ -6,8 +6,9 @@ import pytest
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 
-# set by pytest itself, and by torch when it first imports its compiler: not a test's doing
-_NOT_LEAKS = {"PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR"}
+# set by pytest itself, by torch when it first imports its compiler, and by DeepSpeed's first
+# import (its accelerator probe): not a test's doing
+_NOT_LEAKS = {"PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR", "PYTORCH_NVML_BASED_CUDA_CHECK"}
 
 
 @pytest.fixture(autouse=True)

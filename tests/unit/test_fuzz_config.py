@@ -102,3 +102,60 @@ def test_generated_distribution_dicts_translate_or_name_a_key(dist):
 def test_fuzz_runs_enough_examples_in_ci():
     assert EXAMPLES + max(EXAMPLES // 2, 100) >= 2000 or os.environ.get("SMP_FUZZ_EXAMPLES")
     pytest.importorskip("hypothesis")
+
+
+# -- hostile input: huge integers, deep nesting, alias bombs, each under a time and memory budget --
+def _within_budget(call):
+    """Runs ``call``; it must end in an SMPConfigError naming a key or succeed, within 1 s and
+    100 MB of new Python allocations (tracemalloc peak)."""
+    import time
+    import tracemalloc
+
+    tracemalloc.start()
+    start = time.perf_counter()
+    try:
+        call()
+    except SMPConfigError as err:
+        assert err.problems and all(p.key in str(err) for p in err.problems)
+        assert len(str(err)) < 4000
+    finally:
+        elapsed = time.perf_counter() - start
+        _, peak = tracemalloc.get_traced_memory()
+        tracemalloc.stop()
+    assert elapsed < 1.0, f"{elapsed:.2f} s"
+    assert peak < 100 * 2**20, f"{peak / 2**20:.0f} MB"
+
+
+huge_int = st.one_of(st.integers(-10**12, 10**12), st.sampled_from([2**31, 2**63, 10**18, 65536, 65537, True]))
+nested = st.recursive(st.one_of(st.integers(), st.text(max_size=3), st.booleans()),
+                      lambda inner: st.one_of(st.lists(inner, max_size=3), st.dictionaries(st.text(max_size=2), inner, max_size=3)),
+                      max_leaves=40)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(key=st.sampled_from(["pipeline_parallel_degree", "tensor_parallel_degree", "sharded_data_parallel_degree",
+                            "microbatches", "active_microbatches", "default_partition", "sdp_reduce_bucket_size"]),
+       value=huge_int, world_size=st.one_of(st.integers(1, 64), st.sampled_from([65536, 65537, 10**9])))
+def test_huge_integers_end_quickly(key, value, world_size):
+    _within_budget(lambda: _translate_or_config_error({"ddp": True, key: value}, world_size))
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(value=nested, depth=st.integers(1, 3000), bracket=st.sampled_from(["[", '{"a":']))
+def test_nested_values_and_deep_documents_end_quickly(value, depth, bracket):
+    from smp_adapter.config.distribution import parse_inline_or_file
+
+    _within_budget(lambda: SMPConfig.from_dict({"ddp": True, "pipline": value, "microbatches": value}))
+    _within_budget(lambda: parse_inline_or_file(bracket * depth))
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(width=st.integers(2, 12), levels=st.integers(1, 9))
+def test_yaml_alias_bombs_end_quickly(tmp_path_factory, width, levels):
+    from smp_adapter.config.distribution import load_job
+
+    lines = ["a0: &a0 [" + ", ".join(['"lol"'] * width) + "]"]
+    lines += [f"a{i}: &a{i} [" + ", ".join([f"*a{i - 1}"] * width) + "]" for i in range(1, levels)]
+    path = tmp_path_factory.mktemp("bomb") / "bomb.yaml"
+    path.write_text("\n".join(lines) + "\n")
+    _within_budget(lambda: load_job(str(path)))

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from smp_adapter.config.distribution import JobSpec, job_from_mapping, load_job, load_mapping
+from smp_adapter.config.limits import MAX_WORLD_SIZE
 from smp_adapter.config.options import SMPConfig
 from smp_adapter.config.problems import ConfigProblem, raise_if_any
 from smp_adapter.errors import SMPAdapterError
@@ -147,8 +148,19 @@ def _script_options(script: str) -> dict:
     return {"ddp": True} if options is None else options
 
 
+def _check_counts(args: argparse.Namespace) -> None:
+    """--nproc-per-node / --nnodes given on the command line: 1 .. MAX_WORLD_SIZE (0 is not "the default")."""
+    problems = [ConfigProblem(flag, f"must be an integer between 1 and {MAX_WORLD_SIZE} (MAX_WORLD_SIZE)",
+                              "give the number of processes per node (GPUs) and of nodes, or leave the flag out",
+                              value)
+                for flag, value in (("--nproc-per-node", args.nproc_per_node), ("--nnodes", args.nnodes))
+                if value is not None and not 1 <= value <= MAX_WORLD_SIZE]
+    raise_if_any(problems)
+
+
 def build(args: argparse.Namespace) -> dict[str, Any]:
     """Everything a launch needs: command, the variables set, directories, supervision settings."""
+    _check_counts(args)
     recipe = load_recipe(args.recipe) if args.recipe else {}
     positional = [*([args.script] if args.script else []), *args.script_args]
     positional = positional[1:] if positional[:1] == ["--"] else positional
@@ -174,7 +186,7 @@ def build(args: argparse.Namespace) -> dict[str, Any]:
 
         cpu = not torch.cuda.is_available()
     hosts = _hosts(args.hostfile) if args.hostfile else None
-    nnodes = args.nnodes or (len(hosts) if hosts else job.instance_count)
+    nnodes = args.nnodes if args.nnodes is not None else (len(hosts) if hosts else job.instance_count)
     if hosts is not None:
         if len(hosts) < nnodes:
             raise SMPAdapterError(f"--hostfile {args.hostfile} names {len(hosts)} hosts, fewer than --nnodes {nnodes}")
@@ -186,7 +198,8 @@ def build(args: argparse.Namespace) -> dict[str, Any]:
                               "(0..nnodes-1) and --master-addr <address of node 0>")
     if args.node_rank is not None and launcher != "torchrun":
         raise SMPAdapterError("--node-rank is for --launcher torchrun (deepspeed and mpirun start every node themselves)")
-    nprocs = args.nproc_per_node or recipe.get("nproc_per_node") or job.processes_per_host
+    nprocs = args.nproc_per_node if args.nproc_per_node is not None else (
+        recipe.get("nproc_per_node") or job.processes_per_host)
     if nprocs is None and not cpu:
         import torch
 

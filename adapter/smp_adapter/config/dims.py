@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from smp_adapter.config.layout import RankGrid
+from smp_adapter.config.limits import MAX_WORLD_SIZE
 from smp_adapter.config.options import SMPConfig
 from smp_adapter.config.problems import ConfigProblem, raise_if_any
 
@@ -28,6 +29,9 @@ class ParallelDims:
         problems: list[ConfigProblem] = []
         if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
             raise_if_any([ConfigProblem("world_size", "must be a positive integer", "launch at least one process", world_size)])
+        if world_size > MAX_WORLD_SIZE:
+            raise_if_any([ConfigProblem("world_size", f"must be <= {MAX_WORLD_SIZE} (smp-adapter's limit, MAX_WORLD_SIZE)",
+                                        "launch fewer processes", world_size)])
         if world_size % (pp * tp):
             problems.append(ConfigProblem(
                 "pipeline_parallel_degree" if pp > 1 else "tensor_parallel_degree",

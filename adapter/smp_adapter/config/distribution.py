@@ -15,9 +15,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
+from smp_adapter.config.limits import MAX_DOCUMENT_DEPTH, MAX_DOCUMENT_NODES, MAX_FILE_BYTES
 from smp_adapter.config.options import SMPConfig
 from smp_adapter.config.problems import ConfigProblem, raise_if_any
-
+from smp_adapter.errors import SMPConfigError
 
 
 def _yaml_loader():
@@ -52,39 +53,127 @@ class JobSpec:
         return SMPConfig.from_dict(self.options)
 
 
+def _load_yaml(text: str, where: str):
+    """YAML with its size bounded: the document is composed (aliases stay references), measured
+    as it would be once expanded, and only then constructed. A "billion laughs" file of a few
+    lines would otherwise expand to gigabytes."""
+    import yaml
+
+    loader = _yaml_loader()(text)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        nodes = _expanded_nodes(node, {}, 0, where)
+        if nodes > MAX_DOCUMENT_NODES:
+            raise_if_any([ConfigProblem(where, f"expands to {nodes} values once its YAML aliases are resolved, more than "
+                                        f"smp-adapter's limit of {MAX_DOCUMENT_NODES} (MAX_DOCUMENT_NODES)",
+                                        "write the options out without nested aliases")])
+        return loader.construct_document(node)
+    finally:
+        loader.dispose()
+
+
+def _expanded_nodes(node, memo: dict, depth: int, where: str) -> int:
+    """Values in ``node`` once aliases are expanded; shared nodes are counted once per use."""
+    if depth > MAX_DOCUMENT_DEPTH:
+        raise_if_any([ConfigProblem(where, f"nests deeper than {MAX_DOCUMENT_DEPTH} levels (MAX_DOCUMENT_DEPTH)",
+                                    "write the options as a flat mapping")])
+    if id(node) in memo:
+        return memo[id(node)]
+    value = node.value
+    if isinstance(value, list):  # sequence: nodes; mapping: (key, value) pairs
+        children = [c for item in value for c in (item if isinstance(item, tuple) else (item,))]
+        count = 1 + sum(min(_expanded_nodes(c, memo, depth + 1, where), MAX_DOCUMENT_NODES + 1) for c in children)
+    else:
+        count = 1
+    memo[id(node)] = min(count, MAX_DOCUMENT_NODES + 1)
+    return memo[id(node)]
+
+
+def _load_json(text: str, where: str):
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise_if_any([ConfigProblem(where, f"nests deeper than {MAX_DOCUMENT_DEPTH} levels (MAX_DOCUMENT_DEPTH)",
+                                    "write the options as a flat JSON object")])
+
+
+def _check_depth(data, where: str) -> None:
+    """Nesting bounded for documents that parsed (JSON within Python's recursion limit)."""
+    stack = [(data, 0)]
+    while stack:
+        value, depth = stack.pop()
+        if depth > MAX_DOCUMENT_DEPTH:
+            raise_if_any([ConfigProblem(where, f"nests deeper than {MAX_DOCUMENT_DEPTH} levels (MAX_DOCUMENT_DEPTH)",
+                                        "write the options as a flat mapping")])
+        if isinstance(value, dict):
+            stack.extend((v, depth + 1) for v in value.values())
+        elif isinstance(value, list):
+            stack.extend((v, depth + 1) for v in value)
+
+
 def load_mapping(path: str | Path) -> dict[str, Any]:
     """Read a JSON or YAML file holding one mapping; problems become SMPConfigError."""
     p = Path(path)
     try:
+        size = p.stat().st_size
+        if size > MAX_FILE_BYTES:
+            raise_if_any([ConfigProblem(str(path), f"is {size} bytes, more than smp-adapter reads for options "
+                                        f"({MAX_FILE_BYTES}, MAX_FILE_BYTES)", "give the options file, not another file")])
         text = p.read_text()
     except OSError as exc:
         raise_if_any([ConfigProblem(str(path), f"cannot be read ({exc.strerror})", "give the path of an existing JSON or YAML file")])
+    except UnicodeDecodeError:
+        raise_if_any([ConfigProblem(str(path), "is not a text file", "give a JSON or YAML file")])
     try:
         if p.suffix.lower() == ".json":
-            data = json.loads(text)
+            data = _load_json(text, str(path))
         else:
-            import yaml
-
-            data = yaml.load(text, Loader=_yaml_loader())
-    except Exception as exc:  # json.JSONDecodeError, yaml.YAMLError: both are user input problems
-        raise_if_any([ConfigProblem(str(path), f"is not valid {'JSON' if p.suffix.lower() == '.json' else 'YAML/JSON'} ({exc})",
-                                    "fix the file's syntax")])
+            data = _load_yaml(text, str(path))
+    except SMPConfigError:  # (a ValueError too) already says what is wrong
+        raise
+    except (RecursionError, ValueError) as exc:  # json.JSONDecodeError is a ValueError
+        raise_if_any([ConfigProblem(str(path), f"is not valid {'JSON' if p.suffix.lower() == '.json' else 'YAML/JSON'} "
+                                    f"({str(exc)[:200]})", "fix the file's syntax")])
+    except Exception as exc:  # yaml.YAMLError and its relatives: user input problems
+        raise_if_any([ConfigProblem(str(path), f"is not valid {'JSON' if p.suffix.lower() == '.json' else 'YAML/JSON'} "
+                                    f"({str(exc)[:200]})", "fix the file's syntax")])
+    _check_depth(data, str(path))
     if not isinstance(data, dict):
         raise_if_any([ConfigProblem(str(path), f"must hold a mapping of options, got {type(data).__name__}",
                                     "write the smp options or a SageMaker distribution dict as a mapping")])
     return data
 
 
+def _looks_inline(text: str) -> bool:
+    """Inline JSON rather than a path: starts like a JSON value (object, array, string, number,
+    true/false/null), and no file of that name exists."""
+    head = text.lstrip()[:1]
+    word = text.strip()
+    if not (head in '{["-0123456789' or word in ("true", "false", "null")):
+        return False
+    try:
+        return not Path(text).exists()
+    except (OSError, ValueError):  # too long or not a possible file name: not a path
+        return True
+
+
 def parse_inline_or_file(text: str) -> dict[str, Any]:
     """CLI helper: inline JSON (starts with '{') or a path to a JSON/YAML file."""
-    if text.lstrip().startswith("{"):
+    if _looks_inline(text):
+        if len(text) > MAX_FILE_BYTES:
+            raise_if_any([ConfigProblem("INPUT", f"is {len(text)} characters, more than {MAX_FILE_BYTES} (MAX_FILE_BYTES)",
+                                        "give the smp options, e.g. '{\"ddp\": true}'")])
         try:
-            data = json.loads(text)
+            data = _load_json(text, "INPUT")
         except json.JSONDecodeError as exc:
             raise_if_any([ConfigProblem("INPUT", f"is not valid inline JSON ({exc.msg} at char {exc.pos})",
                                         "quote the JSON for your shell, e.g. '{\"ddp\": true}'", text)])
         if not isinstance(data, dict):
-            raise_if_any([ConfigProblem("INPUT", "must be a JSON object", "e.g. '{\"ddp\": true}'", text)])
+            raise_if_any([ConfigProblem("INPUT", f"options must be a JSON object ({{...}}), got a JSON "
+                                        f"{type(data).__name__}", "e.g. '{\"ddp\": true}'", text)])
+        _check_depth(data, "INPUT")
         return data
     return load_mapping(text)
 
@@ -172,7 +261,7 @@ def _parameters(smd: Any, base_dir: Path | None, problems: list[ConfigProblem]) 
 def load_job(path_or_json: str) -> JobSpec:
     """CLI entry: inline JSON or a file, plain options or a distribution dict."""
     data = parse_inline_or_file(path_or_json)
-    base = None if path_or_json.lstrip().startswith("{") else Path(path_or_json).resolve().parent
+    base = None if _looks_inline(path_or_json) else Path(path_or_json).resolve().parent
     # recipes and config files may hold {"smp_options": {...}} beside other sections
     if "smp_options" in data and not ({"smdistributed", "mpi"} & data.keys()):
         inner = data["smp_options"]

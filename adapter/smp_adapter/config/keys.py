@@ -19,6 +19,10 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
+from smp_adapter.config.limits import MAX_DEGREE
+
+D = MAX_DEGREE  # upper bound of every degree and count (config/limits.py)
+
 
 class Policy(str, Enum):
     TRANSLATED = "translated"
@@ -44,15 +48,15 @@ T, A, I, R = Policy.TRANSLATED, Policy.ALIAS, Policy.IGNORED, Policy.REJECTED
 
 _ROWS = [
     # -- parallelism degrees and pipeline --------------------------------------------------
-    KeySpec("pipeline_parallel_degree", "int", 1, T, "pipeline stages (DeepSpeed PipelineModule num_stages / Megatron pipeline_model_parallel_size)", minimum=1),
-    KeySpec("partitions", "int", None, A, "pre-v1.6 name of pipeline_parallel_degree", alias_of="pipeline_parallel_degree", minimum=1),
-    KeySpec("tensor_parallel_degree", "int", 1, T, "Megatron-core tensor_model_parallel_size", minimum=1),
-    KeySpec("microbatches", "int", 1, T, "gradient_accumulation_steps (pp=1) or pipeline microbatches; train_micro_batch_size_per_gpu = batch / microbatches", minimum=1),
+    KeySpec("pipeline_parallel_degree", "int", 1, T, "pipeline stages (DeepSpeed PipelineModule num_stages / Megatron pipeline_model_parallel_size)", minimum=1, maximum=D),
+    KeySpec("partitions", "int", None, A, "pre-v1.6 name of pipeline_parallel_degree", alias_of="pipeline_parallel_degree", minimum=1, maximum=D),
+    KeySpec("tensor_parallel_degree", "int", 1, T, "Megatron-core tensor_model_parallel_size", minimum=1, maximum=D),
+    KeySpec("microbatches", "int", 1, T, "gradient_accumulation_steps (pp=1) or pipeline microbatches; train_micro_batch_size_per_gpu = batch / microbatches", minimum=1, maximum=D),
     KeySpec("pipeline", "str", "interleaved", T, "pipeline schedule: interleaved = 1F1B, simple = all forward then all backward", choices=("interleaved", "simple", "_only_forward")),
-    KeySpec("active_microbatches", "int", None, T, "bound on microbatches in flight; default partitions + 2, clamped to microbatches", minimum=1),
+    KeySpec("active_microbatches", "int", None, T, "bound on microbatches in flight; default partitions + 2, clamped to microbatches", minimum=1, maximum=D),
     KeySpec("placement_strategy", "str", "cluster", T, "rank grid order (Megatron order string, DeepSpeed ProcessTopology axes)"),
     KeySpec("auto_partition", "bool", True, T, "automatic stage assignment by parameter bytes (False: smp.partition / default_partition)"),
-    KeySpec("default_partition", "int", 0, T, "stage of modules outside any smp.partition context", minimum=0),
+    KeySpec("default_partition", "int", 0, T, "stage of modules outside any smp.partition context", minimum=0, maximum=D),
     KeySpec("optimize", "str", "memory", T, "sets the default memory_weight (speed: 0.2, memory: 0.8); Megatron TP layers always use the memory-saving split", choices=("memory", "speed")),
     KeySpec("memory_weight", "float", None, T, "weight of parameter bytes vs compute in the auto-partition objective", minimum=0.0, maximum=1.0),
     KeySpec("skip_tracing", "bool", False, I, "smp-adapter does not trace the model on a device; auto-partition uses parameter sizes"),
@@ -74,7 +78,7 @@ _ROWS = [
     KeySpec("bf16", "bool", False, T, "DeepSpeed bf16 (allowed without sharded data parallel too)"),
     KeySpec("fp16_params", "bool", False, A, "v1.6-1.9 name for fp16 parameters: turns on fp16", alias_of="fp16"),
     # -- sharded data parallel -----------------------------------------------------------------
-    KeySpec("sharded_data_parallel_degree", "int", 1, T, "DeepSpeed ZeRO stage 3; zero_hpz_partition_size when smaller than the rdp size", minimum=1),
+    KeySpec("sharded_data_parallel_degree", "int", 1, T, "DeepSpeed ZeRO stage 3; zero_hpz_partition_size when smaller than the rdp size", minimum=1, maximum=D),
     KeySpec("sdp_reduce_bucket_size", "int", int(5e8), T, "zero_optimization.reduce_bucket_size", minimum=1),
     KeySpec("sdp_param_persistence_threshold", "int", int(1e6), T, "zero_optimization.stage3_param_persistence_threshold", minimum=0),
     KeySpec("sdp_max_live_parameters", "int", int(1e9), T, "zero_optimization.stage3_max_live_parameters", minimum=1),

@@ -75,8 +75,8 @@ def _check_degree(name: str, value: int) -> None:
 class RankGrid:
     """The SMP layout of ``world_size = pp * tp * rdp`` ranks under ``order``.
 
-    All coordinates and groups are computed once at construction (O(world
-    size) each) so that every lookup afterwards is a tuple index.
+    Coordinates and groups are computed on request for the ranks asked about
+    (``groups(kind)`` walks the world once); nothing is built for the whole world.
     """
 
     world_size: int
@@ -84,9 +84,8 @@ class RankGrid:
     tp: int
     rdp: int
     order: str  # one of VALID_ORDERS (aliases are normalised on construction)
-    _coords: tuple = field(init=False, repr=False, compare=False)
-    _groups: dict = field(init=False, repr=False, compare=False)
-    _group_of: dict = field(init=False, repr=False, compare=False)
+    _size: dict = field(init=False, repr=False, compare=False)  # letter -> axis size
+    _stride: dict = field(init=False, repr=False, compare=False)  # letter -> rank stride
 
     @classmethod
     def from_degrees(
@@ -121,48 +120,21 @@ class RankGrid:
             stride[letter] = step
             step *= size[letter]
 
-        n = self.world_size
-        # Coordinate of every rank along each letter: (rank // stride) % size.
-        along = {L: [(r // stride[L]) % size[L] for r in range(n)] for L in "DPT"}
+        object.__setattr__(self, "_size", size)
+        object.__setattr__(self, "_stride", stride)
 
-        # Within a DP (or MP) group the coordinate with the larger stride is
-        # the more significant digit of the ascending rank order, hence:
-        #   dp_rank = tp * rdp_size + rdp   if T is left of D, else rdp * tp_size + tp
-        #   mp_rank = tp * pp_size + pp     if T is left of P, else pp * tp_size + tp
-        t_before_d = stride["T"] > stride["D"]
-        t_before_p = stride["T"] > stride["P"]
-        coords = tuple(
-            RankCoord(
-                rank,
-                rdp,
-                pp,
-                tp,
-                dp_rank=tp * self.rdp + rdp if t_before_d else rdp * self.tp + tp,
-                mp_rank=tp * self.pp + pp if t_before_p else pp * self.tp + tp,
-            )
-            for rank, rdp, pp, tp in zip(range(n), along["D"], along["P"], along["T"])
-        )
-        object.__setattr__(self, "_coords", coords)
+    # Everything below is arithmetic on the asked-for ranks: nothing is materialised for the whole
+    # world, so a grid of any (bounded) size costs nothing to build.
+    def _along(self, rank: int, letter: str) -> int:
+        """The rank's coordinate along a placement letter: (rank // stride) % size."""
+        return (rank // self._stride[letter]) % self._size[letter]
 
-        # A group is the set of ranks that agree on every coordinate *not*
-        # varied by its kind, so it is keyed by its leader: the rank with the
-        # varied coordinates set to 0. Ranks are visited in ascending order, so
-        # each group comes out ascending and (dicts keep insertion order) the
-        # groups come out sorted by first rank.
-        groups, group_of = {}, {}
-        for kind, varying in _KIND_LETTERS.items():
-            leader = list(range(n))
-            for L in varying:  # leader = rank - sum(coordinate * stride) over the varied letters
-                leader = [lead - c * stride[L] for lead, c in zip(leader, along[L])]
-            buckets: dict = {}
-            for rank, lead in enumerate(leader):
-                buckets.setdefault(lead, []).append(rank)
-            kind_groups = tuple(tuple(members) for members in buckets.values())
-            group_by_leader = dict(zip(buckets, kind_groups))
-            groups[kind] = kind_groups
-            group_of[kind] = tuple(group_by_leader[lead] for lead in leader)
-        object.__setattr__(self, "_groups", groups)
-        object.__setattr__(self, "_group_of", group_of)
+    def _members(self, leader: int, varying: str) -> tuple[int, ...]:
+        """The group whose leader (lowest rank) is ``leader``, its ``varying`` letters free."""
+        offsets = [0]
+        for letter in varying:
+            offsets = [o + c * self._stride[letter] for o in offsets for c in range(self._size[letter])]
+        return tuple(sorted(leader + o for o in offsets))
 
     @property
     def dp_size(self) -> int:
@@ -179,9 +151,20 @@ class RankGrid:
             raise ValueError(f"rank {rank!r} is out of range for world size {self.world_size}")
 
     def coord(self, rank: int) -> RankCoord:
-        """Coordinates and dp/mp positions of ``rank``."""
+        """Coordinates and dp/mp positions of ``rank``.
+
+        Within a DP (or MP) group the coordinate with the larger stride is the more significant
+        digit of the ascending rank order, hence:
+          dp_rank = tp * rdp_size + rdp   if T is left of D, else rdp * tp_size + tp
+          mp_rank = tp * pp_size + pp     if T is left of P, else pp * tp_size + tp
+        """
         self._check_rank(rank)
-        return self._coords[rank]
+        rdp, pp, tp = (self._along(rank, letter) for letter in "DPT")
+        t_before_d = self._stride["T"] > self._stride["D"]
+        t_before_p = self._stride["T"] > self._stride["P"]
+        return RankCoord(rank, rdp, pp, tp,
+                         dp_rank=tp * self.rdp + rdp if t_before_d else rdp * self.tp + tp,
+                         mp_rank=tp * self.pp + pp if t_before_p else pp * self.tp + tp)
 
     def rank_of(self, rdp: int, pp: int, tp: int) -> int:
         """Global rank at grid coordinates (rdp, pp, tp): the inverse of :meth:`coord`."""
@@ -196,8 +179,12 @@ class RankGrid:
         return rank
 
     def _group(self, kind: str, rank: int) -> tuple[int, ...]:
+        """A group is the set of ranks that agree on every coordinate *not* varied by its kind; its
+        leader is the rank with the varied coordinates set to 0 (its lowest rank)."""
         self._check_rank(rank)
-        return self._group_of[kind][rank]
+        varying = _KIND_LETTERS[kind]
+        leader = rank - sum(self._along(rank, letter) * self._stride[letter] for letter in varying)
+        return self._members(leader, varying)
 
     def tp_group(self, rank: int) -> tuple[int, ...]:
         """Ranks differing from ``rank`` only in the tp coordinate, ascending."""
@@ -221,9 +208,11 @@ class RankGrid:
 
     def groups(self, kind: str) -> tuple[tuple[int, ...], ...]:
         """All groups of ``kind`` (one of :data:`GROUP_KINDS`), sorted by first rank."""
-        if kind not in self._groups:
+        if kind not in _KIND_LETTERS:
             raise ValueError(f"unknown group kind {kind!r}: expected one of {', '.join(GROUP_KINDS)}")
-        return self._groups[kind]
+        varying = _KIND_LETTERS[kind]
+        leaders = (r for r in range(self.world_size) if all(self._along(r, letter) == 0 for letter in varying))
+        return tuple(self._members(leader, varying) for leader in leaders)
 
     def sdp_groups(self, sdp: int) -> tuple[tuple[int, ...], ...]:
         """Sharding groups of sharded data parallelism with degree ``sdp``.
@@ -240,7 +229,7 @@ class RankGrid:
                 f"sharded_data_parallel_degree {sdp} does not divide the reduced data-parallel "
                 f"degree rdp={self.rdp} (world size {self.world_size} / (pp={self.pp} * tp={self.tp}))"
             )
-        chunks = [g[i : i + sdp] for g in self._groups["rdp"] for i in range(0, self.rdp, sdp)]
+        chunks = [g[i : i + sdp] for g in self.groups("rdp") for i in range(0, self.rdp, sdp)]
         return tuple(sorted(chunks))
 
     def megatron_order(self) -> str:

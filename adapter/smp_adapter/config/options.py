@@ -16,6 +16,7 @@ from typing import Any, Mapping
 
 from smp_adapter.config.keys import KEYS, Policy
 from smp_adapter.config.layout import VALID_ORDERS, placement_order
+from smp_adapter.config.limits import MAX_DEGREE
 from smp_adapter.config.problems import ConfigProblem, raise_if_any
 
 ENV_MP_PARAMETERS = "SM_HP_MP_PARAMETERS"
@@ -142,9 +143,10 @@ def options_from_environ(environ: Mapping[str, str]) -> dict[str, Any]:
 
 def _check_key(key: Any, value: Any, problems: list[ConfigProblem]) -> Any:
     if not isinstance(key, str) or key not in KEYS:
-        close = difflib.get_close_matches(str(key), list(KEYS), n=1, cutoff=0.6)
+        name = str(key) if len(str(key)) <= 80 else str(key)[:77] + "..."  # a hostile key stays short too
+        close = difflib.get_close_matches(name, list(KEYS), n=1, cutoff=0.6)
         fix = f"did you mean '{close[0]}'?" if close else "remove it (see docs/translation.md for the supported keys)"
-        problems.append(ConfigProblem(str(key), "unknown smp option", fix, value))
+        problems.append(ConfigProblem(name, "unknown smp option", fix, value))
         return _INVALID
     row = KEYS[key]
     coerced = _coerce(row.kind, value)
@@ -172,7 +174,8 @@ def _check_key(key: Any, value: Any, problems: list[ConfigProblem]) -> Any:
         problems.append(ConfigProblem(key, f"must be >= {row.minimum:g}", f"use a value >= {row.minimum:g}", value))
         return _INVALID
     if row.maximum is not None and coerced > row.maximum:
-        problems.append(ConfigProblem(key, f"must be <= {row.maximum:g}", f"use a value <= {row.maximum:g}", value))
+        limit = " (smp-adapter's limit on any degree or count, MAX_DEGREE)" if row.maximum == MAX_DEGREE else ""
+        problems.append(ConfigProblem(key, f"must be <= {row.maximum:g}{limit}", f"use a value <= {row.maximum:g}", value))
         return _INVALID
     return coerced
 

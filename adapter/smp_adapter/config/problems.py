@@ -16,7 +16,9 @@ class ConfigProblem:
     value: Any = _MISSING
 
     def __str__(self) -> str:
-        given = "" if self.value is _MISSING else f" = {self.value!r}"
+        from smp_adapter.config.limits import quote
+
+        given = "" if self.value is _MISSING else f" = {quote(self.value)}"  # a short prefix of any value
         return f"{self.key}{given}: {self.message}. Fix: {self.fix}"
 
 

@@ -33,6 +33,7 @@ from typing import Any, Mapping, Sequence
 
 from smp_adapter.config.dims import ParallelDims
 from smp_adapter.config.distribution import JobSpec
+from smp_adapter.config.limits import MAX_WORLD_SIZE
 from smp_adapter.config.options import ENV_MP_PARAMETERS, SMPConfig
 from smp_adapter.config.problems import ConfigProblem, raise_if_any
 
@@ -93,6 +94,9 @@ def resolve_processes(job: JobSpec, cfg: SMPConfig, nprocs_per_node: int | None 
 def _check_count(key: str, value: Any) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise_if_any([ConfigProblem(key, "must be an integer >= 1", "give a positive number of processes/instances", value)])
+    if value > MAX_WORLD_SIZE:
+        raise_if_any([ConfigProblem(key, f"must be <= {MAX_WORLD_SIZE} (smp-adapter's limit on processes, MAX_WORLD_SIZE)",
+                                    "give a real number of processes/instances", value)])
 
 
 def to_launch_plan(job: JobSpec, cfg: SMPConfig | None, script: str, script_args: Sequence[str] = (),
