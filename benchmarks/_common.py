@@ -40,7 +40,13 @@ MODES = {
               "ZeRO 3 (sdp 2 of 2)"),
     "hpz": ({"ddp": True, "sharded_data_parallel_degree": 2, "microbatches": MICROBATCHES, **SDP}, 4,
             "hpZ (sdp 2 of 4)"),
+    # not in the default run: the issue's bigger size, smp's own sdp defaults (run with --native defaults)
+    "zero3_big": ({"ddp": True, "sharded_data_parallel_degree": 2, "microbatches": MICROBATCHES}, 2,
+                  "ZeRO 3, GPT-2 n_embd 256 x 4 layers, smp's sdp defaults"),
 }
+DEFAULT_MODES = ("zero0", "zero1", "zero3", "hpz")
+# model sizes of the modes that do not use MODEL
+MODE_MODEL = {"zero3_big": dict(n_embd=256, n_layer=4, n_head=4)}
 
 
 # -- launching ---------------------------------------------------------------------------------
@@ -133,23 +139,28 @@ def batch(step: int, rank: int, size: int = PER_RANK_BATCH, seq: int = SEQ, voca
 
 
 # -- the hand-written DeepSpeed config -------------------------------------------------------------
-def native_deepspeed_config(options: dict, world_size: int, backward_passes_per_step: int = 1) -> dict:
-    """What a DeepSpeed user writes for the same job: smp_adapter's translation
-    (to_deepspeed_config) with the real micro batch, the gradient_accumulation_steps the runtime
-    uses (microbatches x backward_passes_per_step) and the runtime's overlap_comm rule
-    (runtime/engine.py: overlapped reduction only with NCCL). Pure: no process group needed."""
+def native_deepspeed_config(options: dict, world_size: int, backward_passes_per_step: int = 1,
+                            style: str = "translated") -> dict:
+    """What a DeepSpeed user writes for the same job. Pure: no process group needed.
+
+    ``translated``: the adapter's own config (to_deepspeed_config with the real micro batch,
+    backward_passes_per_step and the backend this machine runs), so the two engines differ only
+    in the code around them. ``defaults``: the minimal config a DeepSpeed user writes (micro batch,
+    gradient accumulation, ZeRO stage) and DeepSpeed's defaults for everything else (overlap_comm
+    on for ZeRO-3, stage3_param_persistence_threshold 1e5, bucket sizes, gradient_clipping 1.0)."""
+    import torch
+
     from smp_adapter.config.dims import ParallelDims
     from smp_adapter.config.options import SMPConfig
     from smp_adapter.translate.deepspeed import to_deepspeed_config
 
     dims = ParallelDims.from_config(SMPConfig.from_sources(options, {}), world_size)
-    config = to_deepspeed_config(dims, per_rank_batch=PER_RANK_BATCH)
-    config["gradient_accumulation_steps"] = dims.cfg.microbatches * backward_passes_per_step
-    if dims.zero_stage in (1, 3):
-        import torch
-
-        config["zero_optimization"]["overlap_comm"] = torch.cuda.is_available()
-    return config
+    if style == "defaults":
+        return {"train_micro_batch_size_per_gpu": dims.micro_batch_size(PER_RANK_BATCH),
+                "gradient_accumulation_steps": dims.cfg.microbatches * backward_passes_per_step,
+                "zero_allow_untested_optimizer": True, "zero_optimization": {"stage": dims.zero_stage}}
+    return to_deepspeed_config(dims, per_rank_batch=PER_RANK_BATCH, backward_passes_per_step=backward_passes_per_step,
+                               backend="nccl" if torch.cuda.is_available() else "gloo")
 
 
 def config_difference(a: dict, b: dict, prefix: str = "") -> list[str]:

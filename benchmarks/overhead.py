@@ -5,10 +5,14 @@ per-rank batch and microbatches, run
 
   A (adapter): smp.init, smp.DistributedModel, smp.DistributedOptimizer, an @smp.step function
                with model.backward, optimizer.step() after it (and optimizer.zero_grad() before);
-  B (native):  deepspeed.initialize on a deep copy of the model with the equivalent config
-               (smp_adapter.translate.deepspeed.to_deepspeed_config + the runtime's
-               gradient_accumulation_steps and overlap_comm rule), and the loop a DeepSpeed user
-               writes: engine(batch) / engine.backward(loss) / engine.step() per microbatch.
+  B (native):  deepspeed.initialize on a deep copy of the model with the equivalent config (the
+               adapter's own, smp_adapter.translate.deepspeed.to_deepspeed_config; or with
+               --native defaults the minimal config a DeepSpeed user writes, DeepSpeed's defaults
+               for the rest), and the loop a DeepSpeed user writes: engine(batch) /
+               engine.backward(loss) / engine.step() per microbatch.
+
+Modes: zero0, zero1, zero3, hpz (the default run; GPT-2 n_embd 128 x 2 layers) and zero3_big
+(GPT-2 n_embd 256 x 4 layers, seq 128, smp's sdp defaults, 2 ranks), the issue's bigger size.
 
 Step time: both engines live in the same processes and process group; steps alternate
 A B B A A B ... (the order flips every pair so neither engine always runs first). Each timed step
@@ -34,6 +38,9 @@ and prints the adapter's own Python time and the largest per-function difference
     PYTHONPATH=adapter .venv/bin/python benchmarks/overhead.py --control        # A/A noise floor
     PYTHONPATH=adapter .venv/bin/python benchmarks/overhead.py --no-memory --steps 5 --repeats 1 --profile 30
     PYTHONPATH=adapter .venv/bin/python benchmarks/overhead.py --no-timing --memory-repeats 3
+    PYTHONPATH=adapter .venv/bin/python benchmarks/overhead.py --modes zero3_big --native defaults --no-memory
+    PYTHONPATH=adapter .venv/bin/python benchmarks/overhead.py --modes zero3_big --native defaults --no-memory \
+        --adapter-override zero_optimization.overlap_comm=true   # one setting at a time
 """
 
 from __future__ import annotations
@@ -50,7 +57,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import (LR, MICROBATCHES, MODEL, MODES, PER_RANK_BATCH, SEQ, batch, build_model,  # noqa: E402
+from _common import (DEFAULT_MODES, LR, MICROBATCHES, MODE_MODEL, MODEL, MODES, PER_RANK_BATCH, SEQ, batch,  # noqa: E402
+                     build_model,
                      config_difference, current_rss_bytes, native_deepspeed_config, peak_rss_bytes, quiet,
                      run_ranks, spread, write_result)
 
@@ -92,7 +100,24 @@ def worker(args) -> None:
     rss_after_imports = current_rss_bytes()
     sync = torch.cuda.synchronize if cuda else (lambda: None)
 
-    model = build_model()
+    model = build_model(**json.loads(args.model))
+    if args.adapter_override and use_smp:  # experiments: change entries of the adapter's DeepSpeed config
+        import smp_adapter.translate.deepspeed as translation
+
+        overrides = dict(kv.split("=", 1) for kv in args.adapter_override)
+        translate_config = translation.to_deepspeed_config
+
+        def overridden(*a, **kw):
+            config = translate_config(*a, **kw)
+            for path, value in overrides.items():
+                *parents, leaf = path.split(".")
+                node = config
+                for part in parents:
+                    node = node.setdefault(part, {})
+                node[leaf] = json.loads(value)
+            return config
+
+        translation.to_deepspeed_config = overridden
     steps = {}
     if role == "both":
         # same initial weights; both engines get a deep copy, so neither keeps the tensors that
@@ -191,8 +216,10 @@ def worker(args) -> None:
 # =============================================================================================
 def _job(mode, role, args, out_root, tag=""):
     options, nprocs, _ = MODES[mode]
-    native_cfg = native_deepspeed_config(options, nprocs)
+    native_cfg = native_deepspeed_config(options, nprocs, style=args.native)
     wargs = ["--worker", "--role", role, "--options", json.dumps(options), "--native-config", json.dumps(native_cfg),
+             "--model", json.dumps(MODE_MODEL.get(mode, {})),
+             *[a for kv in args.adapter_override for a in ("--adapter-override", kv)],
              "--warmup", args.warmup if role == "both" else 0,
              "--steps", args.steps if role == "both" else args.memory_steps,
              "--repeats", args.repeats, *(["--control"] if args.control else []), "--profile", args.profile if role == "both" else 0]
@@ -354,7 +381,13 @@ def print_memory(label, m, names) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {','.join(MODES)}")
+    p.add_argument("--modes", default=",".join(DEFAULT_MODES), help=f"comma-separated subset of {','.join(MODES)}")
+    p.add_argument("--native", choices=("translated", "defaults"), default="translated",
+                   help="the hand-written engine's config: the adapter's translation (default), or DeepSpeed's own "
+                        "defaults with only micro batch, gradient accumulation and ZeRO stage set")
+    p.add_argument("--adapter-override", action="append", default=[], metavar="PATH=JSON",
+                   help="experiments: set an entry of the adapter's DeepSpeed config, e.g. "
+                        "zero_optimization.overlap_comm=true")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--steps", type=int, default=20, help="measured steps per engine per repeat")
     p.add_argument("--repeats", type=int, default=5)
@@ -377,6 +410,7 @@ def main() -> None:
     p.add_argument("--role", default="both", help=argparse.SUPPRESS)
     p.add_argument("--options", default="{}", help=argparse.SUPPRESS)
     p.add_argument("--native-config", default="{}", help=argparse.SUPPRESS)
+    p.add_argument("--model", default="{}", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
         return worker(args)
@@ -388,8 +422,9 @@ def main() -> None:
     if unknown:
         p.error(f"unknown mode(s) {sorted(unknown)}; choose from {list(MODES)}")
     dev = torch.cuda.get_device_name(0) if torch.cuda.is_available() else f"CPU ({os.cpu_count()} cores)"
-    print(f"# adapter overhead: GPT-2 {MODEL}, seq {SEQ}, per-rank batch {PER_RANK_BATCH}, "
-          f"microbatches {MICROBATCHES}, AdamW, fp32, {dev}, torch {torch.__version__}")
+    print(f"# adapter overhead: GPT-2 {MODEL} (zero3_big: {MODE_MODEL['zero3_big']}), seq {SEQ}, per-rank batch "
+          f"{PER_RANK_BATCH}, microbatches {MICROBATCHES}, AdamW, fp32, {dev}, torch {torch.__version__}; "
+          f"native config: {args.native}" + (f"; adapter overrides {args.adapter_override}" if args.adapter_override else ""))
     print(f"# {args.warmup} warm-up + {args.steps} measured steps per engine, x{args.repeats} repeats, "
           f"A/B alternating in one process group\n")
     names = ("native#2", "native") if args.control else ("adapter", "native")

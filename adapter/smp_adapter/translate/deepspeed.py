@@ -127,7 +127,8 @@ def _zero_section(dims: ParallelDims, backend: str | None) -> dict[str, Any]:
     stage = dims.zero_stage
     zero: dict[str, Any] = {"stage": stage}
     if backend is not None and stage in (1, 3):
-        # Overlapped reduction needs CUDA streams; on CPU (gloo) it only adds work.
+        # Overlapped reduction runs on CUDA streams; on CPU (gloo) it made no measurable difference
+        # either way (benchmarks/RESULTS.md §1.4), so it is off there and on with NCCL.
         zero["overlap_comm"] = backend == "nccl"
     if stage == 3:
         for key in SDP_COPIED:
