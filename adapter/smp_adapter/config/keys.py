@@ -2,7 +2,8 @@
 
 One row per key, and exactly one policy per row:
 
-* ``translated`` - carried out by an engine setting (``maps_to`` says which);
+* ``translated`` - carried out by an engine setting: which DeepSpeed entries is
+  ``translate/deepspeed.py``'s ``DEEPSPEED_KEYS`` (held there only), the note says what it does;
 * ``alias``      - another name of a translated key (``alias_of``);
 * ``ignored``    - accepted, with a one-time warning saying why nothing is done;
 * ``rejected``   - a non-default value is an error that names the closest supported setting.
@@ -51,7 +52,7 @@ _ROWS = [
     KeySpec("pipeline_parallel_degree", "int", 1, T, "pipeline stages (DeepSpeed PipelineModule num_stages / Megatron pipeline_model_parallel_size)", minimum=1, maximum=D),
     KeySpec("partitions", "int", None, A, "pre-v1.6 name of pipeline_parallel_degree", alias_of="pipeline_parallel_degree", minimum=1, maximum=D),
     KeySpec("tensor_parallel_degree", "int", 1, T, "Megatron-core tensor_model_parallel_size", minimum=1, maximum=D),
-    KeySpec("microbatches", "int", 1, T, "gradient_accumulation_steps (pp=1) or pipeline microbatches; train_micro_batch_size_per_gpu = batch / microbatches", minimum=1, maximum=D),
+    KeySpec("microbatches", "int", 1, T, "gradient accumulation inside one smp.step call (pp=1) or pipeline microbatches", minimum=1, maximum=D),
     KeySpec("pipeline", "str", "interleaved", T, "pipeline schedule: interleaved = 1F1B, simple = all forward then all backward", choices=("interleaved", "simple", "_only_forward")),
     KeySpec("active_microbatches", "int", None, T, "bound on microbatches in flight; default partitions + 2, clamped to microbatches", minimum=1, maximum=D),
     KeySpec("placement_strategy", "str", "cluster", T, "rank grid order (Megatron order string, DeepSpeed ProcessTopology axes)"),
@@ -68,22 +69,22 @@ _ROWS = [
     KeySpec("ddp_port", "int", None, T, "rendezvous port (MASTER_PORT) when the launcher did not set one", minimum=0, maximum=65535),
     KeySpec("ddp_dist_backend", "str", "auto", T, "torch.distributed backend: auto = nccl on GPU, gloo on CPU", choices=("auto", "nccl", "gloo")),
     # -- memory saving -------------------------------------------------------------------------
-    KeySpec("shard_optimizer_state", "bool", False, T, "DeepSpeed ZeRO stage 1"),
-    KeySpec("offload_activations", "bool", False, T, "DeepSpeed activation_checkpointing.cpu_checkpointing"),
+    KeySpec("shard_optimizer_state", "bool", False, T, "optimizer-state sharding (ZeRO stage 1)"),
+    KeySpec("offload_activations", "bool", False, T, "checkpointed activations kept on the CPU"),
     KeySpec("activation_loading_horizon", "int", 4, I, "DeepSpeed CPU activation checkpointing has no prefetch horizon; activations are loaded back when backward reaches them", minimum=1),
     KeySpec("delayed_parameter_initialization", "bool", False, T, "deepspeed.zero.Init under sharded data parallel, meta-device init otherwise"),
     KeySpec("prescaled_batch", "bool", False, T, "tensor-parallel batch semantics (spec §3.6)"),
     # -- mixed precision -----------------------------------------------------------------------
-    KeySpec("fp16", "bool", False, T, "DeepSpeed fp16 (dynamic loss scale from DistributedOptimizer arguments)"),
-    KeySpec("bf16", "bool", False, T, "DeepSpeed bf16 (allowed without sharded data parallel too)"),
+    KeySpec("fp16", "bool", False, T, "fp16 training (dynamic loss scale from DistributedOptimizer arguments)"),
+    KeySpec("bf16", "bool", False, T, "bf16 training (allowed without sharded data parallel too)"),
     KeySpec("fp16_params", "bool", False, A, "v1.6-1.9 name for fp16 parameters: turns on fp16", alias_of="fp16"),
     # -- sharded data parallel -----------------------------------------------------------------
-    KeySpec("sharded_data_parallel_degree", "int", 1, T, "DeepSpeed ZeRO stage 3; zero_hpz_partition_size when smaller than the rdp size", minimum=1, maximum=D),
-    KeySpec("sdp_reduce_bucket_size", "int", int(5e8), T, "zero_optimization.reduce_bucket_size", minimum=1),
-    KeySpec("sdp_param_persistence_threshold", "int", int(1e6), T, "zero_optimization.stage3_param_persistence_threshold", minimum=0),
-    KeySpec("sdp_max_live_parameters", "int", int(1e9), T, "zero_optimization.stage3_max_live_parameters", minimum=1),
+    KeySpec("sharded_data_parallel_degree", "int", 1, T, "ZeRO stage 3; hpZ groups of this size when smaller than the rdp size", minimum=1, maximum=D),
+    KeySpec("sdp_reduce_bucket_size", "int", int(5e8), T, "gradient reduction bucket size (elements)", minimum=1),
+    KeySpec("sdp_param_persistence_threshold", "int", int(1e6), T, "parameters with fewer elements stay whole on every rank", minimum=0),
+    KeySpec("sdp_max_live_parameters", "int", int(1e9), T, "bound on gathered parameter elements at a time", minimum=1),
     KeySpec("sdp_hierarchical_allgather", "bool", True, I, "DeepSpeed gathers hierarchically through hpZ when sharded_data_parallel_degree < rdp size; there is no separate switch"),
-    KeySpec("sdp_gradient_clipping", "float", 1.0, T, "gradient_clipping (with sharded data parallel; 0 turns clipping off)", minimum=0.0),
+    KeySpec("sdp_gradient_clipping", "float", 1.0, T, "gradient-norm clipping with sharded data parallel (0 turns it off)", minimum=0.0),
     # -- undocumented keys seen in AWS scripts / the SDK ---------------------------------------
     KeySpec("fast_mode", "bool", False, I, "undocumented smp switch passed by AWS examples; no engine equivalent"),
     KeySpec("static_mode", "bool", False, I, "undocumented smp switch passed by AWS examples; no engine equivalent"),
