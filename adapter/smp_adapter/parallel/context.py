@@ -112,3 +112,10 @@ class DistributedModule(nn.Module):
     @property
     def tp_group(self):
         return self._smp_tp_ctx.group
+
+
+def is_split_module(module: nn.Module) -> bool:
+    """Already tensor-parallel: an smp.nn module (DistributedModule) or a Megatron-core layer built
+    by layers.py (both carry their TPContext)."""
+    return isinstance(module, DistributedModule) or module.__dict__.get("_smp_tp_ctx") is not None
+

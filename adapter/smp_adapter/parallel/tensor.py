@@ -33,10 +33,10 @@ import torch.nn as nn
 
 from smp_adapter.parallel import hf, marking
 from smp_adapter.parallel.context import (  # noqa: F401  (re-exported: the runtime's interface)
-    TPContext, current_tp_context, is_distributed_parameter, mark_distributed_parameter, require_tp_context,
-    set_current_tp_context, using_tp_context)
+    TPContext, current_tp_context, is_distributed_parameter, is_split_module, mark_distributed_parameter,
+    require_tp_context, set_current_tp_context, using_tp_context)
 from smp_adapter.parallel.layers import LAYOUT_ATTR, vocab_from_embedding
-from smp_adapter.parallel.nn import DistributedLinear, DistributedModule, build_registered
+from smp_adapter.parallel.nn import DistributedLinear, build_registered
 
 
 # ---------------------------------------------------------------- replacement
@@ -102,7 +102,7 @@ class _Walk:
     def distribute(self, module: nn.Module, qname: str, mark) -> str:
         """Returns "done" (handled or deliberately left whole) or "descend"."""
 
-        if isinstance(module, DistributedModule) or getattr(module, "_smp_tp_ctx", None) is not None:
+        if is_split_module(module):
             return "done"  # already distributed (built by the user or by a previous handler)
         # Under delayed parameter initialisation with sharded data parallel the weights are ZeRO-3
         # shards (1-D slices): a handler needs them whole to cut its TP slice, so the parameters it
