@@ -49,6 +49,16 @@ def test_gpt2_sharded_data_parallel_hf_layers(tmp_path):
     assert output.count("CUDA on CPU ranks") == 1
 
 
+def test_falcon_sharded_data_parallel(tmp_path):
+    """The Falcon sibling's setup: sdp 2 (ZeRO-3) over Hugging Face's Falcon layers (which have no
+    tensor-parallel mapping), against the single-process reference. (Under delayed initialisation the
+    weights are drawn on gathered shards, so only learning could be checked: the GPT-NeoX test does.)"""
+    args = {"model_type": "falcon", "sharded_data_parallel_degree": 2, "use_distributed_transformer": 0}
+    results, _, data = _run(tmp_path, 2, args)
+    _assert_matches(results["losses"], gpt_reference(args, data, data_ranks=2))
+    assert results["sharded_params"] == results["num_params"] // 2
+
+
 def test_gpt2_distributed_transformer_tp2_sdp2_checkpointing(tmp_path):
     """use_distributed_transformer 1: transformer.seq_layers with grouped activation checkpointing;
     tp 2 x sdp 2 with prescaled_batch (4 processes, 2 data ranks)."""
