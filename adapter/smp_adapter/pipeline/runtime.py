@@ -65,6 +65,7 @@ class PipelineRunner:
         self._traced_training = True
         self._mode_warned = False
         self._mode = None
+        self._autocast = None  # (device type, dtype) active around model(...) in the step body, or None
         self._replay = None
         self._loss = None
         #: fp16/bf16: returns the current loss scale (set by the pipeline engine with the optimizer)
@@ -92,6 +93,7 @@ class PipelineRunner:
     # -- called by DistributedModel ----------------------------------------------------------------
     def forward(self, args, kwargs):
         if self._mode == "capture":
+            self._autocast = _autocast_state()  # the stages' forwards run under the same autocast
             raise _Captured(args, kwargs)
         if self._mode == "replay":
             if self._replay is None:
@@ -177,12 +179,25 @@ class PipelineRunner:
                 return loss.float() * (scale * loss_scale)  # in fp32: the scale may exceed fp16's range
 
             targets = [torch.tensor(j) for j in range(n)]
-            sched.run_microbatches(arg_mbs, kwarg_mbs, loss_fn, targets)
+            with self._autocast_context():
+                sched.run_microbatches(arg_mbs, kwarg_mbs, loss_fn, targets)
         else:
-            sched.run_microbatches(arg_mbs, kwarg_mbs)
+            with self._autocast_context():
+                sched.run_microbatches(arg_mbs, kwarg_mbs)
             if self.is_last:
                 for j, mb in enumerate(idx):
                     self._run_body(func, bound_mbs[mb], stage.output_chunks[j], results, mb)
+
+    def _autocast_context(self):
+        """The step body's autocast around model(...), re-entered around the stage forwards (which the
+        schedule runs outside the body). Stages after the first see the body only at the first step,
+        so they keep that step's autocast setting."""
+        import contextlib
+
+        if self._autocast is None:
+            return contextlib.nullcontext()
+        device_type, dtype = self._autocast
+        return torch.autocast(device_type, dtype=dtype)
 
     def _run_body(self, func, bound, output, results, mb):
         self._replay, self._loss = self._unflatten(output), None
@@ -292,6 +307,12 @@ class PipelineRunner:
             if _has_submodule(mine, name):
                 _set_submodule(mine, name, _get_submodule(module, name))
         self.stage_module = mine
+        if not self.is_last:
+            # activations cross to the next stage in buffers of the traced dtype: an autocast forward's
+            # reduced-precision outputs are sent widened (exact), and the next stage's autocast
+            # narrows them again for its matmuls
+            traced = next((p.dtype for p in mine.parameters() if p.is_floating_point()), torch.get_default_dtype())
+            mine.register_forward_hook(_WidenAutocastOutputs(traced))
         self.local_params = list({id(p): p for p in mine.parameters()}.values())
         self.local_keys = set(mine.state_dict().keys())
         self._make_tie_groups(owners)
@@ -492,6 +513,26 @@ class _CarryInputs:
             if isinstance(value, torch.Tensor):
                 bound.arguments[name] = value.clone()
         return bound.args, bound.kwargs
+
+
+class _WidenAutocastOutputs:
+    """Forward hook of a non-last stage: floating outputs back to the traced dtype under autocast."""
+
+    def __init__(self, dtype: torch.dtype):
+        self.dtype = dtype
+
+    def __call__(self, module, args, output):
+        if _autocast_state() is None:
+            return None
+        return torch.utils._pytree.tree_map(
+            lambda t: t.to(self.dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, output)
+
+
+def _autocast_state():
+    for device_type in ("cuda", "cpu"):
+        if torch.is_autocast_enabled(device_type):
+            return device_type, torch.get_autocast_dtype(device_type)
+    return None
 
 
 def _get_submodule(root, name):
