@@ -31,6 +31,7 @@ from torch import nn
 
 from smp_adapter.errors import SMPUsageError, UnsupportedFeatureError
 from smp_adapter.pipeline import partition as part
+from smp_adapter.pipeline import surgery
 from smp_adapter.runtime.partition import partition_mark
 from smp_adapter.runtime.state import state
 
@@ -48,7 +49,7 @@ class PipelineRunner:
     def __init__(self, model, tp_originals: dict | None = None):
         self.model = model
         self.tp_originals = dict(tp_originals or {})  # qualified name -> module before the TP swap
-        _refuse_split_transformer_layers(model.module, self.tp_originals)
+        surgery.refuse_split_transformer_layers(model.module, self.tp_originals)
         self.num_stages = state.dims.pp
         self.stage_index = state.coord.pp
         self.group = state.groups.pp
@@ -93,7 +94,7 @@ class PipelineRunner:
     # -- called by DistributedModel ----------------------------------------------------------------
     def forward(self, args, kwargs):
         if self._mode == "capture":
-            self._autocast = _autocast_state()  # the stages' forwards run under the same autocast
+            self._autocast = surgery.autocast_state()  # the stages' forwards run under the same autocast
             raise _Captured(args, kwargs)
         if self._mode == "replay":
             if self._replay is None:
@@ -273,7 +274,7 @@ class PipelineRunner:
 
         module = self.model.module
         cfg = state.cfg
-        with _originals_swapped_in(module, self.tp_originals):
+        with surgery.originals_swapped_in(module, self.tp_originals):
             prof = part.profile(module, args, kwargs)
             with torch.no_grad():
                 example_out = module(*args, **kwargs)
@@ -294,7 +295,7 @@ class PipelineRunner:
                 # Model inputs first used by a later stage (labels=... of a Hugging Face model, whose loss
                 # is computed by the last stage): copied at the very start of forward, they become values
                 # of stage 0 that the splitter passes on, stage to stage, like any activation.
-                hook = module.register_forward_pre_hook(_CarryInputs(module, late), with_kwargs=True)
+                hook = module.register_forward_pre_hook(surgery.CarryInputs(module, late), with_kwargs=True)
                 try:
                     pipe = self._split(pipeline, module, args, kwargs)
                 finally:
@@ -304,15 +305,15 @@ class PipelineRunner:
         owners = self._tie_to_model(module, stage_mods)
         mine = stage_mods[self.stage_index]
         for name, original in self.tp_originals.items():  # the split (TP) modules go back in
-            if _has_submodule(mine, name):
-                _set_submodule(mine, name, _get_submodule(module, name))
+            if surgery.has_submodule(mine, name):
+                surgery.set_submodule(mine, name, surgery.get_submodule(module, name))
         self.stage_module = mine
         if not self.is_last:
             # activations cross to the next stage in buffers of the traced dtype: an autocast forward's
             # reduced-precision outputs are sent widened (exact), and the next stage's autocast
             # narrows them again for its matmuls
             traced = next((p.dtype for p in mine.parameters() if p.is_floating_point()), torch.get_default_dtype())
-            mine.register_forward_hook(_WidenAutocastOutputs(traced))
+            mine.register_forward_hook(surgery.WidenAutocastOutputs(traced))
         self.local_params = list({id(p): p for p in mine.parameters()}.values())
         self.local_keys = set(mine.state_dict().keys())
         self._make_tie_groups(owners)
@@ -395,14 +396,14 @@ class PipelineRunner:
         for i, sm in enumerate(stage_mods):
             for name, _ in list(sm.named_parameters(remove_duplicate=False)):
                 target = module.get_parameter(name)
-                _set_tensor(sm, name, target)
+                surgery.set_tensor(sm, name, target)
                 owners.setdefault(id(target), set()).add(i)
             for name, _ in list(sm.named_buffers(remove_duplicate=False)):
                 try:
                     target = module.get_buffer(name)
                 except AttributeError:
                     continue
-                _set_tensor(sm, name, target)
+                surgery.set_tensor(sm, name, target)
         return owners
 
     def _make_tie_groups(self, owners: dict) -> None:
@@ -461,106 +462,6 @@ class PipelineRunner:
 
 
 # -- module surgery helpers ----------------------------------------------------------------------
-class _originals_swapped_in:
-    """Put the pre-TP modules back while tracing (torch.export sees plain nn.Linear etc.)."""
-
-    def __init__(self, module, originals):
-        self.module, self.originals, self.saved = module, originals, {}
-
-    def __enter__(self):
-        for name, orig in self.originals.items():
-            self.saved[name] = _get_submodule(self.module, name)
-            _set_submodule(self.module, name, orig)
-
-    def __exit__(self, *exc):
-        for name, mod in self.saved.items():
-            _set_submodule(self.module, name, mod)
-
-
-def _refuse_split_transformer_layers(module: nn.Module, tp_originals: dict) -> None:
-    """Pipeline stages are exported from the unsplit model and the split modules are swapped back
-    in afterwards. That works for modules called with one tensor whose output shape does not change
-    (smp.nn.DistributedLinear, nn.Linear / nn.Embedding marked for TP). A Hugging Face layer split in
-    place keeps head counts and shapes the trace has baked in, and is called by the stage graph with
-    its arguments flattened in another order: refuse it before the first step rather than fail then."""
-    from smp_adapter.parallel.hf import unit_spec_for
-
-    layers = [name for name in tp_originals if unit_spec_for(module.get_submodule(name)) is not None]
-    if layers:
-        raise UnsupportedFeatureError(
-            f"pipeline_parallel_degree > 1 together with tensor_parallel_degree > 1 is not supported yet for Hugging "
-            f"Face transformer layers ({', '.join(layers[:3])}{', ...' if len(layers) > 3 else ''}): use tensor "
-            "parallelism without pipeline parallelism (with sharded_data_parallel_degree for memory), or pipeline "
-            "parallelism with tensor_parallel_degree: 1; PP x TP works for smp.nn modules and for nn.Linear / "
-            "nn.Embedding layers marked with smp.set_tensor_parallelism")
-
-
-class _CarryInputs:
-    """Forward pre-hook used while exporting: replaces the named model inputs by copies made first
-    thing in forward, so the split graph hands them from stage 0 to the stage that reads them."""
-
-    def __init__(self, module: nn.Module, late: dict):
-        self.signature = inspect.signature(module.forward)
-        self.names = {n for names in late.values() for n in names}
-
-    def __call__(self, module, args, kwargs):
-        try:
-            bound = self.signature.bind_partial(*args, **kwargs)
-        except TypeError:
-            return None
-        for name in self.names:
-            value = bound.arguments.get(name)
-            if isinstance(value, torch.Tensor):
-                bound.arguments[name] = value.clone()
-        return bound.args, bound.kwargs
-
-
-class _WidenAutocastOutputs:
-    """Forward hook of a non-last stage: floating outputs back to the traced dtype under autocast."""
-
-    def __init__(self, dtype: torch.dtype):
-        self.dtype = dtype
-
-    def __call__(self, module, args, output):
-        if _autocast_state() is None:
-            return None
-        return torch.utils._pytree.tree_map(
-            lambda t: t.to(self.dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, output)
-
-
-def _autocast_state():
-    for device_type in ("cuda", "cpu"):
-        if torch.is_autocast_enabled(device_type):
-            return device_type, torch.get_autocast_dtype(device_type)
-    return None
-
-
-def _get_submodule(root, name):
-    return root.get_submodule(name)
-
-
-def _has_submodule(root, name) -> bool:
-    try:
-        root.get_submodule(name)
-        return True
-    except AttributeError:
-        return False
-
-
-def _set_submodule(root, name, new) -> None:
-    parent, _, leaf = name.rpartition(".")
-    owner = root.get_submodule(parent) if parent else root
-    setattr(owner, leaf, new)  # nn.Module.__setattr__ registers it as a submodule
-
-
-def _set_tensor(root, name, tensor) -> None:
-    parent, _, leaf = name.rpartition(".")
-    owner = root.get_submodule(parent) if parent else root
-    # nn.Module.__setattr__: a Parameter is registered as one; a tensor assigned to an existing
-    # buffer name replaces that buffer (its persistence is kept)
-    setattr(owner, leaf, tensor)
-
-
 def clip_grad_norm_pipeline(runner: PipelineRunner, max_norm: float, masters: dict | None = None) -> None:
     """Global-norm clipping over all stages and TP ranks (runtime/clipping.py). A parameter tied
     across stages is counted on the lowest stage holding it. ``masters`` (id(parameter) -> its fp32

@@ -1,0 +1,117 @@
+"""Module surgery for pipeline stages: swapping modules and tensors by qualified name, and the
+hooks the stage builder installs (pipeline/runtime.py).
+
+* ``originals_swapped_in``: the pre-TP modules back in place while torch.export traces the model;
+* ``refuse_split_transformer_layers``: PP x TP on Hugging Face layers, refused before the first step;
+* ``CarryInputs``: model inputs first read by a later stage, carried from stage 0;
+* ``WidenAutocastOutputs``: autocast activations cross stages in the traced dtype.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+from torch import nn
+
+from smp_adapter.errors import UnsupportedFeatureError
+
+
+class originals_swapped_in:
+    """Put the pre-TP modules back while tracing (torch.export sees plain nn.Linear etc.)."""
+
+    def __init__(self, module, originals):
+        self.module, self.originals, self.saved = module, originals, {}
+
+    def __enter__(self):
+        for name, orig in self.originals.items():
+            self.saved[name] = get_submodule(self.module, name)
+            set_submodule(self.module, name, orig)
+
+    def __exit__(self, *exc):
+        for name, mod in self.saved.items():
+            set_submodule(self.module, name, mod)
+
+
+def refuse_split_transformer_layers(module: nn.Module, tp_originals: dict) -> None:
+    """Pipeline stages are exported from the unsplit model and the split modules are swapped back
+    in afterwards. That works for modules called with one tensor whose output shape does not change
+    (smp.nn.DistributedLinear, nn.Linear / nn.Embedding marked for TP). A Hugging Face layer split in
+    place keeps head counts and shapes the trace has baked in, and is called by the stage graph with
+    its arguments flattened in another order: refuse it before the first step rather than fail then."""
+    from smp_adapter.parallel.hf import unit_spec_for
+
+    layers = [name for name in tp_originals if unit_spec_for(module.get_submodule(name)) is not None]
+    if layers:
+        raise UnsupportedFeatureError(
+            f"pipeline_parallel_degree > 1 together with tensor_parallel_degree > 1 is not supported yet for Hugging "
+            f"Face transformer layers ({', '.join(layers[:3])}{', ...' if len(layers) > 3 else ''}): use tensor "
+            "parallelism without pipeline parallelism (with sharded_data_parallel_degree for memory), or pipeline "
+            "parallelism with tensor_parallel_degree: 1; PP x TP works for smp.nn modules and for nn.Linear / "
+            "nn.Embedding layers marked with smp.set_tensor_parallelism")
+
+
+class CarryInputs:
+    """Forward pre-hook used while exporting: replaces the named model inputs by copies made first
+    thing in forward, so the split graph hands them from stage 0 to the stage that reads them."""
+
+    def __init__(self, module: nn.Module, late: dict):
+        self.signature = inspect.signature(module.forward)
+        self.names = {n for names in late.values() for n in names}
+
+    def __call__(self, module, args, kwargs):
+        try:
+            bound = self.signature.bind_partial(*args, **kwargs)
+        except TypeError:
+            return None
+        for name in self.names:
+            value = bound.arguments.get(name)
+            if isinstance(value, torch.Tensor):
+                bound.arguments[name] = value.clone()
+        return bound.args, bound.kwargs
+
+
+class WidenAutocastOutputs:
+    """Forward hook of a non-last stage: floating outputs back to the traced dtype under autocast."""
+
+    def __init__(self, dtype: torch.dtype):
+        self.dtype = dtype
+
+    def __call__(self, module, args, output):
+        if autocast_state() is None:
+            return None
+        return torch.utils._pytree.tree_map(
+            lambda t: t.to(self.dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, output)
+
+
+def autocast_state():
+    for device_type in ("cuda", "cpu"):
+        if torch.is_autocast_enabled(device_type):
+            return device_type, torch.get_autocast_dtype(device_type)
+    return None
+
+
+def get_submodule(root, name):
+    return root.get_submodule(name)
+
+
+def has_submodule(root, name) -> bool:
+    try:
+        root.get_submodule(name)
+        return True
+    except AttributeError:
+        return False
+
+
+def set_submodule(root, name, new) -> None:
+    parent, _, leaf = name.rpartition(".")
+    owner = root.get_submodule(parent) if parent else root
+    setattr(owner, leaf, new)  # nn.Module.__setattr__ registers it as a submodule
+
+
+def set_tensor(root, name, tensor) -> None:
+    parent, _, leaf = name.rpartition(".")
+    owner = root.get_submodule(parent) if parent else root
+    # nn.Module.__setattr__: a Parameter is registered as one; a tensor assigned to an existing
+    # buffer name replaces that buffer (its persistence is kept)
+    setattr(owner, leaf, tensor)
