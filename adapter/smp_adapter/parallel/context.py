@@ -20,7 +20,7 @@ from typing import Optional
 import torch.nn as nn
 
 from smp_adapter.errors import NotInitializedError
-from smp_adapter.parallel.layers import DISTRIBUTED_ATTR, mark_distributed
+from smp_adapter.parallel.layers import DISTRIBUTED_ATTR, ShardMixin, mark_distributed
 
 
 @dataclass(frozen=True)
@@ -117,5 +117,5 @@ class DistributedModule(nn.Module):
 def is_split_module(module: nn.Module) -> bool:
     """Already tensor-parallel: an smp.nn module (DistributedModule) or a Megatron-core layer built
     by layers.py (both carry their TPContext)."""
-    return isinstance(module, DistributedModule) or module.__dict__.get("_smp_tp_ctx") is not None
+    return isinstance(module, (DistributedModule, ShardMixin))
 

@@ -179,7 +179,9 @@ def _state_dict_like_torch(cls):
     return cls
 
 
-class _ShardMixin:
+class ShardMixin:
+    """Base of the Megatron-core layers built here (they carry their TPContext, ``tp``)."""
+
     def _drop_megatron_hooks(self):
         self._load_state_dict_pre_hooks.clear()  # the "_extra_state" setdefault hook
 
@@ -192,7 +194,7 @@ def _build_column_cls():
     _, layers = _megatron()
 
     @_state_dict_like_torch
-    class ColumnShardLinear(_ShardMixin, layers.ColumnParallelLinear):
+    class ColumnShardLinear(ShardMixin, layers.ColumnParallelLinear):
         """Output features split across TP ranks. Local matmul only, unless ``standalone``."""
 
         def __init__(self, in_features, out_features, ctx, bias=True, dtype=torch.float32, standalone=False):
@@ -224,7 +226,7 @@ def _build_row_cls():
     _, layers = _megatron()
 
     @_state_dict_like_torch
-    class RowShardLinear(_ShardMixin, layers.RowParallelLinear):
+    class RowShardLinear(ShardMixin, layers.RowParallelLinear):
         """Input features split across TP ranks; the partial sums leave the TP region here.
         ``standalone``: the input is the replicated/own-sample full-feature tensor (a lone linear)."""
 
@@ -251,7 +253,7 @@ def _build_vocab_cls():
     _, layers = _megatron()
 
     @_state_dict_like_torch
-    class VocabShardEmbedding(_ShardMixin, layers.VocabParallelEmbedding):
+    class VocabShardEmbedding(ShardMixin, layers.VocabParallelEmbedding):
         """Vocabulary split across TP ranks. The lookup of Megatron's forward, with ``padding_idx``
         honoured (no gradient for the padding row, as nn.Embedding) and smp's batch exchange."""
 
