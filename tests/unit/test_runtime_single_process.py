@@ -204,3 +204,18 @@ def test_backward_without_a_distributed_optimizer_names_the_fix(fresh):
     with pytest.raises(SMPUsageError, match=r"model.backward\(\) needs an optimizer: wrap it with "
                                             r"smp.DistributedOptimizer\(optimizer\)"):
         train_step(model, torch.randn(4, 4), torch.tensor([0, 1, 2, 0]))
+
+
+def test_engine_registry_names_the_available_engines():
+    from smp_adapter.runtime.engines import ENGINES, engine_class, engine_name_for
+
+    with pytest.raises(SMPUsageError, match=r"no engine named 'megatron': the available engines are deepspeed, pipeline"):
+        engine_class("megatron")
+    assert sorted(ENGINES) == ["deepspeed", "pipeline"]
+    from smp_adapter.config.dims import ParallelDims
+    from smp_adapter.config.options import SMPConfig
+
+    pp2 = ParallelDims.from_config(SMPConfig.from_dict({"pipeline_parallel_degree": 2}), 2)
+    pp1 = ParallelDims.from_config(SMPConfig.from_dict({"tensor_parallel_degree": 2, "ddp": True}), 2)
+    assert (engine_name_for(pp2), engine_name_for(pp1)) == ("pipeline", "deepspeed")
+    assert engine_class("pipeline").name == "pipeline" and engine_class("deepspeed").name == "deepspeed"
