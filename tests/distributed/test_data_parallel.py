@@ -11,7 +11,7 @@ import json
 import pytest
 import torch
 from common import reference_losses, tiny_vit
-from launch_util import run_ranks
+from launch_util import ROOT, run_ranks
 
 SCRIPT = "tests/distributed/scripts/train_vit.py"
 SDP_EXACT = {"sdp_param_persistence_threshold": 0, "sdp_gradient_clipping": 0.0}
@@ -25,8 +25,6 @@ def init_weights(tmp_path_factory):
 
 
 def _run(tmp_path, options, nprocs, init_weights, *args):
-    from launch_util import ROOT
-
     return run_ranks(ROOT / SCRIPT, nprocs, args=["--init-weights", init_weights, *args],
                      env={"SM_HP_MP_PARAMETERS": json.dumps(options)}, out_dir=tmp_path)
 
@@ -101,3 +99,22 @@ def test_two_runs_with_the_same_seeds_give_identical_losses(tmp_path, init_weigh
     first = _run(tmp_path / "a", options, 2, init_weights, "--optimizer", "adam", "--lr", LR["adam"])
     second = _run(tmp_path / "b", options, 2, init_weights, "--optimizer", "adam", "--lr", LR["adam"])
     assert first[0]["losses"] == second[0]["losses"]  # bitwise, on CPU
+
+
+@pytest.mark.parametrize("accelerator", ["this machine's", "without fp16 (as on AMD EPYC)"])
+def test_delayed_init_then_full_load_keeps_fp32_bitwise(tmp_path, init_weights, accelerator):
+    """Parameters created sharded under delayed initialisation, then loaded from a full state dict:
+    the gathered parameters equal the file bit for bit and stay float32, also where DeepSpeed's
+    accelerator says fp16 is unsupported (DeepSpeed's zero.Init then chose bfloat16 for a config
+    plus a dtype, whatever the dtype: issue 16)."""
+    flags = ["--accelerator-without-fp16"] if "without" in accelerator else []
+    results = run_ranks(ROOT / "tests/distributed/scripts/delayed_init_load.py", 2,
+                        args=["--init-weights", init_weights, *flags], out_dir=tmp_path,
+                        env={"SM_HP_MP_PARAMETERS": json.dumps(
+                            {"ddp": True, "sharded_data_parallel_degree": 2, "delayed_parameter_initialization": True})})
+    for r in results:
+        assert r["zero_stage"] == 3
+        assert r["created_dtypes"] == ["torch.float32"]
+        assert r["shard_dtypes"] == ["torch.float32"]
+        assert r["gathered_dtypes"] == ["torch.float32"]
+        assert r["differing"] == [] and r["compared"] > 20

@@ -28,19 +28,16 @@ def delay_param_initialization(enabled: bool = True):
     if not enabled or s.dims.zero_stage != 3:
         yield
         return
-    import deepspeed
     # zero.Init patches torch.Tensor.__new__; torch._dynamo refuses to load under that patch, and
     # libraries (transformers) import it lazily while building models - so load it first.
     import torch._dynamo  # noqa: F401
 
-    from smp_adapter.runtime.engines.deepspeed_groups import zero_init_arguments
+    from smp_adapter.runtime.engines.deepspeed_groups import zero_init_context
     from smp_adapter.translate.deepspeed import to_deepspeed_config
 
-    ds_config = to_deepspeed_config(s.dims, backend=s.backend)
     try:
-        with deepspeed.zero.Init(config_dict_or_path=ds_config, dtype=_param_dtype(), remote_device=None,
-                                 enabled=True, **zero_init_arguments()):
-            _announce_zero3_to_transformers(ds_config)
+        with zero_init_context(_param_dtype()):
+            _announce_zero3_to_transformers(to_deepspeed_config(s.dims, backend=s.backend))
             yield
     finally:
         # Only while creating: afterwards a plain HF model built on one rank (e.g. to save a full
@@ -108,10 +105,7 @@ def partition_for_zero3(module: nn.Module) -> None:
     partitioned (created under delayed initialisation) are left alone; new ones (tensor-parallel
     slices built from gathered shards) join them. Floating parameters are cast to the job's dtype
     first, because DeepSpeed casts only parameters it partitions itself."""
-    import deepspeed
-
-    from smp_adapter.runtime.engines.deepspeed_groups import zero_init_arguments
-    from smp_adapter.translate.deepspeed import to_deepspeed_config
+    from smp_adapter.runtime.engines.deepspeed_groups import partition_module
 
     whole = [p for p in module.parameters() if not hasattr(p, "ds_id")]
     if not whole:
@@ -120,9 +114,7 @@ def partition_for_zero3(module: nn.Module) -> None:
     for p in whole:
         if p.is_floating_point() and p.dtype != dtype:
             p.data = p.data.to(dtype)
-    # the same arguments DeepSpeed's engine would use for a module it partitions itself
-    deepspeed.zero.Init(module=module, dtype=dtype, config_dict_or_path=to_deepspeed_config(state.dims, backend=state.backend),
-                        **zero_init_arguments())
+    partition_module(module)
 
 
 def _param_dtype():

@@ -70,7 +70,50 @@ def adopt_smp_hpz_group() -> None:
         ds_groups._ZERO_PARAM_INTRA_PARALLEL_GROUP = state.groups.sdp
 
 
-def zero_init_arguments() -> dict:
+def zero_init_context(dtype):
+    """The ``deepspeed.zero.Init`` context delayed initialisation enters: the job's DeepSpeed config,
+    the process groups its engine uses, and parameters created in ``dtype``.
+
+    ``dtype`` is set on the object, not passed. DeepSpeed (0.14.1 through at least 0.19.8) decides
+    the dtype in ``Init._set_dtype``; given a config *and* a dtype it evaluates
+    ``dtype or fp16 if accel.is_fp16_supported() else bf16 if accel.is_bf16_supported else fp32``,
+    which by operator precedence is bfloat16, whatever dtype was asked for, wherever the accelerator
+    says fp16 is unsupported (DeepSpeed's CPU accelerator on CPUs without AVX512-FP16/AMX, e.g. AMD
+    EPYC, answers ``None``). Given only the config it reads the precision options correctly; the
+    public ``dtype`` attribute is what its tensor-creation hooks read on ``__enter__``, so setting it
+    before entering covers ``model_creation(dtype=...)`` asking for something else."""
+    import deepspeed
+    import torch
+
+    from smp_adapter.errors import UnsupportedFeatureError
+
+    if dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise UnsupportedFeatureError(
+            f"delayed parameter initialization under sharded data parallel creates parameters in float32, "
+            f"float16 or bfloat16 (what DeepSpeed's ZeRO-3 holds), not {dtype}; create the model with torch's "
+            "default dtype float32 and choose half precision with the fp16/bf16 options")
+    init = deepspeed.zero.Init(config_dict_or_path=_job_config(), dtype=None, remote_device=None, enabled=True,
+                               **_zero_init_groups())
+    init.dtype = dtype
+    return init
+
+
+def partition_module(module) -> None:
+    """Shard the parameters of a built module as ZeRO-3 (``zero.Init(module=...)``), with the same
+    config and groups. No dtype is passed, for the reason in ``zero_init_context``: the caller casts
+    the parameters first, and DeepSpeed does not cast them here."""
+    import deepspeed
+
+    deepspeed.zero.Init(module=module, config_dict_or_path=_job_config(), dtype=None, **_zero_init_groups())
+
+
+def _job_config() -> dict:
+    from smp_adapter.translate.deepspeed import to_deepspeed_config
+
+    return to_deepspeed_config(state.dims, backend=state.backend)
+
+
+def _zero_init_groups() -> dict:
     """The process-group arguments of ``deepspeed.zero.Init``: the ones DeepSpeed's engine uses."""
     adopt_smp_hpz_group()
     return {"data_parallel_group": state.groups.rdp, "mpu": mpu_or_none(),
