@@ -58,6 +58,16 @@ def test_ignored_keys_warn_on_stderr(capsys):
     assert "smp-adapter: warning: smp option 'fast_mode' is accepted and ignored" in err
 
 
+@pytest.mark.parametrize("names", [["--nproc-per-node", "2", "--nnodes", "3"],
+                                   ["--processes-per-host", "2", "--instance-count", "3"]])
+def test_translate_takes_launchs_names_and_sagemakers_aliases(names, capsys):
+    """translate and launch name the two counts alike; SageMaker's names stay as aliases."""
+    assert main(["translate", '{"ddp": true}', "--format", "json", *names]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert (out["nprocs_per_node"], out["nnodes"], out["world_size"]) == (2, 3, 6)
+    assert out["launch"]["torchrun"]["command"][:5] == ["torchrun", "--nproc_per_node", "2", "--nnodes", "3"]
+
+
 def test_world_size_sources(capsys):
     assert main(["translate", '{"tensor_parallel_degree": 2, "pipeline_parallel_degree": 2, "ddp": true}', "--format", "json"]) == 0
     assert json.loads(capsys.readouterr().out)["world_size"] == 4  # pp x tp x sdp

@@ -27,10 +27,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from smp_adapter.config.distribution import JobSpec, job_from_mapping, load_job, load_mapping
+from smp_adapter.config.distribution import job_from_mapping, load_mapping
 from smp_adapter.config.limits import MAX_WORLD_SIZE
 from smp_adapter.config.options import SMPConfig
 from smp_adapter.config.problems import ConfigProblem, raise_if_any
+from smp_adapter.commands.launch_inputs import launcher_program, resolve_job, split_command
 from smp_adapter.errors import SMPAdapterError
 from smp_adapter.translate.launch import LAUNCHERS, NODE_RANK_PLACEHOLDER, to_launch_plan
 
@@ -163,21 +164,13 @@ def build(args: argparse.Namespace) -> dict[str, Any]:
     _check_counts(args)
     recipe = load_recipe(args.recipe) if args.recipe else {}
     positional = [*([args.script] if args.script else []), *args.script_args]
-    positional = positional[1:] if positional[:1] == ["--"] else positional
     if recipe.get("script"):  # the recipe names the script: every positional argument is the script's
-        script, script_args = recipe["script"], positional
-    elif positional:
-        script, script_args = positional[0], positional[1:]
+        script, script_args, notes = recipe["script"], positional[1:] if positional[:1] == ["--"] else positional, []
     else:
-        raise SMPAdapterError("no training script: give SCRIPT (or a --recipe with a 'script' key)")
+        script, script_args, notes = split_command(positional)
     if not Path(script).is_file():
         raise SMPAdapterError(f"training script {script} not found: give the path of an existing file")
-    job: JobSpec = recipe.get("job", JobSpec(options={}))
-    if args.options or args.distribution:
-        job = load_job(args.options or args.distribution)
-        if args.distribution and job.source != "distribution":
-            raise SMPAdapterError(f"--distribution {args.distribution}: not a SageMaker distribution dict "
-                                  "(smdistributed + mpi); use --options for plain smp options")
+    job, options_source = resolve_job(args.options, args.distribution, recipe, args.recipe, os.environ)
     launcher = args.launcher or recipe.get("launcher", "deepspeed")
     if args.device:
         cpu = args.device == "cpu"
@@ -258,9 +251,10 @@ def build(args: argparse.Namespace) -> dict[str, Any]:
         head = [str(node_rank) if a == NODE_RANK_PLACEHOLDER else a for a in head]
     else:  # mpirun exports only what -x names (plan.env is named already); the interpreter ends head
         extra = [t for name in sm if name not in plan.env for t in ("-x", name)]
-        head = [*head[:-1], *extra, head[-1]]
+        head = [launcher_program("mpirun"), *head[1:-1], *extra, head[-1]]
     return {"command": [*head, *rest], "set": sm, "plan": plan, "dirs": dirs, "launcher": launcher, "cpu": cpu,
-            "rank_offset": node_rank * plan.nprocs_per_node, "channels": channels}
+            "rank_offset": node_rank * plan.nprocs_per_node, "channels": channels,
+            "notes": [options_source, *notes, *plan.notes]}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -274,7 +268,7 @@ def run(args: argparse.Namespace) -> int:
         for name, value in b["set"].items():
             print(f"export {name}={shlex.quote(value)}")
         print(shlex.join(b["command"]))
-        for note in plan.notes:
+        for note in b["notes"]:
             print(f"# note: {note}")
         return 0
     for name, path in b["channels"].items():
@@ -285,7 +279,7 @@ def run(args: argparse.Namespace) -> int:
             d.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise SMPAdapterError(f"cannot create {exc.filename} ({exc.strerror}): give writable --job-dir/--model-dir") from None
-    for note in plan.notes:
+    for note in b["notes"]:
         print(f"smp-adapter launch: note: {note}", file=sys.stderr)
     print(f"smp-adapter launch: {summary}; rank logs in {b['dirs']['logs']}", file=sys.stderr, flush=True)
     if b["set"].get(CUDA_ON_CPU) == "1":

@@ -35,8 +35,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     procs.add_argument("--world-size", type=int, metavar="N",
                        help="total processes (default: instance_count x processes_per_host of a distribution dict, "
                             "else pipeline x tensor x sharded-data-parallel degree)")
-    procs.add_argument("--processes-per-host", type=int, metavar="N", help="processes per instance (mpi.processes_per_host)")
-    p.add_argument("--instance-count", type=int, metavar="K", help="number of instances (nodes)")
+    # the names `launch` takes; SageMaker's names stay as aliases
+    procs.add_argument("--nproc-per-node", "--processes-per-host", dest="processes_per_host", type=int, metavar="N",
+                       help="processes per node (mpi.processes_per_host); alias --processes-per-host")
+    p.add_argument("--nnodes", "--instance-count", dest="instance_count", type=int, metavar="K",
+                   help="number of nodes (instance_count); alias --instance-count")
     p.add_argument("--batch-size", type=int, metavar="B",
                    help="per-rank batch passed to smp.step (default: microbatches, one sample per microbatch)")
     p.add_argument("--script", default="train.py", help="training script in the launch commands (default: train.py)")

@@ -16,7 +16,10 @@ degrees with ParallelDims before any command is built.
   mpirun     the SageMaker toolkit's line (spec §1.6) minus its SageMaker-only parts (network
              interface names, the gethostname LD_PRELOAD shim, smddpmprun, EFA and NCCL tuning),
              then ``python script args``: no ``-m mpi4py``, the runtime reads OMPI_COMM_WORLD_*
-             and ``-mca orte_abort_on_non_zero_status 1`` already ends the job when a rank fails.
+             and ``-mca orte_abort_on_non_zero_status 1`` already ends the job when a rank fails
+             (Open MPI 4; Open MPI 5's prterun ends it by default and ignores the ORTE name).
+             ``--bind-to``/``--map-by`` are spelled with two dashes: the toolkit's ``-bind-to``
+             works only on Open MPI 4, prterun (5.x) reads it as the executable's name.
 
 Environment (as the SageMaker SDK/toolkit set it): SM_HP_MP_PARAMETERS (compact key-sorted JSON
 of the options as given), SM_FRAMEWORK_PARAMS, SM_NUM_GPUS (0 with cpu=True), DS_ACCELERATOR=cpu
@@ -219,7 +222,7 @@ def _mpirun(hosts: list[str], nprocs: int, hostfile: str | None, custom: CustomM
             base[name] = value
     placement = ["--hostfile", hostfile] if hostfile else ["--host", ",".join(f"{h}:{nprocs}" for h in hosts)]
     cmd = ["mpirun", *placement, "-np", str(nprocs * len(hosts)), "--allow-run-as-root", "--display-map", "--tag-output",
-           "-bind-to", "none", "-map-by", "slot"]
+           "--bind-to", "none", "--map-by", "slot"]
     for name, value in {**base, **extra_mca}.items():
         cmd += ["-mca", name, value]
     cmd += ["-x", f"NCCL_DEBUG={custom.nccl_debug or 'INFO'}", "-x", "LD_LIBRARY_PATH", "-x", "PATH", *custom.tokens]
