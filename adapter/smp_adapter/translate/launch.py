@@ -21,6 +21,10 @@ degrees with ParallelDims before any command is built.
              ``--bind-to``/``--map-by`` are spelled with two dashes: the toolkit's ``-bind-to``
              works only on Open MPI 4, prterun (5.x) reads it as the executable's name.
 
+  srun       srun --nodes K --ntasks-per-node N --kill-on-bad-exit=1 --label --export=ALL python
+             script args     (inside a Slurm allocation: salloc, or an sbatch script; the runtime reads
+             SLURM_PROCID/SLURM_STEP_NUM_TASKS/SLURM_LOCALID and takes the master from the nodelist)
+
 Environment (as the SageMaker SDK/toolkit set it): SM_HP_MP_PARAMETERS (compact key-sorted JSON
 of the options as given), SM_FRAMEWORK_PARAMS, SM_NUM_GPUS (0 with cpu=True), DS_ACCELERATOR=cpu
 with cpu=True; ``-x VAR=VALUE`` exports from custom_mpi_options also go into the environment of
@@ -40,7 +44,7 @@ from smp_adapter.config.limits import MAX_WORLD_SIZE
 from smp_adapter.config.options import ENV_MP_PARAMETERS, SMPConfig
 from smp_adapter.config.problems import ConfigProblem, raise_if_any
 
-LAUNCHERS = ("deepspeed", "torchrun", "mpirun")
+LAUNCHERS = ("deepspeed", "torchrun", "mpirun", "srun")
 DEFAULT_MASTER_PORT = 29500  # torch.distributed's and DeepSpeed's default (SageMaker used 7777)
 NODE_RANK_PLACEHOLDER = "${NODE_RANK}"  # expanded by the shell on each node
 
@@ -140,6 +144,13 @@ def to_launch_plan(job: JobSpec, cfg: SMPConfig | None, script: str, script_args
         env.update({"MASTER_ADDR": addr, "MASTER_PORT": str(port)})
         command, mpi_notes = _mpirun(hosts, nprocs, hostfile, custom, list(env), python, args)
         notes += mpi_notes
+    elif launcher == "srun":
+        # Slurm picks the hosts; the ranks take the master from its nodelist (runtime/launch_env.py)
+        env["MASTER_PORT"] = str(port)
+        command = ["srun", "--nodes", str(nnodes), "--ntasks-per-node", str(nprocs), "--kill-on-bad-exit=1",
+                   "--label", "--export=ALL", python, *args]
+        notes.append("srun runs inside a Slurm allocation (salloc, or an sbatch script with "
+                     f"--nodes={nnodes} --ntasks-per-node={nprocs}); it is generated here, never executed in CI")
     else:
         env.update(custom.exports)  # what custom_mpi_options exported with -x VAR=VALUE
         if custom.nccl_debug:
