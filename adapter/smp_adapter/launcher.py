@@ -239,6 +239,9 @@ class Supervisor:
         if lines:
             print(f"--- last {min(len(lines), TAIL_LINES)} lines of {who} ---", file=err)
             print("\n".join(lines[-TAIL_LINES:]), file=err)
+        if rank is not None and self._lost_a_peer(rank):  # every failing rank here only lost a peer
+            print(f"smp-adapter launch: {who} lost its connection to another rank, which failed first and is not "
+                  "one of this launcher's: look at the output of the other nodes' launch commands", file=err)
         return 128 - code if code < 0 else min(code, 255)
 
     def _reported_codes(self) -> dict[int, int]:
@@ -252,9 +255,13 @@ class Supervisor:
     def _blamed_rank(self, codes: dict[int, int]) -> int | None:
         """The first rank (in the order its failure showed) whose failure is not a consequence of another's:
         killed with SIGTERM (by the launcher), or a communication error (a peer died)."""
-        def secondary(rank: int) -> bool:
-            errors = [t for t in self.rank_lines.get(rank, ()) if "Error" in t or "Exception" in t]
-            return codes.get(rank) in (0, -signal.SIGTERM) or bool(errors and _COMM.search(errors[-1]))
-
         order = sorted(self.events, key=self.events.get) + [r for r in codes if r not in self.events]
-        return next((r for r in order if not secondary(r)), order[0] if order else None)
+        return next((r for r in order if not self._secondary(r, codes)), order[0] if order else None)
+
+    def _secondary(self, rank: int, codes: dict[int, int]) -> bool:
+        return codes.get(rank) in (0, -signal.SIGTERM) or self._lost_a_peer(rank)
+
+    def _lost_a_peer(self, rank: int) -> bool:
+        """The rank's last error is a communication error: a peer it was talking to went away."""
+        errors = [t for t in self.rank_lines.get(rank, ()) if "Error" in t or "Exception" in t]
+        return bool(errors and _COMM.search(errors[-1]))

@@ -72,6 +72,41 @@ def _logs(out_dir: Path, nprocs: int) -> str:
 
 
 def write_result(obj) -> None:
-    """Called by test scripts: this rank's result."""
+    """Called by test scripts: this rank's result, with where the rank sat (``placement``)."""
     out = Path(os.environ.get("SMP_TEST_OUT", "."))
-    (out / f"rank{os.environ.get('RANK', '0')}.json").write_text(json.dumps(obj))
+    (out / f"rank{os.environ.get('RANK', '0')}.json").write_text(json.dumps({**obj, "placement": _placement()}))
+
+
+def _placement() -> dict:
+    """The rank's coordinates as smp reports them, and the launch variables it saw."""
+    import smdistributed.modelparallel.torch as smp
+
+    seen = {k: os.environ.get(k) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                                            "SM_CURRENT_HOST", "SM_HOSTS")}
+    try:
+        coords = {"rank": smp.rank(), "local_rank": smp.local_rank(), "tp_rank": smp.tp_rank(),
+                  "pp_rank": smp.pp_rank(), "rdp_rank": smp.rdp_rank(), "dp_rank": smp.dp_rank()}
+    except Exception:  # smp not initialised (a script that failed early or never called smp.init)
+        coords = {}
+    return {**coords, "env": seen}
+
+
+MAIN = "from smp_adapter.cli import main; raise SystemExit(main())"
+
+
+def cli_env(extra: dict | None = None) -> dict:
+    """The environment of a user's shell running ``smp-adapter``: no rank or SageMaker variables of
+    this test process, the package importable, no GPU, no DS_ACCELERATOR (launch sets it)."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("SM_", "OMPI_", "SLURM_", "RANK", "LOCAL_", "WORLD_", "MASTER_", "PYTHONPATH"))}
+    env.update({"PYTHONPATH": str(ROOT / "adapter"), "CUDA_VISIBLE_DEVICES": ""})
+    env.pop("DS_ACCELERATOR", None)
+    env.update(extra or {})
+    return env
+
+
+def start_cli(*argv, cwd: Path, env: dict | None = None) -> subprocess.Popen:
+    """``smp-adapter ARGV`` as a separate process, output captured."""
+    return subprocess.Popen([sys.executable, "-c", MAIN, *map(str, argv)], cwd=cwd, env=cli_env(env),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+

@@ -14,23 +14,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from launch_util import MAIN, cli_env
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "tests/fixtures/launch_train.py"
-MAIN = "from smp_adapter.cli import main; raise SystemExit(main())"
 
 
-def cli_env() -> dict:
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("SM_", "OMPI_", "RANK", "LOCAL_", "WORLD_", "MASTER_", "PYTHONPATH"))}
-    env.update({"PYTHONPATH": str(ROOT / "adapter"), "CUDA_VISIBLE_DEVICES": ""})
-    env.pop("DS_ACCELERATOR", None)  # launch must set it by itself on a machine without GPU
-    return env
-
-
-def launch(*argv, cwd: Path, timeout: float = 120) -> tuple[subprocess.CompletedProcess, float]:
+def launch(*argv, cwd: Path, timeout: float = 120, env: dict | None = None) -> tuple[subprocess.CompletedProcess, float]:
     start = time.monotonic()
-    proc = subprocess.run([sys.executable, "-c", MAIN, "launch", *map(str, argv)], cwd=cwd, env=cli_env(),
+    proc = subprocess.run([sys.executable, "-c", MAIN, "launch", *map(str, argv)], cwd=cwd, env=cli_env(env),
                           capture_output=True, text=True, timeout=timeout)
     return proc, time.monotonic() - start
 
@@ -45,8 +37,8 @@ def job(tmp_path) -> Path:
     return tmp_path
 
 
-def dry_run(cwd: Path, *argv) -> tuple[dict, list[str], str]:
-    proc, _ = launch("--dry-run", *argv, cwd=cwd, timeout=60)
+def dry_run(cwd: Path, *argv, env: dict | None = None) -> tuple[dict, list[str], str]:
+    proc, _ = launch("--dry-run", *argv, cwd=cwd, timeout=60, env=env)
     assert proc.returncode == 0, proc.stderr
     env, command = {}, None
     for line in proc.stdout.splitlines():
@@ -58,7 +50,7 @@ def dry_run(cwd: Path, *argv) -> tuple[dict, list[str], str]:
     return env, command, proc.stdout
 
 
-@pytest.mark.parametrize("launcher", ["deepspeed", "torchrun", "mpirun"])
+@pytest.mark.parametrize("launcher", ["deepspeed", "torchrun", "mpirun", "srun"])
 def test_dry_run_prints_environment_and_command(launcher, job):
     env, cmd, _ = dry_run(job, "--launcher", launcher, "--nproc-per-node", 2, "--cpu", "--options", '{"ddp": true}',
                           "--channel", "train=train", "--hyperparameter", "epochs=3", "--hp", "name=run 1",
@@ -81,12 +73,37 @@ def test_dry_run_prints_environment_and_command(launcher, job):
     elif launcher == "torchrun":
         assert cmd[:3] == [sys.executable, "-m", "torch.distributed.run"]
         assert cmd[3:9] == ["--nproc_per_node", "2", "--nnodes", "1", "--node_rank", "0"] and "--tee" in cmd
-    else:
-        assert cmd[0] == "mpirun" and cmd[cmd.index("-np") + 1] == "2" and "--tag-output" in cmd
+    elif launcher == "mpirun":
+        assert Path(cmd[0]).name == "mpirun" and cmd[cmd.index("-np") + 1] == "2" and "--tag-output" in cmd
         assert cmd[cmd.index(str(SCRIPT)) - 1] == sys.executable
         exported = {cmd[i + 1] for i, a in enumerate(cmd) if a == "-x"}
         assert {"SM_CHANNEL_TRAIN", "SM_MODEL_DIR", "SM_HP_MP_PARAMETERS", "DS_ACCELERATOR"} <= exported
+    elif launcher == "srun":  # srun hands the ranks the whole environment
+        assert Path(cmd[0]).name == "srun" and cmd[1:8] == ["--nodes", "1", "--ntasks-per-node", "2",
+                                                            "--kill-on-bad-exit=1", "--label", "--export=ALL"]
+        assert cmd[cmd.index(str(SCRIPT)) - 1] == sys.executable
     assert not (job / "smp-job").exists() and not (job / "m").exists()  # a dry run creates nothing
+
+
+@pytest.mark.parametrize("front", [["python"], ["--", "python"], ["--", "python3", "-u"]])
+def test_a_python_in_front_of_the_script_is_dropped_and_said(front, job):
+    """`launch -- python train.py` (the way `mpirun -np 8 python train.py` reads) runs train.py; it used to
+    run the interpreter binary as the script (SyntaxError: source code cannot contain null bytes)."""
+    env, cmd, out = dry_run(job, "--launcher", "torchrun", "--cpu", "--nproc-per-node", 2, *front, SCRIPT, "--extra", "x")
+    assert cmd[-3:] == [str(SCRIPT), "--extra", "x"] and cmd.count(front[-1]) == 0
+    dropped = " ".join(t for t in front if t != "--")
+    assert f"# note: '{dropped}' in front of the script dropped: every rank runs {SCRIPT} with {sys.executable}" in out
+
+
+def test_inherited_sm_hp_mp_parameters_are_used_and_the_source_said(job):
+    inherited = {"SM_HP_MP_PARAMETERS": '{"ddp": true, "microbatches": 2}'}
+    env, _, out = dry_run(job, "--cpu", "--nproc-per-node", 2, SCRIPT, env=inherited)
+    assert json.loads(env["SM_HP_MP_PARAMETERS"]) == {"ddp": True, "microbatches": 2}
+    assert "# note: smp options from SM_HP_MP_PARAMETERS in the environment (--options overrides it)" in out
+    env, _, out = dry_run(job, "--cpu", "--nproc-per-node", 2, "--options", '{"ddp": true}', SCRIPT, env=inherited)
+    assert json.loads(env["SM_HP_MP_PARAMETERS"]) == {"ddp": True}
+    assert ("# note: smp options from --options {\"ddp\": true} (overriding SM_HP_MP_PARAMETERS found in the "
+            "environment)") in out
 
 
 def test_dry_run_of_a_recipe_and_torchrun_on_several_nodes(job):

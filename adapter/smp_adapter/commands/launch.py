@@ -33,7 +33,7 @@ from smp_adapter.config.options import SMPConfig
 from smp_adapter.config.problems import ConfigProblem, raise_if_any
 from smp_adapter.commands.launch_inputs import launcher_program, resolve_job, split_command
 from smp_adapter.errors import SMPAdapterError
-from smp_adapter.translate.launch import LAUNCHERS, NODE_RANK_PLACEHOLDER, to_launch_plan
+from smp_adapter.translate.launch import LAUNCHERS, to_launch_plan
 
 NAME = "launch"
 CUDA_ON_CPU = "SMP_ADAPTER_CUDA_ON_CPU"
@@ -207,7 +207,8 @@ def build(args: argparse.Namespace) -> dict[str, Any]:
     port = args.master_port or (None if cfg.ddp_port or nnodes > 1 else _free_port())
     plan = to_launch_plan(job, cfg, script, [*hp_args, *script_args], launcher=launcher, nprocs_per_node=nprocs,
                           hostfile=args.hostfile, master_addr=args.master_addr, master_port=port, cpu=cpu,
-                          nnodes=nnodes, hosts=hosts, python=sys.executable)
+                          nnodes=nnodes, hosts=hosts, python=sys.executable,
+                          node_rank=args.node_rank if launcher == "torchrun" else None)
     node_rank = args.node_rank or 0
     if not 0 <= node_rank < plan.nnodes:
         raise SMPAdapterError(f"--node-rank {node_rank}: must be between 0 and nnodes - 1 = {plan.nnodes - 1}")
@@ -249,7 +250,6 @@ def build(args: argparse.Namespace) -> dict[str, Any]:
         head = [sys.executable, "-m", LAUNCHER_MODULES[launcher], *head[1:], "--enable_each_rank_log", str(dirs["logs"])]
     elif launcher == "torchrun":
         head = [sys.executable, "-m", LAUNCHER_MODULES[launcher], *head[1:], "--tee", "3", "--log-dir", str(dirs["logs"])]
-        head = [str(node_rank) if a == NODE_RANK_PLACEHOLDER else a for a in head]
     elif launcher == "mpirun":  # it exports only what -x names (plan.env is named already); the interpreter ends head
         extra = [t for name in sm if name not in plan.env for t in ("-x", name)]
         head = [launcher_program("mpirun", required=not args.dry_run), *head[1:-1], *extra, head[-1]]

@@ -110,7 +110,7 @@ def to_launch_plan(job: JobSpec, cfg: SMPConfig | None, script: str, script_args
                    launcher: str = "deepspeed", nprocs_per_node: int | None = None, hostfile: str | None = None,
                    master_addr: str | None = None, master_port: int | None = None, cpu: bool = False,
                    nnodes: int | None = None, hosts: Sequence[str] | None = None,
-                   python: str = "python") -> LaunchPlan:
+                   python: str = "python", node_rank: int | None = None) -> LaunchPlan:
     """The command that starts ``script`` as this job. Raises SMPConfigError when the world
     size does not fit the degrees (ParallelDims.from_config) or an argument is invalid."""
     cfg = job.config() if cfg is None else cfg
@@ -167,10 +167,10 @@ def to_launch_plan(job: JobSpec, cfg: SMPConfig | None, script: str, script_args
                 command += ["--master_addr", master_addr]
             command += ["--master_port", str(port), "--no_local_rank", *args]
         else:
+            rank_of_node = str(node_rank) if node_rank is not None else "0" if nnodes == 1 else NODE_RANK_PLACEHOLDER
             command = ["torchrun", "--nproc_per_node", str(nprocs), "--nnodes", str(nnodes),
-                       "--node_rank", "0" if nnodes == 1 else NODE_RANK_PLACEHOLDER,
-                       "--master_addr", addr, "--master_port", str(port), *args]
-            if nnodes > 1:
+                       "--node_rank", rank_of_node, "--master_addr", addr, "--master_port", str(port), *args]
+            if rank_of_node == NODE_RANK_PLACEHOLDER:
                 notes.append("several nodes: run the same command on every node with NODE_RANK set to 0..nnodes-1")
     return LaunchPlan(launcher, tuple(command), env, nprocs, nnodes, tuple(notes))
 

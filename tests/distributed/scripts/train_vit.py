@@ -26,7 +26,8 @@ parser.add_argument("--resume", action="store_true")
 parser.add_argument("--ckpt-dir", default="ckpt")
 parser.add_argument("--checkpoint-activations", action="store_true")
 parser.add_argument("--init-weights", default=None, help="state dict to load after wrapping (fine-tune style)")
-parser.add_argument("--raise-at-step", type=int, default=-1, help="failure test: rank 1 raises at this step")
+parser.add_argument("--raise-at-step", type=int, default=-1, help="failure test: --raise-rank raises at this step")
+parser.add_argument("--raise-rank", type=int, default=1)
 parser.add_argument("--die-in-save", action="store_true", help="failure test: rank 1 is SIGKILLed mid-save")
 args, _ = parser.parse_known_args()
 
@@ -78,8 +79,8 @@ model.train()
 for step in range(args.first_step, args.first_step + args.steps):
     images, labels = global_batch(step, B * smp.dp_size())
     lo = smp.dp_rank() * B
-    if step == args.raise_at_step and smp.rank() == 1:
-        raise RuntimeError(f"injected failure in rank 1 at step {step}")
+    if step == args.raise_at_step and smp.rank() == args.raise_rank:
+        raise RuntimeError(f"injected failure in rank {smp.rank()} at step {step}")
     optimizer.zero_grad()
     loss_mb = train_step(model, images[lo:lo + B], labels[lo:lo + B])
     # the loss of the whole global batch, as the single-process reference computes it
