@@ -20,6 +20,8 @@ How:
   ``current_device`` returns the index last set. Memory queries report this process's resident memory
   (``memory_allocated`` / ``memory_reserved``: now; ``max_*``: peak since start), ``mem_get_info`` the
   machine's free and total RAM, device properties name the CPU with the machine's RAM.
+* float16 ``scaled_dot_product_attention`` runs torch's math kernel on CPUs without AVX512, where
+  torch's CPU flash kernel for float16 raises (see ``_FP16_FLASH_NEEDS_MATH``).
 * ``torch.cuda.amp.autocast`` / ``torch.autocast("cuda")`` become CPU autocast (bfloat16 unless a
   dtype is given); ``torch.cuda.amp.GradScaler`` is torch's CPU GradScaler; ``torch.cuda.Event``
   measures wall-clock time; streams are placeholders; ``torch.cuda.FloatTensor`` & co. are the CPU types.
@@ -64,6 +66,14 @@ def _is_cuda(device) -> bool:
     return False
 
 
+# torch 2.13's CPU flash-attention kernel for float16 packs with AVX512 instructions and raises
+# "pack_vnni2 is only supported when avx512 is supported" elsewhere (ATEN_CPU_CAPABILITY=avx2/default,
+# or CPUs without AVX512 such as AMD EPYC before Zen 4) for sequences of 32 tokens and more. A GPU
+# script's fp16 attention then fails on such CPU ranks; its math kernel computes the same attention.
+_SDPA = torch.nn.functional.scaled_dot_product_attention
+_FP16_FLASH_NEEDS_MATH = torch.backends.cpu.get_cpu_capability() != "AVX512"
+
+
 class _CudaToCpu(TorchFunctionMode):
     """Rewrites CUDA device arguments of every torch call to the CPU."""
 
@@ -76,6 +86,13 @@ class _CudaToCpu(TorchFunctionMode):
         device = kwargs.get("device")
         if device is not None and _is_cuda(device):
             kwargs = {**kwargs, "device": "cpu"}
+        if func is _SDPA and _FP16_FLASH_NEEDS_MATH:
+            query = args[0] if args else kwargs.get("query")
+            if getattr(query, "dtype", None) == torch.float16:
+                from torch.nn.attention import SDPBackend, sdpa_kernel
+
+                with sdpa_kernel(SDPBackend.MATH):
+                    return func(*args, **kwargs)
         return func(*args, **kwargs)
 
 
