@@ -70,7 +70,8 @@ def _is_cuda(device) -> bool:
 # "pack_vnni2 is only supported when avx512 is supported" elsewhere (ATEN_CPU_CAPABILITY=avx2/default,
 # or CPUs without AVX512 such as AMD EPYC before Zen 4) for sequences of 32 tokens and more. A GPU
 # script's fp16 attention then fails on such CPU ranks; its math kernel computes the same attention.
-_SDPA = torch.nn.functional.scaled_dot_product_attention
+# (the functional, and the aten op a traced pipeline stage calls; both choose a kernel by sdpa_kernel)
+_SDPA = (torch.nn.functional.scaled_dot_product_attention, torch.ops.aten.scaled_dot_product_attention.default)
 _FP16_FLASH_NEEDS_MATH = torch.backends.cpu.get_cpu_capability() != "AVX512"
 
 
@@ -86,7 +87,7 @@ class _CudaToCpu(TorchFunctionMode):
         device = kwargs.get("device")
         if device is not None and _is_cuda(device):
             kwargs = {**kwargs, "device": "cpu"}
-        if func is _SDPA and _FP16_FLASH_NEEDS_MATH:
+        if _FP16_FLASH_NEEDS_MATH and func in _SDPA:
             query = args[0] if args else kwargs.get("query")
             if getattr(query, "dtype", None) == torch.float16:
                 from torch.nn.attention import SDPBackend, sdpa_kernel
