@@ -169,3 +169,35 @@ def test_srun_environment_two_nodes_of_two_tasks(tmp_path):
     one = tmp_path / "torch"
     _ok(_launch(one, TP_DP, TP, nodes=1, per_node=4, cwd=tmp_path))
     assert [r["losses"] for r in results] == [r["losses"] for r in _results(one, 4)]
+
+
+FAKE_REMOTE = ROOT / "tests/fixtures/fake_remote"
+
+
+def test_deepspeed_multinode_through_pdsh_with_a_stand_in_for_ssh(tmp_path):
+    """The deepspeed launcher on two hosts of a hostfile: DeepSpeed's runner checks ssh, then starts
+    `deepspeed.launcher.launch` on every host through pdsh with `export K=V; ...` in front. ssh and
+    pdsh are stand-ins (tests/fixtures/fake_remote) that run each host's command here in an empty
+    environment, so the ranks get only what that command exports: the JSON variables (SM_HPS,
+    SM_HP_MP_PARAMETERS, SM_TRAINING_ENV) arrive through DS_ENV_FILE's SMP_ADAPTER_ENV_B64, which
+    DeepSpeed's own double quoting would break. Not executed here: real ssh, real pdsh, other hosts."""
+    (tmp_path / "train").mkdir()
+    x = torch.randn(8, 4, generator=torch.Generator().manual_seed(0))
+    torch.save({"x": x, "y": x.sum(1, keepdim=True)}, tmp_path / "train" / "data.pt")
+    (tmp_path / "hosts").write_text("nodeA slots=2\nnodeB slots=2\n")
+    log = tmp_path / "pdsh.log"
+    env = {"PATH": f"{FAKE_REMOTE}{os.pathsep}{os.environ['PATH']}", "FAKE_PDSH_LOG": str(log)}
+    proc = start_cli("launch", "--hostfile", "hosts", "--cpu", "--master-addr", "127.0.0.1", "--master-port",
+                     free_port(), "--options", '{"ddp": true}', "--channel", "train=train", "--hp", "steps=2",
+                     ROOT / "tests/fixtures/launch_train.py", cwd=tmp_path, env=env)
+    [(code, stdout, stderr)] = _finish([proc], timeout=120)
+    assert code == 0, stdout[-3000:] + stderr[-3000:]
+    [call] = [json.loads(line) for line in log.read_text().splitlines()]
+    assert call["hosts"] == ["nodeA", "nodeB"] and "-m deepspeed.launcher.launch" in call["command"]
+    assert "--node_rank=%n" in call["command"] and "export SMP_ADAPTER_ENV_B64=" in call["command"]
+    assert "export SM_HPS=" not in call["command"]  # JSON: only inside the bundle
+    results = [json.loads((tmp_path / f"smp-job/model/rank{r}.json").read_text()) for r in range(4)]
+    for rank, res in enumerate(results):
+        assert (res["rank"], res["size"], res["dp_size"]) == (rank, 4, 2 * 2)
+        assert res["hps"] == {"steps": 2, "mp_parameters": {"ddp": True}} and json.loads(res["mp_parameters"]) == {"ddp": True}
+    assert len({r["weights_sum"] for r in results}) == 1

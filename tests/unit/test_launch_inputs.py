@@ -95,3 +95,27 @@ def test_a_missing_launcher_program_says_how_to_get_it(monkeypatch, tmp_path):
             launcher_program(name)
         assert str(err.value).startswith(f"{name} not found on PATH or beside {tmp_path / 'python'}: {hint}")
         assert launcher_program(name, required=False) == name  # a dry run prints the bare name
+
+
+def test_the_deepspeed_env_file_carries_json_values_in_the_bundle():
+    from smp_adapter.env_bundle import BUNDLE, deepspeed_env_file, unpack_into
+
+    env = {"SM_HPS": '{"epochs": 3, "name": "run 1"}', "DS_ACCELERATOR": "cpu", "CUDA_VISIBLE_DEVICES": "",
+           "SM_MODEL_DIR": "/data/my model"}
+    lines = deepspeed_env_file(env).splitlines()
+    assert lines[:2] == ["DS_ACCELERATOR=cpu", "CUDA_VISIBLE_DEVICES="]  # values DeepSpeed passes unquoted
+    assert lines[2].startswith(f"{BUNDLE}=") and len(lines) == 3
+    rank_env = {"DS_ACCELERATOR": "cuda"}  # a rank's own value wins
+    target = {**rank_env, BUNDLE: lines[2].split("=", 1)[1]}
+    unpack_into(target)
+    assert target["SM_HPS"] == env["SM_HPS"] and target["SM_MODEL_DIR"] == "/data/my model"
+    assert target["DS_ACCELERATOR"] == "cuda"
+
+
+def test_a_garbled_bundle_says_what_to_do():
+    from smp_adapter.env_bundle import unpack_into
+
+    with pytest.raises(RuntimeError) as err:
+        unpack_into({"SMP_ADAPTER_ENV_B64": "not base64!"})
+    assert str(err.value) == ("SMP_ADAPTER_ENV_B64 is not the base64 JSON smp-adapter launch writes: unset it, or "
+                              "launch again with smp-adapter launch")

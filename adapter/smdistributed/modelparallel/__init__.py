@@ -5,6 +5,12 @@ smp-adapter follows, so scripts that check ``>= 1.x`` keep working."""
 __version__ = "1.15.0"
 ADAPTER = "smp-adapter"
 
+# Ranks on other hosts of a multi-node deepspeed launch get the job's environment as one variable
+# (smp_adapter/env_bundle.py): unpacked first, so what follows (and the script) sees it
+from smp_adapter.env_bundle import unpack_into as _unpack_job_environment  # noqa: E402
+
+_unpack_job_environment()
+
 # `smp-adapter launch` on a machine without GPUs asks for CUDA on CPU ranks (docs/launch.md): done
 # here, at the first smp import, before the script's own torch.cuda calls
 from smp_adapter.runtime.cuda_on_cpu import install_if_requested as _install_cuda_on_cpu  # noqa: E402

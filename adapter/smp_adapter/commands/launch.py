@@ -32,6 +32,7 @@ from smp_adapter.config.limits import MAX_WORLD_SIZE
 from smp_adapter.config.options import SMPConfig
 from smp_adapter.config.problems import ConfigProblem, raise_if_any
 from smp_adapter.commands.launch_inputs import launcher_program, resolve_job, split_command
+from smp_adapter.env_bundle import deepspeed_env_file
 from smp_adapter.errors import SMPAdapterError
 from smp_adapter.translate.launch import LAUNCHERS, to_launch_plan
 
@@ -48,7 +49,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--launcher", choices=LAUNCHERS, help="default: the recipe's launcher, else deepspeed")
     p.add_argument("--nproc-per-node", type=int, metavar="N",
-                   help="processes per node (default: recipe, mpi.processes_per_host, #GPUs, else pp x tp x sdp)")
+                   help="processes per node (default: recipe, mpi.processes_per_host, the hostfile's slots, #GPUs, "
+                        "else pp x tp x sdp)")
     p.add_argument("--nnodes", type=int, metavar="K", help="nodes (default: hosts in --hostfile, else instance_count)")
     p.add_argument("--hostfile", metavar="H", help="'<host> slots=N' per line (deepspeed and mpirun on several nodes)")
     p.add_argument("--node-rank", type=int, metavar="R", help="this node's rank (torchrun on several nodes)")
@@ -129,12 +131,29 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _hosts(hostfile: str) -> list[str]:
+def _hosts(hostfile: str) -> dict[str, int | None]:
+    """host -> slots (None where the line gives none), in the file's order."""
     try:
         lines = Path(hostfile).read_text().splitlines()
     except OSError as exc:
         raise SMPAdapterError(f"--hostfile {hostfile}: cannot be read ({exc.strerror}); write '<host> slots=N' lines") from None
-    return [line.split()[0] for line in lines if line.strip() and not line.lstrip().startswith("#")]
+    hosts = {}
+    for line in lines:
+        if not line.strip() or line.lstrip().startswith("#"):
+            continue
+        name, *rest = line.split()
+        slots = next((r.split("=", 1)[1] for r in rest if r.startswith("slots=")), None)
+        if slots is not None and not (slots.isdigit() and int(slots) > 0):
+            raise SMPAdapterError(f"--hostfile {hostfile}: {line.strip()!r}: slots must be a positive integer "
+                                  "(write '<host> slots=N')")
+        hosts[name] = int(slots) if slots is not None else None
+    return hosts
+
+
+def _slots_per_host(hosts: dict[str, int | None] | None) -> int | None:
+    """The hostfile's slots when every host gives the same number (processes per node by default)."""
+    slots = set((hosts or {}).values())
+    return slots.pop() if len(slots) == 1 and None not in slots else None
 
 
 def _script_options(script: str) -> dict:
@@ -178,7 +197,8 @@ def build(args: argparse.Namespace) -> dict[str, Any]:
         import torch
 
         cpu = not torch.cuda.is_available()
-    hosts = _hosts(args.hostfile) if args.hostfile else None
+    host_slots = _hosts(args.hostfile) if args.hostfile else None
+    hosts = list(host_slots) if host_slots is not None else None
     nnodes = args.nnodes if args.nnodes is not None else (len(hosts) if hosts else job.instance_count)
     if hosts is not None:
         if len(hosts) < nnodes:
@@ -193,7 +213,7 @@ def build(args: argparse.Namespace) -> dict[str, Any]:
     if args.node_rank is not None and launcher != "torchrun":
         raise SMPAdapterError("--node-rank is for --launcher torchrun (deepspeed, mpirun and srun start every node themselves)")
     nprocs = args.nproc_per_node if args.nproc_per_node is not None else (
-        recipe.get("nproc_per_node") or job.processes_per_host)
+        recipe.get("nproc_per_node") or job.processes_per_host or _slots_per_host(host_slots))
     if nprocs is None and not cpu:
         import torch
 
@@ -243,6 +263,10 @@ def build(args: argparse.Namespace) -> dict[str, Any]:
         sm["CUDA_VISIBLE_DEVICES"] = ""
     if cpu and os.environ.get(CUDA_ON_CPU) != "0":  # an unchanged GPU script runs on CPU ranks (runtime/cuda_on_cpu.py)
         sm[CUDA_ON_CPU] = "1"
+    deepspeed_env = None
+    if launcher == "deepspeed" and plan.nnodes > 1:  # pdsh forwards only what this file lists (env_bundle.py)
+        deepspeed_env = deepspeed_env_file(sm)
+        sm["DS_ENV_FILE"] = str(job_dir / "deepspeed_env")
     command = list(plan.command)
     tail = len(hp_args) + len(script_args) + 1  # the script and its arguments end every command
     head, rest = command[:-tail], command[-tail:]
@@ -256,7 +280,7 @@ def build(args: argparse.Namespace) -> dict[str, Any]:
     else:  # srun: --export=ALL hands the ranks this environment
         head = [launcher_program("srun", required=not args.dry_run), *head[1:]]
     return {"command": [*head, *rest], "set": sm, "plan": plan, "dirs": dirs, "launcher": launcher, "cpu": cpu,
-            "rank_offset": node_rank * plan.nprocs_per_node, "channels": channels,
+            "rank_offset": node_rank * plan.nprocs_per_node, "channels": channels, "deepspeed_env": deepspeed_env,
             "notes": [options_source, *notes, *plan.notes]}
 
 
@@ -271,6 +295,10 @@ def run(args: argparse.Namespace) -> int:
         for name, value in b["set"].items():
             print(f"export {name}={shlex.quote(value)}")
         print(shlex.join(b["command"]))
+        if b["deepspeed_env"]:
+            print(f"# written at launch to {b['set']['DS_ENV_FILE']} (DS_ENV_FILE), for the ranks on other hosts:")
+            for line in b["deepspeed_env"].splitlines():
+                print(f"#   {line}")
         for note in b["notes"]:
             print(f"# note: {note}")
         return 0
@@ -280,6 +308,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         for d in b["dirs"].values():
             d.mkdir(parents=True, exist_ok=True)
+        if b["deepspeed_env"]:
+            Path(b["set"]["DS_ENV_FILE"]).write_text(b["deepspeed_env"])
     except OSError as exc:
         raise SMPAdapterError(f"cannot create {exc.filename} ({exc.strerror}): give writable --job-dir/--model-dir") from None
     for note in b["notes"]:
