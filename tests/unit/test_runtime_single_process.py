@@ -1,6 +1,8 @@
 """The smp runtime in one process (world size 1): API misuse errors, @smp.step semantics,
 StepOutput, checkpoints. Multi-process behaviour lives in tests/distributed."""
 
+import json
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -169,6 +171,15 @@ def test_checkpoint_round_trip_and_bad_files(fresh, tmp_path):
     (tmp_path / "t2_partial").mkdir()
     with pytest.raises(SMPCheckpointError, match="not a complete smp-adapter partial checkpoint"):
         smp.resume_from_checkpoint(str(tmp_path), tag="t2")
+    # a pipeline layout's partial checkpoint holds per-stage files only: not re-sharded, said so
+    manifest_file = tmp_path / "t1_partial" / "smp_manifest.json"
+    manifest = json.loads(manifest_file.read_text())
+    manifest["layout"]["pp"] = 2
+    manifest_file.write_text(json.dumps(manifest))
+    with pytest.raises(SMPCheckpointError, match=r"was saved with another parallel layout \(pp: saved 2 vs now 1\) "
+                                                 r"and this job's engine \(DeepSpeedEngine\) cannot re-shard it: resume "
+                                                 r"with the saved layout"):
+        smp.resume_from_checkpoint(str(tmp_path), tag="t1")
 
 
 def test_shutdown_clears_every_process_wide_value_and_the_environment_init_set(fresh):

@@ -72,7 +72,7 @@ def _save_partial(path: Path, tag: str, model, optimizer, user_content) -> None:
     if optimizer is None or not model.runtime_engine.ready_for_checkpoint:
         raise SMPUsageError("partial checkpoints need the optimizer: create smp.DistributedOptimizer before "
                             "smp.save_checkpoint(..., partial=True), or save a full checkpoint with partial=False")
-    model.runtime_engine.save_partial(staging, optimizer)
+    engine_record = model.runtime_engine.save_partial(staging, optimizer) or {}
     rng = {"cpu": torch.get_rng_state()}
     if torch.cuda.is_available():
         rng["cuda"] = torch.cuda.get_rng_state()
@@ -81,7 +81,7 @@ def _save_partial(path: Path, tag: str, model, optimizer, user_content) -> None:
     if s.rank == 0:
         if user_content is not None:
             ckpt.atomic_torch_save(user_content, str(staging / "user_content.pt"))
-        manifest = {"tag": tag, "layout": ckpt.current_layout(), "format": "smp-adapter/1"}
+        manifest = {"tag": tag, "layout": ckpt.current_layout(), "format": "smp-adapter/1", **engine_record}
         (staging / ckpt.MANIFEST).write_text(json.dumps(manifest, indent=1))
         if final.exists():
             old = path / f".{tag}_partial.old"
@@ -131,14 +131,16 @@ def resume_from_checkpoint(path, tag=None, partial: bool = True, strict: bool = 
         raise SMPCheckpointError(f"{folder} is not a complete smp-adapter partial checkpoint (no {ckpt.MANIFEST}); "
                                  "it may be from an interrupted save: resume from an earlier tag")
     manifest = json.loads(manifest_file.read_text())
-    ckpt.check_layout(manifest.get("layout", {}), f"checkpoint {folder}")
     if s.optimizer is None or not model.runtime_engine.ready_for_checkpoint:
         raise SMPUsageError("resume a partial checkpoint after creating smp.DistributedOptimizer (the optimizer "
                             "state is restored into it)")
-    load_opt = load_optimizer and load_sharded_optimizer_state
-    model.runtime_engine.load_partial(folder, s.optimizer, strict, load_opt)
+    difference = ckpt.layout_difference(manifest.get("layout", {}))
+    if difference is None:
+        model.runtime_engine.load_partial(folder, s.optimizer, strict, load_optimizer and load_sharded_optimizer_state)
+    else:  # another layout: re-shard (runtime/universal_checkpoint.py), or a clear refusal
+        model.runtime_engine.load_partial_from_other_layout(folder, s.optimizer, manifest, difference)
     rng_file = folder / f"rng_rank{s.rank}.pt"
-    if rng_file.exists():
+    if difference is None and rng_file.exists():  # a rank's RNG means something only in the same layout
         rng = ckpt.safe_torch_load(str(rng_file))
         torch.set_rng_state(rng["cpu"])
         if "cuda" in rng and torch.cuda.is_available():

@@ -27,12 +27,17 @@ def current_layout() -> dict:
             "placement": d.grid.order, "world_size": d.world_size}
 
 
-def check_layout(saved: dict, what: str) -> None:
+def layout_difference(saved: dict) -> str | None:
+    """'tp: saved 2 vs now 1, ...' when ``saved`` is another parallel layout than this job's, else None."""
     now = current_layout()
     keys = ("pp", "tp", "rdp", "sdp", "zero_stage", "placement")
     diff = {k: (saved.get(k), now[k]) for k in keys if saved.get(k) != now[k]}
-    if diff:
-        detail = ", ".join(f"{k}: saved {a} vs now {b}" for k, (a, b) in diff.items())
+    return ", ".join(f"{k}: saved {a} vs now {b}" for k, (a, b) in diff.items()) if diff else None
+
+
+def check_layout(saved: dict, what: str) -> None:
+    detail = layout_difference(saved)
+    if detail:
         raise SMPCheckpointError(
             f"{what} was saved with another parallel layout ({detail}). Partial checkpoints load only into the same "
             "layout: relaunch with the saved degrees, or save a full checkpoint (partial=False) and load that instead")

@@ -6,7 +6,7 @@ SMPConfig (attribute names = smp key names), as smp v1 scripts read ``smp.state.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from smp_adapter.errors import NotInitializedError

@@ -16,7 +16,7 @@ from abc import ABC, abstractmethod
 
 import torch
 
-from smp_adapter.errors import UnsupportedFeatureError
+from smp_adapter.errors import SMPCheckpointError, UnsupportedFeatureError
 
 
 class Engine(ABC):
@@ -131,12 +131,20 @@ class Engine(ABC):
 
     # -- partial checkpoints (runtime/checkpoint_dirs.py) ----------------------------------------
     @abstractmethod
-    def save_partial(self, staging, optimizer) -> None:
-        """Write this rank's model and optimizer state into the staging directory."""
+    def save_partial(self, staging, optimizer) -> dict:
+        """Write this rank's model and optimizer state into the staging directory; return what the
+        manifest should record about it (rank 0's return value is kept)."""
 
     @abstractmethod
     def load_partial(self, folder, optimizer, strict: bool, load_optimizer: bool) -> None:
-        ...
+        """Load a partial checkpoint saved by this same layout."""
+
+    def load_partial_from_other_layout(self, folder, optimizer, manifest: dict, difference: str) -> None:
+        """Load a partial checkpoint saved by another layout (``difference`` says how it differs)."""
+        raise SMPCheckpointError(
+            f"checkpoint {folder} was saved with another parallel layout ({difference}) and this job's engine "
+            f"({type(self).__name__}) cannot re-shard it: resume with the saved layout "
+            f"({manifest.get('layout')}), or load a full checkpoint (partial=False)")
 
 
 def model_dtype(cfg):

@@ -20,6 +20,8 @@ gradients are reduced when the step function returns, as smp v1 guarantees.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from smp_adapter.errors import SMPCheckpointError, SMPUsageError
@@ -212,9 +214,20 @@ class DeepSpeedEngine(Engine):
         else:
             engine.optimizer.load_state_dict(sd)
 
-    # -- partial checkpoints: DeepSpeed's own format under <tag>_partial/ds ------------------------
-    def save_partial(self, staging, optimizer) -> None:
+    # -- partial checkpoints: DeepSpeed's own format under <tag>_partial/ds, and layout-independent
+    # pieces under <tag>_partial/universal (runtime/universal_checkpoint.py) ----------------------
+    def save_partial(self, staging, optimizer) -> dict:
+        from smp_adapter.runtime import universal_checkpoint
+
         self._ds.save_checkpoint(str(staging), tag="ds", save_latest=False)
+        return {"universal": universal_checkpoint.save(self._ds, self.model.module, Path(staging))}
+
+    def load_partial_from_other_layout(self, folder, optimizer, manifest: dict, difference: str) -> None:
+        from smp_adapter.runtime import universal_checkpoint
+
+        if manifest.get("layout", {}).get("pp", 1) != 1 or "universal" not in manifest:
+            super().load_partial_from_other_layout(folder, optimizer, manifest, difference)
+        universal_checkpoint.load(self._ds, self.model.module, Path(folder), manifest["universal"])
 
     def load_partial(self, folder, optimizer, strict: bool, load_optimizer: bool) -> None:
         loaded, _ = self._ds.load_checkpoint(str(folder), tag="ds", load_module_strict=strict,

@@ -148,10 +148,11 @@ class PipelineEngine(Engine):
             optimizer.load_state_dict(sd)
 
     # -- partial checkpoints: one file per stage ---------------------------------------------------
-    def save_partial(self, staging, optimizer) -> None:
+    def save_partial(self, staging, optimizer) -> dict:
         from smp_adapter.pipeline.checkpoint import save_stage
 
         save_stage(staging, self.runner, optimizer)
+        return {}  # per-stage files only: a resume needs the same layout
 
     def load_partial(self, folder, optimizer, strict: bool, load_optimizer: bool) -> None:
         from smp_adapter.pipeline.checkpoint import load_stage

@@ -1,0 +1,319 @@
+"""Layout-independent partial checkpoints for the DeepSpeed engine (pp = 1): written beside
+DeepSpeed's own files by every ``save_checkpoint(partial=True)``, read by
+``resume_from_checkpoint(partial=True)`` when the job now has another layout (data-parallel size,
+ZeRO stage 0/1/3, hpZ, tensor-parallel degree, world size). Same-layout resumes keep using
+DeepSpeed's files (exact and fastest).
+
+On disk: ``<tag>_partial/universal/rank<R>.safetensors``, one per rank that holds something
+nobody else writes, each with an index in its safetensors metadata. An entry is a 1-D fp32 piece
+of one parameter's *TP shard* (the tensor a rank holds before ZeRO, in its stored orientation) of
+one kind (``param``: the fp32 master; ``exp_avg``, ``exp_avg_sq``, ...: optimizer state), with:
+
+    name        the parameter's name in the module (tied parameters: the first name)
+    kind        param | <optimizer state key>
+    start/stop  the piece's range in the flattened TP shard
+    shard_shape the TP shard's shape
+    tp_rank/tp_size, layout   where the TP shard sits in the full tensor (ShardLayout fields, or
+                null for a parameter every TP rank holds whole)
+
+Who writes what (nothing is gathered into one file, and every element is written once):
+ZeRO-3: each rank its own partition (DeepSpeed's local API, no communication); ZeRO-1/2 and no
+ZeRO: the ranks of the TP shard's data-parallel group each write 1/n of it (ZeRO-1/2 first
+assemble each TP shard with DeepSpeed's ``safe_get_full_*``, a collective per parameter);
+parameters every TP rank holds whole are written by TP rank 0's group only.
+
+Loading a parameter: read the pieces of the TP shards it needs (only the matching TP rank's when
+the TP layout is unchanged), rebuild the target TP shard (through the full tensor when the tp
+degree changed: memory of one full parameter at a time, never the whole model), then hand it to
+DeepSpeed (``safe_set_full_*`` / ``safe_set_local_*``) or, without ZeRO, to the parameter and
+the torch optimizer's state. The Adam step count and the param groups' hyperparameters come back
+from the manifest.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from smp_adapter.errors import SMPCheckpointError
+from smp_adapter.parallel.layers import LAYOUT_ATTR, ShardLayout
+from smp_adapter.runtime.state import state
+
+FOLDER = "universal"
+GROUP_KEYS = ("lr", "betas", "eps", "weight_decay", "momentum", "dampening", "nesterov", "amsgrad")
+
+
+def _stage(engine) -> int:
+    return engine.zero_optimization_stage()
+
+
+def _inner_optimizer(engine):
+    """The torch optimizer holding the fp32 state (DeepSpeed's ZeRO wrappers keep it as .optimizer)."""
+    opt = engine.optimizer
+    return opt.optimizer if _stage(engine) > 0 else opt
+
+
+def _state_keys(engine) -> list[str]:
+    """Tensor-valued optimizer state keys other than the step (exp_avg, exp_avg_sq for Adam)."""
+    for st in _inner_optimizer(engine).state.values():
+        return sorted(k for k, v in st.items() if k != "step" and torch.is_tensor(v) and v.dim() > 0)
+    return []
+
+
+def _layout(p) -> dict | None:
+    layout = getattr(p, LAYOUT_ATTR, None)
+    if layout is None or state.dims.tp == 1:
+        return None
+    return {"full_shape": list(layout.full_shape), "dim": layout.dim, "parts": layout.parts,
+            "transposed": layout.transposed}
+
+
+def _shard_shape(p) -> list[int]:
+    return list(getattr(p, "ds_shape", p.shape))
+
+
+def _unique_params(module):
+    seen, out = set(), []
+    for name, p in module.named_parameters():
+        if id(p) not in seen:
+            seen.add(id(p))
+            out.append((name, p))
+    return out
+
+
+# -- save ------------------------------------------------------------------------------------------
+def _pieces_to_write(engine, p, keys) -> list[tuple[str, int, torch.Tensor]]:
+    """(kind, start, 1-D fp32 values) this rank writes for parameter ``p``. Collective for ZeRO-1/2."""
+    from deepspeed.utils import (safe_get_full_fp32_param, safe_get_full_optimizer_state,
+                                 safe_get_local_fp32_param, safe_get_local_optimizer_state)
+
+    numel = math.prod(_shard_shape(p))
+    rdp_rank, rdp_size = state.coord.rdp, state.dims.rdp
+    if hasattr(p, "ds_id"):  # ZeRO-3: this rank's own partition, trimmed of its padding
+        local = {"param": safe_get_local_fp32_param(p)}
+        local.update({k: safe_get_local_optimizer_state(p, k) for k in keys})
+        part = local["param"].numel()
+        start = rdp_rank * part
+        stop = min(numel, start + part)
+        return [(kind, start, v.detach().flatten()[:max(0, stop - start)].float().cpu())
+                for kind, v in local.items() if v is not None]
+    full = {"param": safe_get_full_fp32_param(p)}
+    if full["param"] is not None:  # ZeRO-1/2 (or DeepSpeed's bf16 optimizer)
+        full.update({k: safe_get_full_optimizer_state(p, k) for k in keys})
+    else:  # no ZeRO: the parameter and the torch optimizer's state, whole on every rank
+        st = _inner_optimizer(engine).state.get(p, {})
+        full = {"param": p.detach(), **{k: st[k] for k in keys if k in st}}
+    chunk = -(-numel // rdp_size)
+    start, stop = rdp_rank * chunk, min(numel, (rdp_rank + 1) * chunk)
+    return [(kind, start, v.detach().flatten()[start:stop].float().cpu()) for kind, v in full.items()
+            if v is not None and stop > start]
+
+
+def save(engine, module, staging: Path) -> dict:
+    """Write this rank's universal pieces; return what the manifest records (rank 0's view)."""
+    from safetensors.torch import save_file
+
+    keys = _state_keys(engine)
+    tensors, index = {}, []
+    for name, p in _unique_params(module):
+        pieces = _pieces_to_write(engine, p, keys)  # every rank calls: collective for ZeRO-1/2
+        if _layout(p) is None and state.coord.tp != 0:
+            continue  # held whole by every TP rank: TP rank 0's group writes it
+        for kind, start, values in pieces:
+            key = f"t{len(index)}"
+            tensors[key] = values.contiguous()
+            index.append({"key": key, "name": name, "kind": kind, "start": start, "stop": start + values.numel(),
+                          "shard_shape": _shard_shape(p), "tp_rank": state.coord.tp, "tp_size": state.dims.tp,
+                          "layout": _layout(p)})
+    folder = staging / FOLDER
+    if state.rank == 0:
+        folder.mkdir(parents=True, exist_ok=True)
+    if state.world_size > 1:
+        dist.barrier()
+    if tensors:
+        save_file(tensors, str(folder / f"rank{state.rank}.safetensors"), metadata={"index": json.dumps(index)})
+    inner = _inner_optimizer(engine)
+    steps = [float(st["step"]) for st in inner.state.values() if "step" in st]
+    groups = [{k: g[k] for k in GROUP_KEYS if k in g} for g in inner.param_groups]
+    return {"state_keys": keys, "step": steps[0] if steps else None, "param_groups": groups,
+            "aliases": _aliases(module)}
+
+
+def _aliases(module) -> dict:
+    """Tied parameters: every other name -> the name the pieces are stored under."""
+    first, out = {}, {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        if id(p) in first:
+            out[name] = first[id(p)]
+        else:
+            first[id(p)] = name
+    return out
+
+
+# -- load ------------------------------------------------------------------------------------------
+class _Pieces:
+    """Every piece of a universal checkpoint, indexed by (name, kind); tensors read on demand."""
+
+    def __init__(self, folder: Path):
+        from safetensors import safe_open
+
+        self.by_name: dict[tuple[str, str], list[dict]] = {}
+        self.handles = {}
+        files = sorted((folder / FOLDER).glob("rank*.safetensors"))
+        if not files:
+            raise SMPCheckpointError(f"{folder} has no {FOLDER}/ pieces: it was saved by an smp-adapter without "
+                                     "layout-independent checkpoints; resume it with the layout it was saved with")
+        for path in files:
+            handle = safe_open(str(path), framework="pt")
+            self.handles[path] = handle
+            for entry in json.loads(handle.metadata()["index"]):
+                self.by_name.setdefault((entry["name"], entry["kind"]), []).append({**entry, "file": path})
+
+    def read(self, entry) -> torch.Tensor:
+        return self.handles[entry["file"]].get_tensor(entry["key"])
+
+    def tp_shard(self, name: str, kind: str, tp_rank: int) -> torch.Tensor:
+        """The source TP shard ``tp_rank`` of one parameter, assembled from its pieces."""
+        entries = sorted((e for e in self.by_name.get((name, kind), []) if e["tp_rank"] == tp_rank),
+                         key=lambda e: e["start"])
+        if not entries:
+            raise SMPCheckpointError(f"the checkpoint has no {kind} of {name!r} (TP rank {tp_rank}): "
+                                     "it was saved from another model, or is incomplete")
+        shape = entries[0]["shard_shape"]
+        flat = torch.cat([self.read(e) for e in entries])
+        if flat.numel() != math.prod(shape) or any(a["stop"] != b["start"] for a, b in zip(entries, entries[1:])):
+            raise SMPCheckpointError(f"the pieces of {name!r} ({kind}) do not cover its shard {shape}: "
+                                     "a rank's file is missing or truncated")
+        return flat.view(shape)
+
+    def full_or_shard(self, name: str, kind: str, p) -> torch.Tensor:
+        """The value of ``p``'s TP shard on this rank, from the source's TP shards."""
+        entries = self.by_name.get((name, kind))
+        if not entries:
+            raise SMPCheckpointError(f"the checkpoint has no {kind} of parameter {name!r}: it was saved from "
+                                     "another model (or with another optimizer); load the matching model")
+        source_layout, source_tp = entries[0]["layout"], entries[0]["tp_size"]
+        target_layout = _layout(p)
+        if source_layout == target_layout and (target_layout is None or source_tp == state.dims.tp):
+            return self.tp_shard(name, kind, state.coord.tp if target_layout else 0)  # only the bytes needed
+        if source_layout is None:
+            full = self.tp_shard(name, kind, 0)
+        else:
+            full = ShardLayout(tuple(source_layout["full_shape"]), source_layout["dim"], source_layout["parts"],
+                               source_layout["transposed"]).unshard([self.tp_shard(name, kind, t)
+                                                                      for t in range(source_tp)])
+        if target_layout is None:
+            return full
+        return getattr(p, LAYOUT_ATTR).shard(full, state.coord.tp, state.dims.tp)
+
+
+def load(engine, module, folder: Path, universal: dict) -> None:
+    """Put every parameter and its optimizer state back from the universal pieces (any layout)."""
+    from deepspeed.utils import safe_set_full_fp32_param
+
+    pieces = _Pieces(folder)
+    keys = list(universal.get("state_keys", []))
+    inner = _inner_optimizer(engine)
+    flats = _hp_flat_partitions(engine)
+    _create_missing_state(inner, flats or [p for g in inner.param_groups for p in g["params"]], keys,
+                          universal.get("step"))
+    for name, p in _unique_params(module):
+        shape = _shard_shape(p)
+        values = {kind: pieces.full_or_shard(name, kind, p).reshape(shape) for kind in ["param", *keys]}
+        if hasattr(p, "ds_id"):
+            _set_zero3(p, values, keys)
+        elif flats:  # ZeRO-1/2 (or DeepSpeed's bf16 optimizer): whole lp parameter, fp32 fragments
+            with torch.no_grad():
+                p.data.copy_(values["param"].to(p.dtype))
+            safe_set_full_fp32_param(p, values["param"])
+            _set_fragment_state(inner, flats, p, values, keys)
+        else:
+            with torch.no_grad():
+                p.data.copy_(values["param"].to(p.dtype))
+            st = inner.state[p]
+            for k in keys:
+                st[k].copy_(values[k])
+    _restore_step_and_groups(inner, universal)
+
+
+
+def _hp_flat_partitions(engine) -> list:
+    """DeepSpeed's fp32 flat partitions, one per param group: the tensors its torch optimizer steps
+    (ZeRO-3, ZeRO-1/2, the bf16 optimizer); empty without ZeRO (the optimizer steps the parameters)."""
+    for attr in ("fp32_partitioned_groups_flat", "single_partition_of_fp32_groups", "fp32_groups_flat_partition"):
+        flats = getattr(engine.optimizer, attr, None)
+        if flats:
+            return list(flats)
+    return []
+
+
+def _set_fragment_state(inner, flats, p, values: dict, keys) -> None:
+    """ZeRO-1/2: the optimizer-state fragment of ``p`` this rank owns, written into the flat state.
+
+    DeepSpeed's public ``safe_set_full_optimizer_state`` works only once its optimizer has stepped
+    (it links the state fragments after the first step), and a resume comes before that. So this
+    writes where that link will point: the fragment address DeepSpeed keeps on the parameter
+    (``_hp_mapping``: the same record DeepSpeed's own universal checkpoints read; docs/architecture.md
+    lists it among the private names used)."""
+    mapping = getattr(p, "_hp_mapping", None)
+    if mapping is None:  # this rank owns no fragment of p
+        return
+    lp, hp = mapping.lp_fragment_address, mapping.hp_fragment_address
+    flat_state = inner.state[flats[mapping.param_group_index]]
+    for k in keys:
+        flat_state[k].narrow(0, hp.start, hp.numel).copy_(values[k].flatten().narrow(0, lp.start, lp.numel))
+
+
+def _create_missing_state(inner, hp_tensors, keys, step) -> None:
+    """A torch optimizer creates its state at its first step; a resume happens before it. Create it
+    the way torch's Adam-family optimizers would (step, and zeros shaped like the parameter for every
+    saved key), so the loaded values have a home: DeepSpeed's ZeRO-3 keeps its fp32 partitions in
+    this optimizer's param groups and creates no state of its own before that step."""
+    for hp in hp_tensors:
+        st = inner.state[hp]
+        if not st:
+            st["step"] = torch.tensor(float(step or 0), dtype=torch.float32)
+            for k in keys:
+                st[k] = torch.zeros_like(hp)
+
+
+def _set_zero3(p, values: dict, keys) -> None:
+    """A ZeRO-3 parameter: the model's partition (through DeepSpeed's gather/re-partition, which also
+    refreshes hpZ's secondary copy) and the fp32 master and optimizer-state partitions."""
+    import deepspeed
+    from deepspeed.utils import (safe_get_local_fp32_param, safe_set_local_fp32_param,
+                                 safe_set_local_optimizer_state)
+
+    with deepspeed.zero.GatheredParameters([p], modifier_rank=0):  # rank 0 of p's group; all hold the value
+        with torch.no_grad():
+            p.data.copy_(values["param"].to(p.dtype))
+    part = safe_get_local_fp32_param(p).numel()
+    start = state.coord.rdp * part
+
+    def local(v):
+        flat = v.flatten().float()
+        piece = flat[start:start + part]
+        return torch.cat([piece, piece.new_zeros(part - piece.numel())]) if piece.numel() < part else piece
+
+    safe_set_local_fp32_param(p, local(values["param"]))
+    for k in keys:
+        safe_set_local_optimizer_state(p, local(values[k]), k)
+
+
+def _restore_step_and_groups(inner, universal: dict) -> None:
+    step = universal.get("step")
+    if step is not None:
+        for st in inner.state.values():
+            if "step" in st:
+                if torch.is_tensor(st["step"]):
+                    st["step"].fill_(step)
+                else:
+                    st["step"] = type(st["step"])(step)
+    saved = universal.get("param_groups") or []
+    if len(saved) == len(inner.param_groups):
+        for group, values in zip(inner.param_groups, saved):
+            group.update({k: tuple(v) if k == "betas" else v for k, v in values.items()})
