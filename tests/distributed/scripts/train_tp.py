@@ -24,6 +24,11 @@ parser.add_argument("--steps", type=int, default=3)
 parser.add_argument("--per-rank-batch", type=int, default=4)
 parser.add_argument("--save-hf", default=None)
 parser.add_argument("--clip", type=float, default=None, help="optimizer.clip_master_grads(max_norm) before each step")
+parser.add_argument("--optimizer", default="sgd", help="sgd (lr 0.05) or adam (lr 1e-3)")
+parser.add_argument("--first-step", type=int, default=0)
+parser.add_argument("--save-at", type=int, default=-1, help="save a partial checkpoint after this many steps")
+parser.add_argument("--resume", action="store_true", help="resume_from_checkpoint(--ckpt-dir) before training")
+parser.add_argument("--ckpt-dir", default="ckpt")
 args, _ = parser.parse_known_args()
 
 smp.init()
@@ -31,7 +36,10 @@ torch.manual_seed(42 + smp.dp_rank())  # the seeding smp asks for; the model is 
 with smp.tensor_parallelism():
     model = Net() if args.model == "convnet" else tiny_gpt2()
 model = smp.DistributedModel(model)
-optimizer = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05))
+optimizer = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05) if args.optimizer == "sgd"
+                                     else torch.optim.Adam(model.parameters(), lr=1e-3))
+if args.resume:
+    assert smp.resume_from_checkpoint(args.ckpt_dir)["step"] == args.first_step
 split = {n: tuple(p.shape) for n, p in model.module.named_parameters() if model.is_distributed_parameter(p)}
 
 prescaled = smp.state.cfg.prescaled_batch
@@ -48,7 +56,7 @@ def train_step(model, data, target):
 
 
 model.train()
-for step in range(args.steps):
+for step in range(args.first_step, args.first_step + args.steps):
     data, target = batch_for(args.model, step, B * readers)
     data, target = data[reader_rank * B:(reader_rank + 1) * B], target[reader_rank * B:(reader_rank + 1) * B]
     optimizer.zero_grad()
@@ -64,6 +72,8 @@ for step in range(args.steps):
     optimizer.step()
     # mean over the readers = the loss of the whole global batch
     losses.append(sum(smp.allgather(loss.item(), smp.WORLD)) / smp.size())
+    if step + 1 == args.save_at:
+        smp.save_checkpoint(args.ckpt_dir, tag=f"step{step + 1}", partial=True, user_content={"step": step + 1})
 
 hpz_group = None
 if smp.state.dims.hpz_partition_size > 1:  # the group DeepSpeed's ZeRO-3 uses for hpZ (secondary shards)
