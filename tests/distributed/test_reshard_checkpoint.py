@@ -94,3 +94,32 @@ def test_resume_under_another_tensor_parallel_layout(tmp_path, source, target):
     torch.testing.assert_close(torch.tensor(resumed[0]["losses"]), torch.tensor(full[0]["losses"][4:]), rtol=1e-5,
                                atol=1e-6)
 
+
+
+def test_export_to_hugging_face_equals_the_gathered_state_dict(tmp_path):
+    """`smp-adapter checkpoint export --to hf` of a tp 2 x ZeRO-3 2 checkpoint (no process group):
+    from_pretrained loads it, and every tensor equals the run's gathered model.state_dict() bitwise."""
+    from transformers import GPT2LMHeadModel
+
+    from smp_adapter.cli import main
+
+    ckpt, out = tmp_path / "ckpt", tmp_path / "hf"
+    run = _run_gpt2("tp 2 x ZeRO-3 2", tmp_path / "run", "--steps", 4, "--save-at", 4, "--ckpt-dir", ckpt)
+    assert main(["checkpoint", "inspect", str(ckpt), "--json"]) == 0
+    assert main(["checkpoint", "export", str(ckpt), "--to", "hf", str(out)]) == 0
+    model = GPT2LMHeadModel.from_pretrained(out)
+    exported = model.state_dict()
+    for name, values in run[0]["final_state"].items():
+        assert torch.equal(exported[name], torch.tensor(values)), name
+
+
+def test_checkpoint_commands_refuse_what_they_cannot_read(tmp_path, capsys):
+    from smp_adapter.cli import main
+
+    assert main(["checkpoint", "inspect", str(tmp_path)]) == 2
+    assert "is not a complete smp-adapter partial checkpoint (no smp_manifest.json): give the <tag>_partial " \
+           "directory" in capsys.readouterr().err
+    (tmp_path / "t_partial").mkdir()
+    (tmp_path / "t_partial" / "smp_manifest.json").write_text(json.dumps({"tag": "t", "layout": {"pp": 2}}))
+    assert main(["checkpoint", "export", str(tmp_path / "t_partial"), "--to", "hf", str(tmp_path / "o")]) == 2
+    assert "has no layout-independent pieces (saved with pp > 1 or by an older smp-adapter)" in capsys.readouterr().err

@@ -129,6 +129,15 @@ def save(engine, module, staging: Path) -> dict:
             index.append({"key": key, "name": name, "kind": kind, "start": start, "stop": start + values.numel(),
                           "shard_shape": _shard_shape(p), "tp_rank": state.coord.tp, "tp_size": state.dims.tp,
                           "layout": _layout(p)})
+    if state.rank == 0:  # persistent buffers (BatchNorm statistics): the same on every rank
+        persistent = set(module.state_dict(keep_vars=True))
+        for name, b in module.named_buffers():
+            if name in persistent:
+                key = f"t{len(index)}"
+                tensors[key] = b.detach().flatten().cpu().contiguous()
+                index.append({"key": key, "name": name, "kind": "buffer", "start": 0, "stop": b.numel(),
+                              "shard_shape": list(b.shape), "tp_rank": 0, "tp_size": state.dims.tp, "layout": None,
+                              "dtype": str(b.dtype)})
     folder = staging / FOLDER
     if state.rank == 0:
         folder.mkdir(parents=True, exist_ok=True)
@@ -139,8 +148,11 @@ def save(engine, module, staging: Path) -> dict:
     inner = _inner_optimizer(engine)
     steps = [float(st["step"]) for st in inner.state.values() if "step" in st]
     groups = [{k: g[k] for k in GROUP_KEYS if k in g} for g in inner.param_groups]
+    config = getattr(module, "config", None)  # a Hugging Face model's: lets `checkpoint export --to hf` write config.json
+    hf_config = (json.loads(config.to_json_string(use_diff=False))
+                 if hasattr(config, "to_json_string") and hasattr(module, "save_pretrained") else None)
     return {"state_keys": keys, "step": steps[0] if steps else None, "param_groups": groups,
-            "aliases": _aliases(module)}
+            "aliases": _aliases(module), "hf_config": hf_config, "model_class": type(module).__name__}
 
 
 def _aliases(module) -> dict:
@@ -155,7 +167,7 @@ def _aliases(module) -> dict:
 
 
 # -- load ------------------------------------------------------------------------------------------
-class _Pieces:
+class Pieces:
     """Every piece of a universal checkpoint, indexed by (name, kind); tensors read on demand."""
 
     def __init__(self, folder: Path):
@@ -200,22 +212,29 @@ class _Pieces:
         target_layout = _layout(p)
         if source_layout == target_layout and (target_layout is None or source_tp == state.dims.tp):
             return self.tp_shard(name, kind, state.coord.tp if target_layout else 0)  # only the bytes needed
-        if source_layout is None:
-            full = self.tp_shard(name, kind, 0)
-        else:
-            full = ShardLayout(tuple(source_layout["full_shape"]), source_layout["dim"], source_layout["parts"],
-                               source_layout["transposed"]).unshard([self.tp_shard(name, kind, t)
-                                                                      for t in range(source_tp)])
+        full = self.full(name, kind)
         if target_layout is None:
             return full
         return getattr(p, LAYOUT_ATTR).shard(full, state.coord.tp, state.dims.tp)
+
+    def full(self, name: str, kind: str = "param") -> torch.Tensor:
+        """The whole tensor in the original module's layout (TP shards joined)."""
+        first = self.by_name[(name, kind)][0]
+        layout, tp = first["layout"], first["tp_size"]
+        if layout is None:
+            return self.tp_shard(name, kind, 0)
+        return ShardLayout(tuple(layout["full_shape"]), layout["dim"], layout["parts"],
+                           layout["transposed"]).unshard([self.tp_shard(name, kind, t) for t in range(tp)])
+
+    def names(self, kind: str = "param") -> list[str]:
+        return [name for name, k in self.by_name if k == kind]
 
 
 def load(engine, module, folder: Path, universal: dict) -> None:
     """Put every parameter and its optimizer state back from the universal pieces (any layout)."""
     from deepspeed.utils import safe_set_full_fp32_param
 
-    pieces = _Pieces(folder)
+    pieces = Pieces(folder)
     keys = list(universal.get("state_keys", []))
     inner = _inner_optimizer(engine)
     flats = _hp_flat_partitions(engine)
@@ -238,6 +257,10 @@ def load(engine, module, folder: Path, universal: dict) -> None:
             for k in keys:
                 st[k].copy_(values[k])
     _restore_step_and_groups(inner, universal)
+    with torch.no_grad():
+        for name, b in module.named_buffers():
+            if (name, "buffer") in pieces.by_name:
+                b.copy_(pieces.tp_shard(name, "buffer", 0).to(b.dtype))
 
 
 

@@ -1,0 +1,97 @@
+"""``smp-adapter checkpoint inspect DIR`` and ``smp-adapter checkpoint export DIR --to hf OUT``:
+partial checkpoints read without a process group (CPU only). DIR is a checkpoint's ``<tag>_partial``
+directory, or the directory ``save_checkpoint`` wrote into (its ``newest`` tag is taken).
+
+* inspect: the layout it was saved with, its tag, files and sizes, and what a resume needs;
+* export --to hf: the model in Hugging Face's ``save_pretrained`` layout (``config.json`` and
+  ``model.safetensors``), rebuilt from the layout-independent pieces (docs/checkpoints.md), one
+  parameter at a time; loads with ``from_pretrained``. Tied parameters are written once, as
+  ``save_pretrained`` does.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from smp_adapter.errors import SMPCheckpointError
+
+MANIFEST = "smp_manifest.json"
+
+
+def add_parser(subparsers):
+    p = subparsers.add_parser("checkpoint", help="inspect or export a partial checkpoint (no GPU, no process group)",
+                              description=__doc__)
+    sub = p.add_subparsers(dest="action", metavar="ACTION", required=True)
+    inspect = sub.add_parser("inspect", help="layout, tag, files and what a resume needs")
+    inspect.add_argument("dir", metavar="DIR")
+    inspect.add_argument("--json", action="store_true", help="print one JSON document")
+    export = sub.add_parser("export", help="write the model in another format")
+    export.add_argument("dir", metavar="DIR")
+    export.add_argument("--to", choices=("hf",), required=True, help="hf: Hugging Face save_pretrained layout")
+    export.add_argument("out", metavar="OUT")
+    return p
+
+
+def _folder(path: str) -> tuple[Path, dict]:
+    folder = Path(path)
+    if not (folder / MANIFEST).exists() and (folder / "newest").exists():
+        folder = folder / f"{(folder / 'newest').read_text().strip()}_partial"
+    if not (folder / MANIFEST).is_file():
+        raise SMPCheckpointError(f"{path} is not a complete smp-adapter partial checkpoint (no {MANIFEST}): give the "
+                                 "<tag>_partial directory, or the directory save_checkpoint wrote into")
+    try:
+        return folder, json.loads((folder / MANIFEST).read_text())
+    except ValueError as exc:
+        raise SMPCheckpointError(f"{folder / MANIFEST} is not valid JSON ({exc}): the checkpoint is damaged") from None
+
+
+def _summary(folder: Path, manifest: dict) -> dict:
+    files = [p for p in folder.rglob("*") if p.is_file()]
+    universal = manifest.get("universal")
+    layout = manifest.get("layout", {})
+    if universal is None:
+        resume = "only the saved layout (no layout-independent pieces: saved by an older smp-adapter or with pp > 1)"
+    else:
+        resume = "any pp = 1 layout (dp size, ZeRO stage, hpZ, tp degree, world size may differ)"
+    return {"dir": str(folder), "tag": manifest.get("tag"), "format": manifest.get("format"), "layout": layout,
+            "files": len(files), "bytes": sum(p.stat().st_size for p in files),
+            "universal_bytes": sum(p.stat().st_size for p in (folder / "universal").glob("*.safetensors")),
+            "optimizer_state": (universal or {}).get("state_keys"), "step": (universal or {}).get("step"),
+            "model_class": (universal or {}).get("model_class"),
+            "hf_config": bool((universal or {}).get("hf_config")), "resume": resume}
+
+
+def run(args) -> int:
+    folder, manifest = _folder(args.dir)
+    if args.action == "inspect":
+        info = _summary(folder, manifest)
+        if args.json:
+            print(json.dumps(info, indent=1))
+        else:
+            for key, value in info.items():
+                print(f"{key:16} {value}")
+        return 0
+    return _export_hf(folder, manifest, Path(args.out))
+
+
+def _export_hf(folder: Path, manifest: dict, out: Path) -> int:
+    from safetensors.torch import save_file
+
+    from smp_adapter.runtime.universal_checkpoint import Pieces
+
+    universal = manifest.get("universal")
+    if not universal:
+        raise SMPCheckpointError(f"{folder} has no layout-independent pieces (saved with pp > 1 or by an older "
+                                 "smp-adapter): resume it with its layout and save a full checkpoint (partial=False)")
+    if not universal.get("hf_config"):
+        raise SMPCheckpointError(f"{folder} records no Hugging Face config (the model, {universal.get('model_class')}, "
+                                 "is not a transformers PreTrainedModel): export needs one")
+    pieces = Pieces(folder)
+    tensors = {name: pieces.full(name).contiguous() for name in pieces.names("param")}
+    tensors.update({name: pieces.full(name, "buffer").contiguous() for name in pieces.names("buffer")})
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(universal["hf_config"], indent=2, sort_keys=True))
+    print(f"wrote {out / 'model.safetensors'} ({len(tensors)} tensors) and {out / 'config.json'}")
+    return 0
