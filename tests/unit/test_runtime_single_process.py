@@ -182,6 +182,36 @@ def test_checkpoint_round_trip_and_bad_files(fresh, tmp_path):
         smp.resume_from_checkpoint(str(tmp_path), tag="t1")
 
 
+def test_partial_checkpoint_index_points_into_deepspeeds_files_unless_switched_off(fresh, tmp_path, monkeypatch):
+    from safetensors import safe_open
+
+    smp.init({})
+    model = smp.DistributedModel(_mlp())
+    optimizer = smp.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.1))
+    x, y = torch.randn(5, 4), torch.randint(0, 3, (5,))
+    F.cross_entropy(model(x), y).backward()
+    optimizer.step()  # Adam's moments exist
+    smp.save_checkpoint(str(tmp_path), tag="with", partial=True)
+    with safe_open(str(tmp_path / "with_partial" / "universal" / "rank0.safetensors"), "pt") as f:
+        index = json.loads(f.metadata()["index"])
+        assert list(f.keys()) == []  # no value written twice: every piece is a range of DeepSpeed's files
+    assert {e["kind"] for e in index} == {"param", "exp_avg", "exp_avg_sq"}
+    assert all(e["ref"]["file"].startswith("ds/") for e in index)
+    monkeypatch.setenv("SMP_ADAPTER_LAYOUT_INDEPENDENT_CHECKPOINTS", "0")
+    smp.save_checkpoint(str(tmp_path), tag="without", partial=True)
+    assert not (tmp_path / "without_partial" / "universal").exists()
+    assert smp.resume_from_checkpoint(str(tmp_path), tag="without") is None  # the same layout: DeepSpeed's files
+    manifest_file = tmp_path / "without_partial" / "smp_manifest.json"
+    manifest = json.loads(manifest_file.read_text())
+    manifest["layout"]["tp"] = 2
+    manifest_file.write_text(json.dumps(manifest))
+    with pytest.raises(SMPCheckpointError, match=r"saved with another parallel layout \(tp: saved 2 vs now 1\) and "
+                                                 r"without layout-independent pieces "
+                                                 r"\(SMP_ADAPTER_LAYOUT_INDEPENDENT_CHECKPOINTS=0, or an older "
+                                                 r"smp-adapter\): resume it with the saved layout"):
+        smp.resume_from_checkpoint(str(tmp_path), tag="without")
+
+
 def test_shutdown_clears_every_process_wide_value_and_the_environment_init_set(fresh):
     import os
 

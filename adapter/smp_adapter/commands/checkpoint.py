@@ -56,7 +56,8 @@ def _summary(folder: Path, manifest: dict) -> dict:
         resume = "any pp = 1 layout (dp size, ZeRO stage, hpZ, tp degree, world size may differ)"
     return {"dir": str(folder), "tag": manifest.get("tag"), "format": manifest.get("format"), "layout": layout,
             "files": len(files), "bytes": sum(p.stat().st_size for p in files),
-            "universal_bytes": sum(p.stat().st_size for p in (folder / "universal").glob("*.safetensors")),
+            "index_bytes": sum(  # the pieces' index: their values point into DeepSpeed's files
+                p.stat().st_size for p in (folder / "universal").glob("*.safetensors")),
             "optimizer_state": (universal or {}).get("state_keys"), "step": (universal or {}).get("step"),
             "model_class": (universal or {}).get("model_class"),
             "hf_config": bool((universal or {}).get("hf_config")), "resume": resume}

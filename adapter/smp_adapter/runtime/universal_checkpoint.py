@@ -4,23 +4,33 @@ DeepSpeed's own files by every ``save_checkpoint(partial=True)``, read by
 ZeRO stage 0/1/3, hpZ, tensor-parallel degree, world size). Same-layout resumes keep using
 DeepSpeed's files (exact and fastest).
 
-On disk: ``<tag>_partial/universal/rank<R>.safetensors``, one per rank that holds something
-nobody else writes, each with an index in its safetensors metadata. An entry is a 1-D fp32 piece
-of one parameter's *TP shard* (the tensor a rank holds before ZeRO, in its stored orientation) of
-one kind (``param``: the fp32 master; ``exp_avg``, ``exp_avg_sq``, ...: optimizer state), with:
+On disk: ``<tag>_partial/universal/rank<R>.safetensors``, one per rank, whose safetensors metadata
+holds an index. An entry describes a 1-D piece of one parameter's *TP shard* (the tensor a rank
+holds before ZeRO, in its stored orientation) of one kind (``param``: the fp32 master; ``exp_avg``,
+``exp_avg_sq``, ...: optimizer state):
 
     name        the parameter's name in the module (tied parameters: the first name)
-    kind        param | <optimizer state key>
+    kind        param | <optimizer state key> | buffer
     start/stop  the piece's range in the flattened TP shard
     shard_shape the TP shard's shape
     tp_rank/tp_size, layout   where the TP shard sits in the full tensor (ShardLayout fields, or
                 null for a parameter every TP rank holds whole)
+    ref         where the values are: {"file", "path", "offset"} into one of DeepSpeed's own files
+                of this checkpoint (runtime/checkpoint_refs.py), or, when DeepSpeed's files do not
+                hold them (persistent buffers; a DeepSpeed version that copies before saving),
+    key         the tensor in this safetensors file that holds them (fp32; buffers keep their dtype)
 
-Who writes what (nothing is gathered into one file, and every element is written once):
-ZeRO-3: each rank its own partition (DeepSpeed's local API, no communication); ZeRO-1/2 and no
-ZeRO: the ranks of the TP shard's data-parallel group each write 1/n of it (ZeRO-1/2 first
-assemble each TP shard with DeepSpeed's ``safe_get_full_*``, a collective per parameter);
-parameters every TP rank holds whole are written by TP rank 0's group only.
+So the pieces cost an index, not a second copy of the model: the values are the tensors DeepSpeed
+has just written (its ZeRO flat partitions, its torch optimizer's state, the module's parameters),
+found by address while DeepSpeed saved them. ``SMP_ADAPTER_LAYOUT_INDEPENDENT_CHECKPOINTS=0``
+writes DeepSpeed's files only (such a checkpoint resumes only under its own layout).
+
+Who records what (every element once, no communication): ZeRO-3: each rank its own partition
+(DeepSpeed's local API); ZeRO-1/2 (and DeepSpeed's bf16 optimizer): each rank the fragment of each
+parameter its flat partition owns (``p._hp_mapping``, the record DeepSpeed's own universal
+checkpoints read); no ZeRO: data-parallel rank 0 of each TP shard, whole (it is the rank that
+writes DeepSpeed's model file). Parameters every TP rank holds whole are recorded by TP rank 0's
+group only.
 
 Loading a parameter: read the pieces of the TP shards it needs (only the matching TP rank's when
 the TP layout is unchanged), rebuild the target TP shard (through the full tensor when the tp
@@ -44,7 +54,14 @@ from smp_adapter.parallel.layers import LAYOUT_ATTR, ShardLayout
 from smp_adapter.runtime.state import state
 
 FOLDER = "universal"
+ENV_SWITCH = "SMP_ADAPTER_LAYOUT_INDEPENDENT_CHECKPOINTS"  # "0": DeepSpeed's files only (same-layout resume)
 GROUP_KEYS = ("lr", "betas", "eps", "weight_decay", "momentum", "dampening", "nesterov", "amsgrad")
+
+
+def enabled() -> bool:
+    import os
+
+    return os.environ.get(ENV_SWITCH, "1") != "0"
 
 
 def _stage(engine) -> int:
@@ -87,64 +104,72 @@ def _unique_params(module):
 
 # -- save ------------------------------------------------------------------------------------------
 def _pieces_to_write(engine, p, keys) -> list[tuple[str, int, torch.Tensor]]:
-    """(kind, start, 1-D fp32 values) this rank writes for parameter ``p``. Collective for ZeRO-1/2."""
-    from deepspeed.utils import (safe_get_full_fp32_param, safe_get_full_optimizer_state,
-                                 safe_get_local_fp32_param, safe_get_local_optimizer_state)
+    """(kind, start in the flattened TP shard, 1-D view of live values) this rank records for ``p``:
+    views of the tensors DeepSpeed has just saved, so ``save`` can usually point at them."""
+    from deepspeed.utils import safe_get_local_fp32_param, safe_get_local_optimizer_state
 
     numel = math.prod(_shard_shape(p))
-    rdp_rank, rdp_size = state.coord.rdp, state.dims.rdp
     if hasattr(p, "ds_id"):  # ZeRO-3: this rank's own partition, trimmed of its padding
         local = {"param": safe_get_local_fp32_param(p)}
         local.update({k: safe_get_local_optimizer_state(p, k) for k in keys})
         part = local["param"].numel()
-        start = rdp_rank * part
+        start = state.coord.rdp * part
         stop = min(numel, start + part)
-        return [(kind, start, v.detach().flatten()[:max(0, stop - start)].float().cpu())
-                for kind, v in local.items() if v is not None]
-    full = {"param": safe_get_full_fp32_param(p)}
-    if full["param"] is not None:  # ZeRO-1/2 (or DeepSpeed's bf16 optimizer)
-        full.update({k: safe_get_full_optimizer_state(p, k) for k in keys})
-    else:  # no ZeRO: the parameter and the torch optimizer's state, whole on every rank
-        st = _inner_optimizer(engine).state.get(p, {})
-        full = {"param": p.detach(), **{k: st[k] for k in keys if k in st}}
-    chunk = -(-numel // rdp_size)
-    start, stop = rdp_rank * chunk, min(numel, (rdp_rank + 1) * chunk)
-    return [(kind, start, v.detach().flatten()[start:stop].float().cpu()) for kind, v in full.items()
-            if v is not None and stop > start]
+        return [(kind, start, v.detach().reshape(-1)[:max(0, stop - start)])
+                for kind, v in local.items() if v is not None and stop > start]
+    flats = _hp_flat_partitions(engine)
+    if flats:  # ZeRO-1/2 (or DeepSpeed's bf16 optimizer): the fragment of p this rank's flat partition owns
+        mapping = getattr(p, "_hp_mapping", None)  # docs/architecture.md: the record DeepSpeed's own
+        if mapping is None:                        # universal checkpoints read
+            return []
+        lp, hp = mapping.lp_fragment_address, mapping.hp_fragment_address
+        flat = flats[mapping.param_group_index]
+        flat_state = _inner_optimizer(engine).state.get(flat, {})
+        values = {"param": flat, **{k: flat_state[k] for k in keys if k in flat_state}}
+        return [(kind, lp.start, v.detach().reshape(-1).narrow(0, hp.start, hp.numel)) for kind, v in values.items()]
+    # no ZeRO: every data-parallel rank holds it whole; the one that writes DeepSpeed's model file records it
+    if state.coord.rdp != 0:
+        return []
+    st = _inner_optimizer(engine).state.get(p, {})
+    values = {"param": p, **{k: st[k] for k in keys if k in st}}
+    return [(kind, 0, v.detach().reshape(-1)) for kind, v in values.items()]
 
 
-def save(engine, module, staging: Path) -> dict:
-    """Write this rank's universal pieces; return what the manifest records (rank 0's view)."""
+def save(engine, module, staging: Path, saved=None) -> dict:
+    """Write this rank's index (and the bytes DeepSpeed's files do not hold); return what the manifest
+    records (rank 0's view). ``saved``: a ``checkpoint_refs.SavedTensors`` around DeepSpeed's save."""
     from safetensors.torch import save_file
 
     keys = _state_keys(engine)
     tensors, index = {}, []
+
+    def record(name, kind, start, values, shard_shape, tp_rank, layout, **extra):
+        entry = {"name": name, "kind": kind, "start": start, "stop": start + values.numel(),
+                 "shard_shape": shard_shape, "tp_rank": tp_rank, "tp_size": state.dims.tp, "layout": layout, **extra}
+        ref = saved.locate(values) if saved is not None else None
+        if ref is not None:
+            entry["ref"] = ref
+        else:  # not in DeepSpeed's files (buffers, an unexpected DeepSpeed layout): write the bytes
+            entry["key"] = f"t{len(index)}"
+            tensors[entry["key"]] = values.to("cpu", torch.float32 if kind != "buffer" else values.dtype).contiguous()
+        index.append(entry)
+
     for name, p in _unique_params(module):
-        pieces = _pieces_to_write(engine, p, keys)  # every rank calls: collective for ZeRO-1/2
         if _layout(p) is None and state.coord.tp != 0:
-            continue  # held whole by every TP rank: TP rank 0's group writes it
-        for kind, start, values in pieces:
-            key = f"t{len(index)}"
-            tensors[key] = values.contiguous()
-            index.append({"key": key, "name": name, "kind": kind, "start": start, "stop": start + values.numel(),
-                          "shard_shape": _shard_shape(p), "tp_rank": state.coord.tp, "tp_size": state.dims.tp,
-                          "layout": _layout(p)})
+            continue  # held whole by every TP rank: TP rank 0's group records it
+        for kind, start, values in _pieces_to_write(engine, p, keys):
+            record(name, kind, start, values, _shard_shape(p), state.coord.tp, _layout(p))
     if state.rank == 0:  # persistent buffers (BatchNorm statistics): the same on every rank
         persistent = set(module.state_dict(keep_vars=True))
         for name, b in module.named_buffers():
             if name in persistent:
-                key = f"t{len(index)}"
-                tensors[key] = b.detach().flatten().cpu().contiguous()
-                index.append({"key": key, "name": name, "kind": "buffer", "start": 0, "stop": b.numel(),
-                              "shard_shape": list(b.shape), "tp_rank": 0, "tp_size": state.dims.tp, "layout": None,
-                              "dtype": str(b.dtype)})
+                record(name, "buffer", 0, b.detach().reshape(-1).clone(), list(b.shape), 0, None, dtype=str(b.dtype))
     folder = staging / FOLDER
     if state.rank == 0:
         folder.mkdir(parents=True, exist_ok=True)
     if state.world_size > 1:
         dist.barrier()
-    if tensors:
-        save_file(tensors, str(folder / f"rank{state.rank}.safetensors"), metadata={"index": json.dumps(index)})
+    save_file(tensors, str(folder / f"rank{state.rank}.safetensors"), metadata={"index": json.dumps(index)})
     inner = _inner_optimizer(engine)
     steps = [float(st["step"]) for st in inner.state.values() if "step" in st]
     groups = [{k: g[k] for k in GROUP_KEYS if k in g} for g in inner.param_groups]
@@ -173,6 +198,9 @@ class Pieces:
     def __init__(self, folder: Path):
         from safetensors import safe_open
 
+        from smp_adapter.runtime.checkpoint_refs import OpenedFiles
+
+        self.deepspeed_files = OpenedFiles(folder)
         self.by_name: dict[tuple[str, str], list[dict]] = {}
         self.handles = {}
         files = sorted((folder / FOLDER).glob("rank*.safetensors"))
@@ -186,6 +214,8 @@ class Pieces:
                 self.by_name.setdefault((entry["name"], entry["kind"]), []).append({**entry, "file": path})
 
     def read(self, entry) -> torch.Tensor:
+        if "ref" in entry:  # a range of one of DeepSpeed's files
+            return self.deepspeed_files.read(entry["ref"], entry["stop"] - entry["start"]).float()
         return self.handles[entry["file"]].get_tensor(entry["key"])
 
     def tp_shard(self, name: str, kind: str, tp_rank: int) -> torch.Tensor:

@@ -218,15 +218,25 @@ class DeepSpeedEngine(Engine):
     # pieces under <tag>_partial/universal (runtime/universal_checkpoint.py) ----------------------
     def save_partial(self, staging, optimizer) -> dict:
         from smp_adapter.runtime import universal_checkpoint
+        from smp_adapter.runtime.checkpoint_refs import SavedTensors
 
-        self._ds.save_checkpoint(str(staging), tag="ds", save_latest=False)
-        return {"universal": universal_checkpoint.save(self._ds, self.model.module, Path(staging))}
+        if not universal_checkpoint.enabled():
+            self._ds.save_checkpoint(str(staging), tag="ds", save_latest=False)
+            return {}
+        with SavedTensors(self._ds, Path(staging)) as saved:  # the index points into these files
+            self._ds.save_checkpoint(str(staging), tag="ds", save_latest=False)
+        return {"universal": universal_checkpoint.save(self._ds, self.model.module, Path(staging), saved)}
 
     def load_partial_from_other_layout(self, folder, optimizer, manifest: dict, difference: str) -> None:
         from smp_adapter.runtime import universal_checkpoint
 
-        if manifest.get("layout", {}).get("pp", 1) != 1 or "universal" not in manifest:
+        if manifest.get("layout", {}).get("pp", 1) != 1:
             super().load_partial_from_other_layout(folder, optimizer, manifest, difference)
+        if "universal" not in manifest:
+            raise SMPCheckpointError(
+                f"checkpoint {folder} was saved with another parallel layout ({difference}) and without "
+                f"layout-independent pieces ({universal_checkpoint.ENV_SWITCH}=0, or an older smp-adapter): resume "
+                f"it with the saved layout ({manifest.get('layout')}), then save again without that setting")
         universal_checkpoint.load(self._ds, self.model.module, Path(folder), manifest["universal"])
 
     def load_partial(self, folder, optimizer, strict: bool, load_optimizer: bool) -> None:
