@@ -6,6 +6,8 @@ what does not depend on speed:
   MLP into the same stages and give the same loss at every step (an independent reference for PP);
 * overhead.py: the adapter and a hand-written DeepSpeed loop give the same losses, and their engine
   configs differ only in DeepSpeed's sample-counting micro batch size;
+* checkpoint.py: saving with and without the layout-independent pieces, and resuming each (the
+  second under another layout), keep working;
 * memory.py: per-rank bytes within the issue's targets (ZeRO-3 and TP within 5 % of the ideal, PP
   stages within 10 %, also with shard_optimizer_state halving each stage's optimizer state)."""
 
@@ -60,3 +62,12 @@ def test_memory_within_targets(tmp_path):
     for case, limit in (("zero3", 1.05), ("tp2", 1.05), ("pp2", 1.10), ("pp2_dp2_sos", 1.10)):
         for category, ratio in figures[case]["ratio"].items():
             assert 0.95 <= ratio <= limit, (case, category, ratio)
+
+
+def test_checkpoint_saves_and_resumes_both_ways(tmp_path):
+    figures = run_benchmark("checkpoint", "--modes", "zero3", "--repeats", 1, "--n-embd", 64, "--n-layer", 1,
+                            "--vocab", 512, tmp_path=tmp_path)
+    f = figures["zero3"]
+    assert f["save_s"]["deepspeed_only"] > 0 and f["save_s"]["with_pieces"] > 0
+    assert set(f["resume"]) == {"same", "zero0"}
+    assert all(r["s"] > 0 and "anon_per_share" in r for r in f["resume"].values())

@@ -1,0 +1,192 @@
+"""Partial checkpoints: save and resume time, and peak memory per rank, with and without the
+layout-independent pieces (runtime/universal_checkpoint.py, docs/checkpoints.md).
+
+For each mode (the overhead benchmark's GPT-2-style model, fp32, AdamW, 2 steps so Adam's state
+exists) one job saves twice, alternating, with SMP_ADAPTER_LAYOUT_INDEPENDENT_CHECKPOINTS=0 (today's
+DeepSpeed-only files) and =1, --repeats times each; the time of a save is the slowest rank's. Then:
+
+  resume, same layout    a job of the same mode resumes the checkpoint (DeepSpeed's files)
+  resume, other layout   a job of --resume-mode resumes it (the universal pieces)
+
+Per resume: seconds (slowest rank) and two peak memory growths of a rank during the resume, each
+divided by that rank's share of the checkpoint. RSS: Linux's VmHWM, reset just before the resume; it
+counts the file-backed pages of a memory-mapped checkpoint file the rank has read. anon: anonymous
+RSS (RssAnon) sampled every millisecond: the memory the resume really allocates, the figure that
+decides whether a rank runs out of memory. The share is the part of the fp32
+params and Adam moments the rank holds in its layout (all of it under ZeRO 0, the params and 1/N of
+the moments under ZeRO 1, 1/N of both under ZeRO 3). The model is the overhead benchmark's GPT-2
+widened (--n-embd, --n-layer, --vocab) so the files, not fixed costs, dominate. The targets (issue 15): saving
+with the pieces within 1.1x of DeepSpeed-only, resume memory per rank within 1.2x of its share.
+
+    PYTHONPATH=adapter .venv/bin/python benchmarks/checkpoint.py [--modes zero3 zero1] [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import LR, MODES, batch, build_model, current_rss_bytes, peak_rss_bytes, quiet, run_ranks, write_result  # noqa: E402
+
+SWITCH = "SMP_ADAPTER_LAYOUT_INDEPENDENT_CHECKPOINTS"
+
+
+def _share_bytes(options: dict, world: int, params: int) -> float:
+    """Bytes of fp32 params + two Adam moments that one rank of this layout holds."""
+    sharded_params = options.get("sharded_data_parallel_degree", 1) > 1
+    sharded_moments = sharded_params or options.get("shard_optimizer_state", False)
+    return 4 * params * ((1 / world if sharded_params else 1) + 2 * (1 / world if sharded_moments else 1))
+
+
+def _size(args) -> dict:
+    return dict(n_embd=args.n_embd, n_layer=args.n_layer, vocab_size=args.vocab)
+
+
+def _job(options: dict, size: dict):
+    import torch
+
+    import smdistributed.modelparallel.torch as smp
+
+    smp.init(options)
+    quiet()
+    model = smp.DistributedModel(build_model(**size))
+    optimizer = smp.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=LR))
+
+    @smp.step
+    def train_step(model, input_ids):
+        loss = model(input_ids=input_ids, labels=input_ids).loss
+        model.backward(loss)
+        return loss
+
+    return smp, model, optimizer, train_step
+
+
+def _slowest(smp, seconds: float) -> float:
+    return max(smp.allgather(seconds, smp.WORLD))
+
+
+def save_worker(args) -> None:
+    options = json.loads(args.options)
+    smp, model, optimizer, train_step = _job(options, _size(args))
+    for step in range(2):
+        optimizer.zero_grad()
+        train_step(model, batch(step, smp.dp_rank(), vocab=args.vocab))
+        optimizer.step()
+    times = {"0": [], "1": []}
+    for i in range(args.repeats):
+        for switch in ("0", "1") if i % 2 == 0 else ("1", "0"):
+            os.environ[SWITCH] = switch
+            smp.barrier()
+            start = time.perf_counter()
+            smp.save_checkpoint(args.ckpt, tag=f"s{switch}", partial=True, user_content={"step": 2})
+            times[switch].append(_slowest(smp, time.perf_counter() - start))
+    write_result({"times": times})
+
+
+def resume_worker(args) -> None:
+    options = json.loads(args.options)
+    smp, model, optimizer, _ = _job(options, _size(args))
+    import gc
+
+    gc.collect()
+    before, anon_before = current_rss_bytes(), _status_bytes("RssAnon")
+    with open("/proc/self/clear_refs", "w") as f:  # Linux: reset the peak RSS (VmHWM) to the current RSS
+        f.write("5")
+    sampler = _PeakAnon()
+    start = time.perf_counter()
+    smp.resume_from_checkpoint(args.ckpt, tag=args.tag)
+    seconds = _slowest(smp, time.perf_counter() - start)
+    anon_peak = sampler.stop()
+    write_result({"seconds": seconds, "rss_growth": _status_bytes("VmHWM") - before,
+                  "anon_growth": anon_peak - anon_before, "world": smp.size()})
+
+
+def _status_bytes(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    return peak_rss_bytes()
+
+
+class _PeakAnon:
+    """Peak anonymous RSS (RssAnon), sampled every millisecond: unlike VmHWM it leaves out the
+    clean, file-backed pages of a memory-mapped checkpoint file, which the kernel can drop at will."""
+
+    def __init__(self):
+        import threading
+
+        self.peak, self._done = _status_bytes("RssAnon"), threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self):
+        while not self._done.wait(0.001):
+            self.peak = max(self.peak, _status_bytes("RssAnon"))
+
+    def stop(self) -> int:
+        self._done.set()
+        self._thread.join()
+        return max(self.peak, _status_bytes("RssAnon"))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--modes", nargs="+", default=["zero3", "zero1"], choices=sorted(MODES))
+    p.add_argument("--resume-mode", default="zero0", choices=sorted(MODES), help="the other layout resumed into")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--n-embd", type=int, default=512)
+    p.add_argument("--n-layer", type=int, default=4)
+    p.add_argument("--vocab", type=int, default=8192)
+    p.add_argument("--json", default=None, help="also write the figures here")
+    p.add_argument("--save-worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--resume-worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--options", help=argparse.SUPPRESS)
+    p.add_argument("--ckpt", help=argparse.SUPPRESS)
+    p.add_argument("--tag", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.save_worker:
+        return save_worker(args)
+    if args.resume_worker:
+        return resume_worker(args)
+    me = Path(__file__).resolve()
+    size = ["--n-embd", args.n_embd, "--n-layer", args.n_layer, "--vocab", args.vocab]
+    params = sum(t.numel() for t in build_model(**_size(args)).parameters())
+    checkpoint_bytes = params * 4 * 3  # fp32 params + two Adam moments
+    print(f"model: {params / 1e6:.2f} M parameters; fp32 params + Adam moments = {checkpoint_bytes / 2**20:.1f} MiB")
+    print(f"{'mode':8} {'save DS only':>13} {'save + pieces':>14} {'ratio':>6} | {'resume same':>11} {'RSS/share':>9} "
+          f"{'anon/share':>10} | resume into {args.resume_mode:6} {'RSS/share':>9} {'anon/share':>10}")
+    figures = {}
+    for mode in args.modes:
+        options, nprocs, _ = MODES[mode]
+        with tempfile.TemporaryDirectory() as tmp:
+            tmp = Path(tmp)
+            saves = run_ranks(me, nprocs, ["--save-worker", "--options", json.dumps(options), "--ckpt", tmp / "ckpt",
+                                           "--repeats", args.repeats, *size], tmp / "save")
+            ds_only, with_pieces = (statistics.median(saves[0]["times"][k]) for k in ("0", "1"))
+            rows = []
+            for resume_mode, tag in ((mode, "s0"), (args.resume_mode, "s1")):
+                r_options, r_nprocs, _ = MODES[resume_mode]
+                res = run_ranks(me, r_nprocs, ["--resume-worker", "--options", json.dumps(r_options), "--ckpt",
+                                               tmp / "ckpt", "--tag", tag, *size], tmp / f"resume_{resume_mode}_{tag}")
+                share = _share_bytes(r_options, res[0]["world"], params)
+                rows.append((res[0]["seconds"], max(r["rss_growth"] for r in res) / share,
+                             max(r["anon_growth"] for r in res) / share))
+        print(f"{mode:8} {ds_only:12.3f}s {with_pieces:13.3f}s {with_pieces / ds_only:6.2f} | {rows[0][0]:10.3f}s "
+              f"{rows[0][1]:9.2f} {rows[0][2]:10.2f} | {rows[1][0]:22.3f}s {rows[1][1]:9.2f} {rows[1][2]:10.2f}")
+        figures[mode] = {"save_s": {"deepspeed_only": ds_only, "with_pieces": with_pieces},
+                         "resume": {name: {"s": r[0], "rss_per_share": r[1], "anon_per_share": r[2]}
+                                    for name, r in zip(("same", args.resume_mode), rows)}}
+    if args.json:
+        Path(args.json).write_text(json.dumps(figures, indent=1))
+
+
+if __name__ == "__main__":
+    main()
