@@ -11,7 +11,7 @@ import json
 
 import pytest
 import torch
-from common import tiny_vit
+from common import tiny_cnn, tiny_vit
 from launch_util import ROOT, run_ranks
 
 SCRIPT = ROOT / "tests/distributed/scripts/train_vit.py"
@@ -34,36 +34,66 @@ def init_weights(tmp_path_factory):
     return str(path)
 
 
-def _run(layout, out, init_weights, *args):
+@pytest.fixture(scope="module")
+def cnn_init_weights(tmp_path_factory):
+    path = tmp_path_factory.mktemp("init_cnn") / "init.pt"
+    torch.save(tiny_cnn().state_dict(), path)
+    return str(path)
+
+
+def _run(layout, out, init_weights, *args, model="vit"):
     options, nprocs = LAYOUTS[layout]
     return run_ranks(SCRIPT, nprocs, out_dir=out, env={"SM_HP_MP_PARAMETERS": json.dumps(options)},
-                     args=["--init-weights", init_weights, "--optimizer", "adam", "--lr", "1e-3",
+                     args=["--model", model, "--init-weights", init_weights, "--optimizer", "adam", "--lr", "1e-3",
                            "--per-rank-batch", 8 // nprocs, *args])
 
 
 @pytest.fixture(scope="module")
-def saved(tmp_path_factory, init_weights):
-    """Each source layout once: 8 uninterrupted steps, a partial checkpoint after step 4."""
+def saved(tmp_path_factory, init_weights, cnn_init_weights):
+    """Each source layout (and model) once: 8 uninterrupted steps, a partial checkpoint after step 4."""
     cache = {}
 
-    def get(layout):
-        if layout not in cache:
-            root = tmp_path_factory.mktemp(layout.replace(" ", "_"))
-            full = _run(layout, root / "run", init_weights, "--steps", 8, "--save-at", 4, "--ckpt-dir", root / "ckpt")
-            cache[layout] = (root / "ckpt", full[0]["losses"])
-        return cache[layout]
+    def get(layout, model="vit"):
+        if (layout, model) not in cache:
+            root = tmp_path_factory.mktemp(f"{model}_{layout.replace(' ', '_')}")
+            weights = init_weights if model == "vit" else cnn_init_weights
+            full = _run(layout, root / "run", weights, "--steps", 8, "--save-at", 4, "--ckpt-dir", root / "ckpt",
+                        model=model)
+            cache[(layout, model)] = (root / "ckpt", full[0]["losses"], full[0])
+        return cache[(layout, model)]
 
     return get
 
 
 @pytest.mark.parametrize("source, target", PAIRS, ids=[f"{a}->{b}" for a, b in PAIRS])
 def test_resume_under_another_layout_continues_the_run(tmp_path, saved, init_weights, source, target):
-    ckpt, uninterrupted = saved(source)
+    ckpt, uninterrupted, _ = saved(source)
     resumed = _run(target, tmp_path, init_weights, "--steps", 4, "--first-step", 4, "--resume", "--ckpt-dir", ckpt)
     torch.testing.assert_close(torch.tensor(resumed[0]["losses"]), torch.tensor(uninterrupted[4:]), rtol=1e-5,
                                atol=1e-6)
     for r in resumed:  # every rank of the new layout agrees
         assert r["losses"] == resumed[0]["losses"]
+
+
+# BatchNorm normalizes over each data-parallel rank's own rows (smp v1 and DDP alike, without
+# SyncBatchNorm), so a change of dp size changes what the net computes, checkpoint or not: these
+# pairs keep dp 2 and change how parameters and optimizer state are partitioned.
+CNN_PAIRS = [("ZeRO-3 2", "ZeRO-1 2"), ("dp 2", "ZeRO-3 2")]
+
+
+@pytest.mark.parametrize("source, target", CNN_PAIRS, ids=[f"{a}->{b}" for a, b in CNN_PAIRS])
+def test_conv_net_resumes_under_another_layout(tmp_path, saved, cnn_init_weights, source, target):
+    """A conv net with BatchNorm: 4-D weights cut across ZeRO partitions, and persistent buffers
+    (rank 0's running statistics come back: after 4 + 4 steps they equal the uninterrupted run's)."""
+    ckpt, uninterrupted, source_rank0 = saved(source, "cnn")
+    resumed = _run(target, tmp_path, cnn_init_weights, "--steps", 4, "--first-step", 4, "--resume", "--ckpt-dir", ckpt,
+                   model="cnn")
+    torch.testing.assert_close(torch.tensor(resumed[0]["losses"]), torch.tensor(uninterrupted[4:]), rtol=1e-5,
+                               atol=1e-6)
+    buffers = resumed[0]["buffers"]
+    assert buffers["features.1.num_batches_tracked"] == 8 and set(buffers) == set(source_rank0["buffers"])
+    for name, values in source_rank0["buffers"].items():
+        torch.testing.assert_close(torch.tensor(buffers[name]), torch.tensor(values), rtol=1e-5, atol=1e-6, msg=name)
 
 
 TP_SCRIPT = ROOT / "tests/distributed/scripts/train_tp.py"
@@ -123,3 +153,33 @@ def test_checkpoint_commands_refuse_what_they_cannot_read(tmp_path, capsys):
     (tmp_path / "t_partial" / "smp_manifest.json").write_text(json.dumps({"tag": "t", "layout": {"pp": 2}}))
     assert main(["checkpoint", "export", str(tmp_path / "t_partial"), "--to", "hf", str(tmp_path / "o")]) == 2
     assert "has no layout-independent pieces (saved with pp > 1 or by an older smp-adapter)" in capsys.readouterr().err
+
+
+def _launch(nprocs: int, options: dict, out, *script_args) -> tuple[int, str]:
+    """``smp-adapter launch --cpu --nproc-per-node N --options ... train_vit.py ARGS``: the command a user
+    runs; returns its exit code and output."""
+    from launch_util import start_cli
+
+    out.mkdir(parents=True)
+    proc = start_cli("launch", "--launcher", "torchrun", "--cpu", "--nproc-per-node", nprocs, "--job-dir", out / "job",
+                     "--options", json.dumps(options), SCRIPT, *script_args, cwd=out, env={"SMP_TEST_OUT": str(out)})
+    stdout, stderr = proc.communicate(timeout=240)
+    return proc.returncode, stdout + stderr
+
+
+def test_elastic_restart_on_fewer_ranks_after_a_rank_dies(tmp_path, saved, init_weights):
+    """docs/checkpoints.md "Elastic restart": a 4-rank hpZ job (sdp 2) checkpoints after step 4 and loses
+    rank 3 at step 6; the same launch command on 2 ranks (now plain ZeRO-3 2) with the script's own
+    resume continues it: steps 5-8 equal the 4-rank job run uninterrupted."""
+    _, uninterrupted, _ = saved("hpZ 2 of 4")
+    options, ckpt = LAYOUTS["hpZ 2 of 4"][0], tmp_path / "ckpt"
+    script = ["--init-weights", init_weights, "--optimizer", "adam", "--lr", "1e-3", "--ckpt-dir", ckpt]
+    code, output = _launch(4, options, tmp_path / "died", *script, "--per-rank-batch", 2, "--steps", 8,
+                           "--save-at", 4, "--raise-at-step", 6, "--raise-rank", 3)
+    assert code != 0 and "injected failure in rank 3 at step 6" in output, output[-3000:]
+    assert (ckpt / "newest").read_text().strip() == "step4"
+    code, output = _launch(2, options, tmp_path / "resumed", *script, "--per-rank-batch", 4, "--steps", 4,
+                           "--first-step", 4, "--resume")
+    assert code == 0, output[-3000:]
+    resumed = json.loads((tmp_path / "resumed" / "rank0.json").read_text())
+    torch.testing.assert_close(torch.tensor(resumed["losses"]), torch.tensor(uninterrupted[4:]), rtol=1e-5, atol=1e-6)

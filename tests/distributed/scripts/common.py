@@ -18,6 +18,25 @@ def tiny_vit():
     return ViTForImageClassification(cfg)
 
 
+class TinyConvNet(nn.Module):
+    """A conv net for the same 8x8 images: 4-D conv weights and BatchNorm (a persistent buffer each
+    for running mean, variance and batch count). Returns {"logits": ...} like the ViT."""
+
+    def __init__(self, num_labels: int = 3):
+        super().__init__()
+        self.features = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+                                      nn.Conv2d(8, 16, 3, stride=2, padding=1), nn.BatchNorm2d(16), nn.ReLU())
+        self.head = nn.Linear(16 * 4 * 4, num_labels)
+
+    def forward(self, pixel_values):
+        return {"logits": self.head(self.features(pixel_values).flatten(1))}
+
+
+def tiny_cnn():
+    torch.manual_seed(1234)
+    return TinyConvNet()
+
+
 def vit_layers(model):
     # transformers 5 moved the encoder layers: vit.encoder.layer -> vit.layers
     vit = model.vit

@@ -10,12 +10,13 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from common import global_batch, make_optimizer, tiny_vit, vit_layers  # noqa: E402
+from common import global_batch, make_optimizer, tiny_cnn, tiny_vit, vit_layers  # noqa: E402
 from launch_util import write_result  # noqa: E402
 
 import smdistributed.modelparallel.torch as smp  # noqa: E402
 
 parser = argparse.ArgumentParser()
+parser.add_argument("--model", default="vit", choices=["vit", "cnn"], help="cnn: common.TinyConvNet")
 parser.add_argument("--steps", type=int, default=4)
 parser.add_argument("--first-step", type=int, default=0)
 parser.add_argument("--per-rank-batch", type=int, default=4)
@@ -33,7 +34,7 @@ args, _ = parser.parse_known_args()
 
 smp.init({"ddp": True})
 with smp.model_creation():  # delayed parameter initialization under sdp (zero.Init)
-    model = tiny_vit()
+    model = tiny_vit() if args.model == "vit" else tiny_cnn()
 total_params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
 model = smp.DistributedModel(model)
 if args.init_weights:  # smp rule: load weights after wrapping
@@ -110,6 +111,7 @@ moments = [t for st in getattr(opt, "optimizer", opt).state.values() for k, t in
 master = list(getattr(opt, "fp32_partitioned_groups_flat", []))
 opt_bytes = sum(t.numel() * t.element_size() for t in moments + master)
 write_result({"losses": losses, "first_params": first_params, "zero_stage": stage, "param_bytes": param_bytes,
+              "buffers": {k: v.tolist() for k, v in model.module.named_buffers()},  # BatchNorm statistics
               "opt_bytes": opt_bytes,
               "adam_moment_bytes": sum(t.numel() * t.element_size() for t in moments), "total_param_bytes": total_params * 4, "dp_size": smp.dp_size(),
               "hpz": engine.zero_hpz_partition_size() if stage == 3 else 1})
