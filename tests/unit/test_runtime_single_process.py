@@ -171,14 +171,15 @@ def test_checkpoint_round_trip_and_bad_files(fresh, tmp_path):
     (tmp_path / "t2_partial").mkdir()
     with pytest.raises(SMPCheckpointError, match="not a complete smp-adapter partial checkpoint"):
         smp.resume_from_checkpoint(str(tmp_path), tag="t2")
-    # a pipeline layout's partial checkpoint holds per-stage files only: not re-sharded, said so
+    # a pipeline checkpoint of an older smp-adapter (per-stage files only, no pieces): refused, said why
     manifest_file = tmp_path / "t1_partial" / "smp_manifest.json"
     manifest = json.loads(manifest_file.read_text())
     manifest["layout"]["pp"] = 2
+    del manifest["universal"]
     manifest_file.write_text(json.dumps(manifest))
     with pytest.raises(SMPCheckpointError, match=r"was saved with another parallel layout \(pp: saved 2 vs now 1\) "
-                                                 r"and this job's engine \(DeepSpeedEngine\) cannot re-shard it: resume "
-                                                 r"with the saved layout"):
+                                                 r"and without layout-independent pieces .*: resume it with the saved "
+                                                 r"layout \(\{.*'pp': 2"):
         smp.resume_from_checkpoint(str(tmp_path), tag="t1")
 
 

@@ -51,7 +51,8 @@ def _summary(folder: Path, manifest: dict) -> dict:
     universal = manifest.get("universal")
     layout = manifest.get("layout", {})
     if universal is None:
-        resume = "only the saved layout (no layout-independent pieces: saved by an older smp-adapter or with pp > 1)"
+        resume = ("only the saved layout (no layout-independent pieces: saved by an older smp-adapter or with "
+                  "SMP_ADAPTER_LAYOUT_INDEPENDENT_CHECKPOINTS=0)")
     else:
         resume = "any pp = 1 layout (dp size, ZeRO stage, hpZ, tp degree, world size may differ)"
     return {"dir": str(folder), "tag": manifest.get("tag"), "format": manifest.get("format"), "layout": layout,
@@ -83,8 +84,9 @@ def _export_hf(folder: Path, manifest: dict, out: Path) -> int:
 
     universal = manifest.get("universal")
     if not universal:
-        raise SMPCheckpointError(f"{folder} has no layout-independent pieces (saved with pp > 1 or by an older "
-                                 "smp-adapter): resume it with its layout and save a full checkpoint (partial=False)")
+        raise SMPCheckpointError(f"{folder} has no layout-independent pieces (saved by an older smp-adapter or with "
+                                 "SMP_ADAPTER_LAYOUT_INDEPENDENT_CHECKPOINTS=0): resume it with its layout and save a "
+                                 "full checkpoint (partial=False), or a partial one without that setting")
     if not universal.get("hf_config"):
         raise SMPCheckpointError(f"{folder} records no Hugging Face config (the model, {universal.get('model_class')}, "
                                  "is not a transformers PreTrainedModel): export needs one")

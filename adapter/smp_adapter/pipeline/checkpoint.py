@@ -66,6 +66,42 @@ def save_stage(staging: Path, runner, optimizer) -> None:
                           str(stage_file(staging, c.pp, c.tp)))
 
 
+def save_universal(staging: Path, runner, optimizer, mixed) -> dict:
+    """The layout-independent index (runtime/universal_checkpoint.py) of this stage, so that a job
+    without pipeline parallelism can resume the checkpoint. Each value is recorded once: parameters
+    (fp32 masters under fp16/bf16) by rdp rank 0 of their (pp, tp) position, a tied parameter by the
+    first of the stages holding it, optimizer state by the rank holding it (its owner under
+    shard_optimizer_state, else rdp rank 0), persistent buffers by tp rank 0 / rdp rank 0 of their
+    stage. The values are written into the universal files (the stage files are not indexed).
+    Collective: the ranks agree on the optimizer's state keys and step count."""
+    import torch.distributed as dist
+
+    from smp_adapter.runtime import universal_checkpoint as universal
+
+    c, sharded = state.coord, state.dims.zero_stage > 0
+    torch_optimizer = optimizer.optimizer
+    views = [None] * state.world_size  # the state keys and step of every rank: some own no state
+    dist.all_gather_object(views, (universal.state_keys(torch_optimizer), universal.step_count(torch_optimizer)))
+    keys = sorted({k for rank_keys, _ in views for k in rank_keys})
+    step = next((s for _, s in views if s is not None), None)
+    master = dict(zip(map(id, mixed.params), mixed.masters)) if mixed is not None and mixed.attached else {}
+    recorded_elsewhere = {id(p) for p, group in runner.tied if min(dist.get_process_group_ranks(group)) != state.rank}
+    pieces = []
+    for name, p in runner.local_named_parameters():
+        if id(p) in recorded_elsewhere or (universal.layout_of(p) is None and c.tp != 0):
+            continue  # a tied copy another stage records, or whole on every TP rank: TP rank 0 records
+        values = master.get(id(p), p)
+        if c.rdp == 0:
+            pieces.append((name, p, "param", 0, values.detach().reshape(-1)))
+        if sharded or c.rdp == 0:
+            st = torch_optimizer.state.get(values, {})
+            pieces += [(name, p, k, 0, st[k].detach().reshape(-1)) for k in keys if k in st]
+    module = runner.model.module
+    buffers = (universal.persistent_buffers(module, runner.local_named_buffers()) if c.tp == 0 and c.rdp == 0
+               else [])
+    return universal.write_index(staging, pieces, buffers, module, torch_optimizer, keys, step)
+
+
 def load_stage(folder: Path, model, optimizer, strict: bool, load_optimizer: bool) -> None:
     c = state.coord
     path = stage_file(folder, c.pp, c.tp)

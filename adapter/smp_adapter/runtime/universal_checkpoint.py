@@ -1,8 +1,9 @@
-"""Layout-independent partial checkpoints for the DeepSpeed engine (pp = 1): written beside
-DeepSpeed's own files by every ``save_checkpoint(partial=True)``, read by
-``resume_from_checkpoint(partial=True)`` when the job now has another layout (data-parallel size,
-ZeRO stage 0/1/3, hpZ, tensor-parallel degree, world size). Same-layout resumes keep using
-DeepSpeed's files (exact and fastest).
+"""Layout-independent partial checkpoints: written beside the engine's own files by every
+``save_checkpoint(partial=True)`` (the DeepSpeed engine: ``save`` here; the pipeline engine:
+pipeline/checkpoint.py ``save_universal``, both through ``write_index``), read by the DeepSpeed
+engine's ``resume_from_checkpoint(partial=True)`` when the job now has another layout (data-parallel
+size, ZeRO stage 0/1/3, hpZ, tensor-parallel degree, world size, or pp > 1 -> pp = 1). Same-layout
+resumes keep using the engine's own files (exact and fastest).
 
 On disk: ``<tag>_partial/universal/rank<R>.safetensors``, one per rank, whose safetensors metadata
 holds an index. An entry describes a 1-D piece of one parameter's *TP shard* (the tensor a rank
@@ -74,14 +75,19 @@ def _inner_optimizer(engine):
     return opt.optimizer if _stage(engine) > 0 else opt
 
 
-def _state_keys(engine) -> list[str]:
+def state_keys(optimizer) -> list[str]:
     """Tensor-valued optimizer state keys other than the step (exp_avg, exp_avg_sq for Adam)."""
-    for st in _inner_optimizer(engine).state.values():
+    for st in optimizer.state.values():
         return sorted(k for k, v in st.items() if k != "step" and torch.is_tensor(v) and v.dim() > 0)
     return []
 
 
-def _layout(p) -> dict | None:
+def step_count(optimizer) -> float | None:
+    steps = [float(st["step"]) for st in optimizer.state.values() if "step" in st]
+    return steps[0] if steps else None
+
+
+def layout_of(p) -> dict | None:
     layout = getattr(p, LAYOUT_ATTR, None)
     if layout is None or state.dims.tp == 1:
         return None
@@ -136,11 +142,29 @@ def _pieces_to_write(engine, p, keys) -> list[tuple[str, int, torch.Tensor]]:
 
 
 def save(engine, module, staging: Path, saved=None) -> dict:
-    """Write this rank's index (and the bytes DeepSpeed's files do not hold); return what the manifest
-    records (rank 0's view). ``saved``: a ``checkpoint_refs.SavedTensors`` around DeepSpeed's save."""
+    """The DeepSpeed engine's index (pp = 1); return what the manifest records (rank 0's view).
+    ``saved``: a ``checkpoint_refs.SavedTensors`` around DeepSpeed's save."""
+    inner = _inner_optimizer(engine)
+    keys = state_keys(inner)
+    pieces = [(name, p, kind, start, values) for name, p in _unique_params(module)
+              if layout_of(p) is not None or state.coord.tp == 0  # held whole by every TP rank: TP rank 0 records
+              for kind, start, values in _pieces_to_write(engine, p, keys)]
+    buffers = persistent_buffers(module, module.named_buffers()) if state.rank == 0 else []  # the same everywhere
+    return write_index(staging, pieces, buffers, module, inner, keys, step_count(inner), saved)
+
+
+def persistent_buffers(module, named_buffers) -> list:
+    """(name, buffer) for the buffers a state dict holds (BatchNorm statistics), of ``named_buffers``."""
+    persistent = set(module.state_dict(keep_vars=True))
+    return [(name, b) for name, b in named_buffers if name in persistent]
+
+
+def write_index(staging: Path, pieces, buffers, module, optimizer, keys, step, saved=None) -> dict:
+    """Write this rank's ``universal/rank<R>.safetensors``: the index of ``pieces`` ((name, parameter,
+    kind, start, 1-D values)) and ``buffers``, pointing into the engine's own files where ``saved``
+    locates the values, else holding them. Return the manifest's record."""
     from safetensors.torch import save_file
 
-    keys = _state_keys(engine)
     tensors, index = {}, []
 
     def record(name, kind, start, values, shard_shape, tp_rank, layout, **extra):
@@ -149,34 +173,26 @@ def save(engine, module, staging: Path, saved=None) -> dict:
         ref = saved.locate(values) if saved is not None else None
         if ref is not None:
             entry["ref"] = ref
-        else:  # not in DeepSpeed's files (buffers, an unexpected DeepSpeed layout): write the bytes
+        else:  # not in the engine's files (buffers, an unexpected DeepSpeed layout, pp > 1): write the bytes
             entry["key"] = f"t{len(index)}"
             tensors[entry["key"]] = values.to("cpu", torch.float32 if kind != "buffer" else values.dtype).contiguous()
         index.append(entry)
 
-    for name, p in _unique_params(module):
-        if _layout(p) is None and state.coord.tp != 0:
-            continue  # held whole by every TP rank: TP rank 0's group records it
-        for kind, start, values in _pieces_to_write(engine, p, keys):
-            record(name, kind, start, values, _shard_shape(p), state.coord.tp, _layout(p))
-    if state.rank == 0:  # persistent buffers (BatchNorm statistics): the same on every rank
-        persistent = set(module.state_dict(keep_vars=True))
-        for name, b in module.named_buffers():
-            if name in persistent:
-                record(name, "buffer", 0, b.detach().reshape(-1).clone(), list(b.shape), 0, None, dtype=str(b.dtype))
+    for name, p, kind, start, values in pieces:
+        record(name, kind, start, values, _shard_shape(p), state.coord.tp, layout_of(p))
+    for name, b in buffers:
+        record(name, "buffer", 0, b.detach().reshape(-1).clone(), list(b.shape), 0, None, dtype=str(b.dtype))
     folder = staging / FOLDER
     if state.rank == 0:
         folder.mkdir(parents=True, exist_ok=True)
     if state.world_size > 1:
         dist.barrier()
     save_file(tensors, str(folder / f"rank{state.rank}.safetensors"), metadata={"index": json.dumps(index)})
-    inner = _inner_optimizer(engine)
-    steps = [float(st["step"]) for st in inner.state.values() if "step" in st]
-    groups = [{k: g[k] for k in GROUP_KEYS if k in g} for g in inner.param_groups]
+    groups = [{k: g[k] for k in GROUP_KEYS if k in g} for g in optimizer.param_groups]
     config = getattr(module, "config", None)  # a Hugging Face model's: lets `checkpoint export --to hf` write config.json
     hf_config = (json.loads(config.to_json_string(use_diff=False))
                  if hasattr(config, "to_json_string") and hasattr(module, "save_pretrained") else None)
-    return {"state_keys": keys, "step": steps[0] if steps else None, "param_groups": groups,
+    return {"state_keys": keys, "step": step, "param_groups": groups,
             "aliases": _aliases(module), "hf_config": hf_config, "model_class": type(module).__name__}
 
 
@@ -239,7 +255,7 @@ class Pieces:
             raise SMPCheckpointError(f"the checkpoint has no {kind} of parameter {name!r}: it was saved from "
                                      "another model (or with another optimizer); load the matching model")
         source_layout, source_tp = entries[0]["layout"], entries[0]["tp_size"]
-        target_layout = _layout(p)
+        target_layout = layout_of(p)
         if source_layout == target_layout and (target_layout is None or source_tp == state.dims.tp):
             return self.tp_shard(name, kind, state.coord.tp if target_layout else 0)  # only the bytes needed
         full = self.full(name, kind)

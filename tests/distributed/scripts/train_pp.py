@@ -34,6 +34,7 @@ parser.add_argument("--save-at", type=int, default=-1)
 parser.add_argument("--resume", action="store_true")
 parser.add_argument("--ckpt-dir", default="ckpt")
 parser.add_argument("--loss-scale", default=None, help="fp16: static:<scale> or dynamic:<initial scale>")
+parser.add_argument("--final-state", action="store_true", help="report model.state_dict() also for gpt2")
 parser.add_argument("--clip", type=float, default=None, help="optimizer.clip_master_grads(max_norm) before each step")
 args, _ = parser.parse_known_args()
 
@@ -134,4 +135,4 @@ write_result({"eval_out": eval_out, "eval_in": eval_in, "losses": losses, "mb_lo
               "state_names": [n for n, p in model.local_named_parameters() if optimizer.state.get(master.get(id(p), p))],
               "rdp_rank": smp.rdp_rank(), "scales": scales, "overflows": overflows, "checksums": checksums,
               "param_dtypes": sorted({str(p.dtype) for p in model.local_parameters()}),
-              "final_state": {k: v.tolist() for k, v in state.items()} if args.model != "gpt2" else None})
+              "final_state": {k: v.tolist() for k, v in state.items()} if args.model != "gpt2" or args.final_state else None})

@@ -230,8 +230,6 @@ class DeepSpeedEngine(Engine):
     def load_partial_from_other_layout(self, folder, optimizer, manifest: dict, difference: str) -> None:
         from smp_adapter.runtime import universal_checkpoint
 
-        if manifest.get("layout", {}).get("pp", 1) != 1:
-            super().load_partial_from_other_layout(folder, optimizer, manifest, difference)
         if "universal" not in manifest:
             raise SMPCheckpointError(
                 f"checkpoint {folder} was saved with another parallel layout ({difference}) and without "

@@ -149,10 +149,13 @@ class PipelineEngine(Engine):
 
     # -- partial checkpoints: one file per stage ---------------------------------------------------
     def save_partial(self, staging, optimizer) -> dict:
-        from smp_adapter.pipeline.checkpoint import save_stage
+        from smp_adapter.pipeline.checkpoint import save_stage, save_universal
+        from smp_adapter.runtime import universal_checkpoint
 
-        save_stage(staging, self.runner, optimizer)
-        return {}  # per-stage files only: a resume needs the same layout
+        save_stage(staging, self.runner, optimizer)  # same-layout resume
+        if not universal_checkpoint.enabled() or optimizer is None:
+            return {}
+        return {"universal": save_universal(staging, self.runner, optimizer, self._mixed)}  # any pp = 1 layout
 
     def load_partial(self, folder, optimizer, strict: bool, load_optimizer: bool) -> None:
         from smp_adapter.pipeline.checkpoint import load_stage
