@@ -131,6 +131,18 @@ def build_model(seed: int = 0, **overrides):
     return GPT2LMHeadModel(cfg)
 
 
+def lm_train_step(smp):
+    """The benchmarks' smp step, as smp v1 scripts write it: GPT-2's loss from labels, model.backward."""
+
+    @smp.step
+    def train_step(model, input_ids):
+        loss = model(input_ids=input_ids, labels=input_ids).loss
+        model.backward(loss)
+        return loss
+
+    return train_step
+
+
 def batch(step: int, rank: int, size: int = PER_RANK_BATCH, seq: int = SEQ, vocab: int = MODEL["vocab_size"]):
     import torch
 

@@ -33,7 +33,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import LR, MODES, batch, build_model, current_rss_bytes, peak_rss_bytes, quiet, run_ranks, write_result  # noqa: E402
+from _common import (LR, MODES, batch, build_model, current_rss_bytes, lm_train_step, peak_rss_bytes, quiet,  # noqa: E402
+                     run_ranks, write_result)
 
 SWITCH = "SMP_ADAPTER_LAYOUT_INDEPENDENT_CHECKPOINTS"
 
@@ -58,12 +59,7 @@ def _job(options: dict, size: dict):
     quiet()
     model = smp.DistributedModel(build_model(**size))
     optimizer = smp.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=LR))
-
-    @smp.step
-    def train_step(model, input_ids):
-        loss = model(input_ids=input_ids, labels=input_ids).loss
-        model.backward(loss)
-        return loss
+    train_step = lm_train_step(smp)
 
     return smp, model, optimizer, train_step
 

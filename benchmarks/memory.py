@@ -44,7 +44,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import (LR, MICROBATCHES, MODEL, MODES, PER_RANK_BATCH, SEQ, batch, build_model, quiet,  # noqa: E402
+from _common import (LR, MICROBATCHES, MODEL, MODES, PER_RANK_BATCH, SEQ, batch, build_model, lm_train_step, quiet,  # noqa: E402
                      run_ranks, write_result)
 
 CASES = {
@@ -156,12 +156,7 @@ def worker(args) -> None:
     del full
     model = smp.DistributedModel(model)
     optimizer = smp.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=LR))
-
-    @smp.step
-    def train_step(model, input_ids):
-        loss = model(input_ids=input_ids, labels=input_ids).loss
-        model.backward(loss)
-        return loss
+    train_step = lm_train_step(smp)
 
     reader = smp.rdp_rank() if smp.state.cfg.prescaled_batch else smp.dp_rank()
     for step in range(3):

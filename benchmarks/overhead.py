@@ -57,7 +57,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import (DEFAULT_MODES, LR, MICROBATCHES, MODE_MODEL, MODEL, MODES, PER_RANK_BATCH, SEQ, batch,  # noqa: E402
+from _common import (DEFAULT_MODES, LR, MICROBATCHES, MODE_MODEL, MODEL, MODES, PER_RANK_BATCH, SEQ, batch, lm_train_step,  # noqa: E402
                      build_model,
                      config_difference, current_rss_bytes, native_deepspeed_config, peak_rss_bytes, quiet,
                      run_ranks, spread, write_result)
@@ -148,12 +148,7 @@ def worker(args) -> None:
     if use_smp:
         smp_model = smp.DistributedModel(model)
         smp_opt = smp.DistributedOptimizer(torch.optim.AdamW(smp_model.parameters(), lr=LR))
-
-        @smp.step
-        def train_step(model, input_ids):
-            loss = model(input_ids=input_ids, labels=input_ids).loss
-            model.backward(loss)
-            return loss
+        train_step = lm_train_step(smp)
 
         def adapter_step(x):
             smp_opt.zero_grad()

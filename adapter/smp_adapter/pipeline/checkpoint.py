@@ -67,7 +67,7 @@ def save_stage(staging: Path, runner, optimizer) -> None:
 
 
 def save_universal(staging: Path, runner, optimizer, mixed) -> dict:
-    """The layout-independent index (runtime/universal_checkpoint.py) of this stage, so that a job
+    """The layout-independent index (runtime/universal_format.py) of this stage, so that a job
     without pipeline parallelism can resume the checkpoint. Each value is recorded once: parameters
     (fp32 masters under fp16/bf16) by rdp rank 0 of their (pp, tp) position, a tied parameter by the
     first of the stages holding it, optimizer state by the rank holding it (its owner under
@@ -76,7 +76,7 @@ def save_universal(staging: Path, runner, optimizer, mixed) -> dict:
     Collective: the ranks agree on the optimizer's state keys and step count."""
     import torch.distributed as dist
 
-    from smp_adapter.runtime import universal_checkpoint as universal
+    from smp_adapter.runtime import universal_format as universal
 
     c, sharded = state.coord, state.dims.zero_stage > 0
     torch_optimizer = optimizer.optimizer

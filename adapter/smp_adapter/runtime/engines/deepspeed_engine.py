@@ -217,10 +217,10 @@ class DeepSpeedEngine(Engine):
     # -- partial checkpoints: DeepSpeed's own format under <tag>_partial/ds, and layout-independent
     # pieces under <tag>_partial/universal (runtime/universal_checkpoint.py) ----------------------
     def save_partial(self, staging, optimizer) -> dict:
-        from smp_adapter.runtime import universal_checkpoint
+        from smp_adapter.runtime import universal_checkpoint, universal_format
         from smp_adapter.runtime.checkpoint_refs import SavedTensors
 
-        if not universal_checkpoint.enabled():
+        if not universal_format.enabled():
             self._ds.save_checkpoint(str(staging), tag="ds", save_latest=False)
             return {}
         with SavedTensors(self._ds, Path(staging)) as saved:  # the index points into these files
@@ -228,12 +228,12 @@ class DeepSpeedEngine(Engine):
         return {"universal": universal_checkpoint.save(self._ds, self.model.module, Path(staging), saved)}
 
     def load_partial_from_other_layout(self, folder, optimizer, manifest: dict, difference: str) -> None:
-        from smp_adapter.runtime import universal_checkpoint
+        from smp_adapter.runtime import universal_checkpoint, universal_format
 
         if "universal" not in manifest:
             raise SMPCheckpointError(
                 f"checkpoint {folder} was saved with another parallel layout ({difference}) and without "
-                f"layout-independent pieces ({universal_checkpoint.ENV_SWITCH}=0, or an older smp-adapter): resume "
+                f"layout-independent pieces ({universal_format.ENV_SWITCH}=0, or an older smp-adapter): resume "
                 f"it with the saved layout ({manifest.get('layout')}), then save again without that setting")
         universal_checkpoint.load(self._ds, self.model.module, Path(folder), manifest["universal"])
 

@@ -150,10 +150,10 @@ class PipelineEngine(Engine):
     # -- partial checkpoints: one file per stage ---------------------------------------------------
     def save_partial(self, staging, optimizer) -> dict:
         from smp_adapter.pipeline.checkpoint import save_stage, save_universal
-        from smp_adapter.runtime import universal_checkpoint
+        from smp_adapter.runtime import universal_format
 
         save_stage(staging, self.runner, optimizer)  # same-layout resume
-        if not universal_checkpoint.enabled() or optimizer is None:
+        if not universal_format.enabled() or optimizer is None:
             return {}
         return {"universal": save_universal(staging, self.runner, optimizer, self._mixed)}  # any pp = 1 layout
 
