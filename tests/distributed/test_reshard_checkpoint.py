@@ -24,7 +24,7 @@ LAYOUTS = {
     "hpZ 2 of 4": ({"ddp": True, "sharded_data_parallel_degree": 2, **SDP_EXACT}, 4),
 }
 PAIRS = [("ZeRO-3 2", "dp 2"), ("dp 2", "ZeRO-3 2"), ("ZeRO-1 2", "ZeRO-3 2"), ("ZeRO-3 2", "ZeRO-1 2"),
-         ("hpZ 2 of 4", "ZeRO-3 2"), ("ZeRO-3 2", "1 process"), ("1 process", "hpZ 2 of 4"), ("ZeRO-1 2", "1 process")]
+         ("hpZ 2 of 4", "ZeRO-3 2"), ("1 process", "hpZ 2 of 4")]
 
 
 @pytest.fixture(scope="module")
@@ -114,12 +114,27 @@ def _run_gpt2(layout, out, *args):
                      args=["--model", "gpt2", "--optimizer", "adam", "--per-rank-batch", per_rank, *args])
 
 
+@pytest.fixture(scope="module")
+def saved_gpt2(tmp_path_factory):
+    """Each GPT-2 source layout once: 8 uninterrupted steps, a partial checkpoint after step 4."""
+    cache = {}
+
+    def get(layout):
+        if layout not in cache:
+            root = tmp_path_factory.mktemp(f"gpt2_{layout.replace(' ', '_')}")
+            full = _run_gpt2(layout, root / "run", "--steps", 8, "--save-at", 4, "--ckpt-dir", root / "ckpt")
+            cache[layout] = (root / "ckpt", full[0]["losses"])
+        return cache[layout]
+
+    return get
+
+
 @pytest.mark.parametrize("source, target", TP_PAIRS, ids=[f"{a}->{b}" for a, b in TP_PAIRS])
-def test_resume_under_another_tensor_parallel_layout(tmp_path, source, target):
+def test_resume_under_another_tensor_parallel_layout(tmp_path, saved_gpt2, source, target):
     """A change of tp degree (each TP shard rebuilt through the full tensor, fused q|k|v and
     GPT-2's transposed Conv1D weights included), also combined with a change of ZeRO stage."""
-    ckpt = tmp_path / "ckpt"
-    full = _run_gpt2(source, tmp_path / "full", "--steps", 8, "--save-at", 4, "--ckpt-dir", ckpt)
+    ckpt, losses = saved_gpt2(source)
+    full = [{"losses": losses}]
     resumed = _run_gpt2(target, tmp_path / "resumed", "--steps", 4, "--first-step", 4, "--resume", "--ckpt-dir", ckpt)
     torch.testing.assert_close(torch.tensor(resumed[0]["losses"]), torch.tensor(full[0]["losses"][4:]), rtol=1e-5,
                                atol=1e-6)
@@ -143,6 +158,59 @@ def test_export_to_hugging_face_equals_the_gathered_state_dict(tmp_path):
         assert torch.equal(exported[name], torch.tensor(values)), name
 
 
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_export_of_every_data_parallel_layout_equals_its_state_dict(tmp_path, saved, layout):
+    """`checkpoint export --to hf` of the ViT checkpoints the pairs above resume (1 process, dp 2,
+    ZeRO-1 2, ZeRO-3 2, hpZ 2 of 4): bitwise the gathered model.state_dict() at the save."""
+    from transformers import ViTForImageClassification
+
+    from smp_adapter.cli import main
+
+    ckpt, _, rank0 = saved(layout)
+    assert main(["checkpoint", "export", str(ckpt), "--to", "hf", str(tmp_path / "hf")]) == 0
+    exported = ViTForImageClassification.from_pretrained(tmp_path / "hf").state_dict()
+    assert set(rank0["saved_state"]) <= set(exported)
+    for name, values in rank0["saved_state"].items():
+        assert torch.equal(exported[name], torch.tensor(values)), name
+
+
+def test_reshard_command_output_resumes_from_its_pieces_alone(tmp_path, saved, init_weights):
+    """`checkpoint reshard` of the ZeRO-3 2 ViT checkpoint for 1 process: the rewritten checkpoint holds
+    no DeepSpeed files, and the 1-process job resumes it and continues the source run."""
+    from smp_adapter.cli import main
+
+    ckpt, uninterrupted, _ = saved("ZeRO-3 2")
+    out = tmp_path / "resharded"
+    assert main(["checkpoint", "reshard", str(ckpt), "--to", json.dumps({"ddp": True}), "--world-size", "1",
+                 str(out)]) == 0
+    folder = out / "step4_partial"
+    assert sorted(p.name for p in folder.iterdir()) == ["smp_manifest.json", "universal", "user_content.pt"]
+    assert json.loads((folder / "smp_manifest.json").read_text())["layout"]["world_size"] == 1
+    resumed = _run("1 process", tmp_path / "run", init_weights, "--steps", 4, "--first-step", 4, "--resume",
+                   "--ckpt-dir", out)
+    torch.testing.assert_close(torch.tensor(resumed[0]["losses"]), torch.tensor(uninterrupted[4:]), rtol=1e-5,
+                               atol=1e-6)
+
+
+def test_reshard_command_cuts_tensor_parallel_shards_per_target_rank(tmp_path, saved_gpt2):
+    """tp 2 GPT-2 -> `reshard --to tp 2 --world-size 4`: one file per target TP rank with its shards;
+    the tp 2 x dp 2 job resumes it and continues the source run."""
+    from safetensors import safe_open
+
+    from smp_adapter.cli import main
+
+    (ckpt, losses), out = saved_gpt2("tp 2"), tmp_path / "resharded"
+    options, _, _ = TP_LAYOUTS["tp 2 x dp 2"]
+    assert main(["checkpoint", "reshard", str(ckpt), "--to", json.dumps(options), "--world-size", "4", str(out)]) == 0
+    for t in (0, 1):
+        with safe_open(str(out / "step4_partial" / "universal" / f"tp{t}.safetensors"), "pt") as f:
+            split = [e for e in json.loads(f.metadata()["index"]) if e["layout"] is not None]
+            assert split and all(e["tp_rank"] == t and e["tp_size"] == 2 for e in split)
+    resumed = _run_gpt2("tp 2 x dp 2", tmp_path / "resumed", "--steps", 4, "--first-step", 4, "--resume",
+                        "--ckpt-dir", out)
+    torch.testing.assert_close(torch.tensor(resumed[0]["losses"]), torch.tensor(losses[4:]), rtol=1e-5, atol=1e-6)
+
+
 def test_checkpoint_commands_refuse_what_they_cannot_read(tmp_path, capsys):
     from smp_adapter.cli import main
 
@@ -154,6 +222,14 @@ def test_checkpoint_commands_refuse_what_they_cannot_read(tmp_path, capsys):
     assert main(["checkpoint", "export", str(tmp_path / "t_partial"), "--to", "hf", str(tmp_path / "o")]) == 2
     assert "has no layout-independent pieces (saved by an older smp-adapter or with " \
            "SMP_ADAPTER_LAYOUT_INDEPENDENT_CHECKPOINTS=0)" in capsys.readouterr().err
+    reshard = ["checkpoint", "reshard", str(tmp_path / "t_partial"), "--world-size", "2", str(tmp_path / "o")]
+    assert main([*reshard, "--to", json.dumps({"ddp": True, "pipeline_parallel_degree": 2})]) == 2
+    assert "reshard --to a pipeline layout (pipeline_parallel_degree 2) is not supported yet" in capsys.readouterr().err
+    assert main([*reshard, "--to", json.dumps({"ddp": True, "sharded_data_parallel_degree": 4})]) == 2
+    assert "sharded_data_parallel_degree = 4: must divide the number of model replicas" in capsys.readouterr().err
+    assert main([*reshard, "--to", json.dumps({"ddp": True})]) == 2
+    assert "has no layout-independent pieces (saved by an older smp-adapter or with " \
+           "SMP_ADAPTER_LAYOUT_INDEPENDENT_CHECKPOINTS=0): nothing to reshard it from" in capsys.readouterr().err
 
 
 def _launch(nprocs: int, options: dict, out, *script_args) -> tuple[int, str]:
@@ -193,7 +269,7 @@ PP_LAYOUTS = {"1 process": (MB, 1), "tp 2": ({**MB, "tensor_parallel_degree": 2}
               "pp 2": ({**MB, "pipeline_parallel_degree": 2}, 2),
               "pp 2 x tp 2": ({**MB, "pipeline_parallel_degree": 2, "tensor_parallel_degree": 2}, 4),
               "pp 2 x dp 2 ZeRO-1": ({**MB, "pipeline_parallel_degree": 2, "shard_optimizer_state": True}, 4)}
-PP_PAIRS = [("pp 2", "1 process", "gpt2"), ("pp 2 x tp 2", "tp 2", "gpt2"), ("pp 2 x dp 2 ZeRO-1", "ZeRO-3 2", "gpt2"),
+PP_PAIRS = [("pp 2 x tp 2", "tp 2", "gpt2"), ("pp 2 x dp 2 ZeRO-1", "ZeRO-3 2", "gpt2"),
             ("pp 2 x tp 2", "1 process", "net")]
 
 
@@ -212,29 +288,25 @@ def test_pipeline_checkpoint_resumes_without_pipeline(tmp_path, source, target, 
     """A pipeline job's partial checkpoint resumed by a job with pp = 1: stages, GPT-2's embedding tied
     to the LM head over the first and last stage, optimizer state sharded over a stage's replicas, and
     a TP-split layer inside a stage (the seed's conv net marks fc1 for tensor parallelism; smp-adapter
-    keeps Hugging Face layers whole under pp x tp, so GPT-2's are replicated over the TP ranks there)."""
-    ckpt = tmp_path / "ckpt"
-    full = _run_pp_script(source, tmp_path / "full", model, "--steps", 8, "--save-at", 4, "--ckpt-dir", ckpt)
-    resumed = _run_pp_script(target, tmp_path / "resumed", model, "--steps", 4, "--first-step", 4, "--resume",
-                             "--ckpt-dir", ckpt)
-    torch.testing.assert_close(torch.tensor(resumed[0]["losses"]), torch.tensor(full[0]["losses"][4:]), rtol=1e-5,
-                               atol=1e-6)
-
-
-def test_pipeline_checkpoint_exports_to_hugging_face(tmp_path):
-    """`checkpoint export --to hf` of a pp 2 x tp 2 GPT-2 checkpoint (two stages, the embedding tied to
-    the LM head): equal to the run's gathered model.state_dict() bitwise, from_pretrained loads it."""
+    keeps Hugging Face layers whole under pp x tp, so GPT-2's are replicated over the TP ranks there).
+    GPT-2's checkpoint also exports (`checkpoint export --to hf`) to the state dict gathered at the
+    save, bitwise, and from_pretrained loads it."""
     from transformers import GPT2LMHeadModel
 
     from smp_adapter.cli import main
 
-    ckpt, out = tmp_path / "ckpt", tmp_path / "hf"
-    run = _run_pp_script("pp 2 x tp 2", tmp_path / "run", "gpt2", "--steps", 4, "--save-at", 4, "--ckpt-dir", ckpt,
-                         "--final-state")
-    assert main(["checkpoint", "export", str(ckpt), "--to", "hf", str(out)]) == 0
-    exported = GPT2LMHeadModel.from_pretrained(out).state_dict()
-    for name, values in run[0]["final_state"].items():
-        assert torch.equal(exported[name], torch.tensor(values)), name
+    ckpt = tmp_path / "ckpt"
+    full = _run_pp_script(source, tmp_path / "full", model, "--steps", 8, "--save-at", 4, "--ckpt-dir", ckpt,
+                          "--final-state")
+    if model == "gpt2":
+        assert main(["checkpoint", "export", str(ckpt), "--to", "hf", str(tmp_path / "hf")]) == 0
+        exported = GPT2LMHeadModel.from_pretrained(tmp_path / "hf").state_dict()
+        for name, values in full[0]["saved_state"].items():
+            assert torch.equal(exported[name], torch.tensor(values)), name
+    resumed = _run_pp_script(target, tmp_path / "resumed", model, "--steps", 4, "--first-step", 4, "--resume",
+                             "--ckpt-dir", ckpt)
+    torch.testing.assert_close(torch.tensor(resumed[0]["losses"]), torch.tensor(full[0]["losses"][4:]), rtol=1e-5,
+                               atol=1e-6)
 
 
 def test_resuming_into_a_pipeline_layout_is_refused_naming_both_layouts(tmp_path):

@@ -6,7 +6,9 @@ directory, or the directory ``save_checkpoint`` wrote into (its ``newest`` tag i
 * export --to hf: the model in Hugging Face's ``save_pretrained`` layout (``config.json`` and
   ``model.safetensors``), rebuilt from the layout-independent pieces (docs/checkpoints.md), one
   parameter at a time; loads with ``from_pretrained``. Tied parameters are written once, as
-  ``save_pretrained`` does.
+  ``save_pretrained`` does;
+* reshard --to OPTIONS --world-size N: the checkpoint rewritten for that layout
+  (commands/checkpoint_reshard.py).
 """
 
 from __future__ import annotations
@@ -14,13 +16,14 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from smp_adapter.commands import checkpoint_reshard
 from smp_adapter.errors import SMPCheckpointError
 
 MANIFEST = "smp_manifest.json"
 
 
 def add_parser(subparsers):
-    p = subparsers.add_parser("checkpoint", help="inspect or export a partial checkpoint (no GPU, no process group)",
+    p = subparsers.add_parser("checkpoint", help="inspect, export or reshard a partial checkpoint (no GPU, no process group)",
                               description=__doc__)
     sub = p.add_subparsers(dest="action", metavar="ACTION", required=True)
     inspect = sub.add_parser("inspect", help="layout, tag, files and what a resume needs")
@@ -30,6 +33,7 @@ def add_parser(subparsers):
     export.add_argument("dir", metavar="DIR")
     export.add_argument("--to", choices=("hf",), required=True, help="hf: Hugging Face save_pretrained layout")
     export.add_argument("out", metavar="OUT")
+    checkpoint_reshard.add_parser(sub)
     return p
 
 
@@ -74,13 +78,19 @@ def run(args) -> int:
             for key, value in info.items():
                 print(f"{key:16} {value}")
         return 0
+    if args.action == "reshard":
+        dims = checkpoint_reshard.target_dims(args.to, args.world_size)
+        final = checkpoint_reshard.reshard(folder, manifest, dims, Path(args.out))
+        print(f"wrote {final}: resume it with {args.world_size} processes and those options "
+              f"(layout {json.dumps(manifest.get('layout'))} -> tp {dims.tp}, rdp {dims.rdp}, ZeRO {dims.zero_stage})")
+        return 0
     return _export_hf(folder, manifest, Path(args.out))
 
 
 def _export_hf(folder: Path, manifest: dict, out: Path) -> int:
     from safetensors.torch import save_file
 
-    from smp_adapter.runtime.universal_checkpoint import Pieces
+    from smp_adapter.runtime.universal_format import Pieces
 
     universal = manifest.get("universal")
     if not universal:

@@ -21,10 +21,14 @@ LAYOUT_MARK = "_smp_layout"
 MANIFEST = "smp_manifest.json"
 
 
-def current_layout() -> dict:
-    d = state.dims
+def layout_record(d) -> dict:
+    """The layout a checkpoint records (``ParallelDims`` -> JSON), compared on resume."""
     return {"pp": d.pp, "tp": d.tp, "rdp": d.rdp, "sdp": d.sdp, "zero_stage": d.zero_stage,
             "placement": d.grid.order, "world_size": d.world_size}
+
+
+def current_layout() -> dict:
+    return layout_record(state.dims)
 
 
 def layout_difference(saved: dict) -> str | None:

@@ -34,7 +34,8 @@ parser.add_argument("--save-at", type=int, default=-1)
 parser.add_argument("--resume", action="store_true")
 parser.add_argument("--ckpt-dir", default="ckpt")
 parser.add_argument("--loss-scale", default=None, help="fp16: static:<scale> or dynamic:<initial scale>")
-parser.add_argument("--final-state", action="store_true", help="report model.state_dict() also for gpt2")
+parser.add_argument("--final-state", action="store_true",
+                    help="report model.state_dict() at the end (also for gpt2) and right after --save-at")
 parser.add_argument("--clip", type=float, default=None, help="optimizer.clip_master_grads(max_norm) before each step")
 args, _ = parser.parse_known_args()
 
@@ -88,6 +89,7 @@ B = args.per_rank_batch
 eval_out = eval_in = None
 losses, mb_losses, outputs_shape = [], [], None
 scales, overflows, checksums = [], [], []
+saved_state = None
 model.train()
 for step in range(args.first_step, args.first_step + args.steps):
     data, target = batch(args.model, step, B * smp.dp_size())
@@ -112,6 +114,8 @@ for step in range(args.first_step, args.first_step + args.steps):
     losses.append(sum(smp.allgather(float(loss), smp.WORLD)) / smp.size())
     if step + 1 == args.save_at:
         smp.save_checkpoint(args.ckpt_dir, tag=f"step{step + 1}", partial=True)
+        if args.final_state:  # what the checkpoint holds (gathered over the stages)
+            saved_state = {k: v.tolist() for k, v in model.state_dict().items()}
 
 roundtrip = None
 if args.resume:  # smp.save(model.local_state_dict()) -> clobber the weights -> model.load_state_dict(smp.load(...))
@@ -135,4 +139,4 @@ write_result({"eval_out": eval_out, "eval_in": eval_in, "losses": losses, "mb_lo
               "state_names": [n for n, p in model.local_named_parameters() if optimizer.state.get(master.get(id(p), p))],
               "rdp_rank": smp.rdp_rank(), "scales": scales, "overflows": overflows, "checksums": checksums,
               "param_dtypes": sorted({str(p.dtype) for p in model.local_parameters()}),
-              "final_state": {k: v.tolist() for k, v in state.items()} if args.model != "gpt2" or args.final_state else None})
+              "saved_state": saved_state, "final_state": {k: v.tolist() for k, v in state.items()} if args.model != "gpt2" or args.final_state else None})

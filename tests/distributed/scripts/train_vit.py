@@ -75,7 +75,7 @@ if args.resume:
     assert content["step"] == args.first_step, content
 
 B = args.per_rank_batch
-losses, first_params = [], None
+losses, first_params, saved_state = [], None, None
 model.train()
 for step in range(args.first_step, args.first_step + args.steps):
     images, labels = global_batch(step, B * smp.dp_size())
@@ -93,6 +93,7 @@ for step in range(args.first_step, args.first_step + args.steps):
         first_params = {k: v.tolist() for k, v in model.state_dict().items()}  # collective under ZeRO-3
     if step + 1 == args.save_at or (args.die_in_save and step + 1 == 2):
         smp.save_checkpoint(args.ckpt_dir, tag=f"step{step + 1}", partial=True, user_content={"step": step + 1})
+        saved_state = {k: v.tolist() for k, v in model.state_dict().items()}  # what the checkpoint holds
 
 engine = model.engine
 stage = engine.zero_optimization_stage()
@@ -110,7 +111,7 @@ moments = [t for st in getattr(opt, "optimizer", opt).state.values() for k, t in
            if k in ("exp_avg", "exp_avg_sq")]
 master = list(getattr(opt, "fp32_partitioned_groups_flat", []))
 opt_bytes = sum(t.numel() * t.element_size() for t in moments + master)
-write_result({"losses": losses, "first_params": first_params, "zero_stage": stage, "param_bytes": param_bytes,
+write_result({"losses": losses, "first_params": first_params, "saved_state": saved_state, "zero_stage": stage, "param_bytes": param_bytes,
               "buffers": {k: v.tolist() for k, v in model.module.named_buffers()},  # BatchNorm statistics
               "opt_bytes": opt_bytes,
               "adam_moment_bytes": sum(t.numel() * t.element_size() for t in moments), "total_param_bytes": total_params * 4, "dp_size": smp.dp_size(),
