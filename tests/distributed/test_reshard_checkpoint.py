@@ -56,7 +56,7 @@ def saved(tmp_path_factory, init_weights, cnn_init_weights):
     def get(layout, model="vit"):
         if (layout, model) not in cache:
             root = tmp_path_factory.mktemp(f"{model}_{layout.replace(' ', '_')}")
-            weights = init_weights if model == "vit" else cnn_init_weights
+            weights = cnn_init_weights if model == "cnn" else init_weights
             full = _run(layout, root / "run", weights, "--steps", 8, "--save-at", 4, "--ckpt-dir", root / "ckpt",
                         model=model)
             cache[(layout, model)] = (root / "ckpt", full[0]["losses"], full[0])
@@ -94,6 +94,20 @@ def test_conv_net_resumes_under_another_layout(tmp_path, saved, cnn_init_weights
     assert buffers["features.1.num_batches_tracked"] == 8 and set(buffers) == set(source_rank0["buffers"])
     for name, values in source_rank0["buffers"].items():
         torch.testing.assert_close(torch.tensor(buffers[name]), torch.tensor(values), rtol=1e-5, atol=1e-6, msg=name)
+
+
+FROZEN_PAIRS = [("ZeRO-3 2", "ZeRO-1 2")]
+
+
+@pytest.mark.parametrize("source, target", FROZEN_PAIRS, ids=[f"{a}->{b}" for a, b in FROZEN_PAIRS])
+def test_frozen_parameters_resume_under_another_layout(tmp_path, saved, init_weights, source, target):
+    """The ViT with its embeddings frozen (requires_grad False, as fine-tunes freeze layers): frozen
+    parameters have no fp32 master and no optimizer state in DeepSpeed; their values still travel."""
+    ckpt, uninterrupted, _ = saved(source, "vit-frozen")
+    resumed = _run(target, tmp_path, init_weights, "--steps", 4, "--first-step", 4, "--resume", "--ckpt-dir", ckpt,
+                   model="vit-frozen")
+    torch.testing.assert_close(torch.tensor(resumed[0]["losses"]), torch.tensor(uninterrupted[4:]), rtol=1e-5,
+                               atol=1e-6)
 
 
 TP_SCRIPT = ROOT / "tests/distributed/scripts/train_tp.py"

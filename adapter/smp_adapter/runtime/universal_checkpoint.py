@@ -61,6 +61,13 @@ def _pieces_to_write(engine, p, keys) -> list[tuple[str, int, torch.Tensor]]:
     from deepspeed.utils import safe_get_local_fp32_param, safe_get_local_optimizer_state
 
     numel = math.prod(shard_shape(p))
+    if not p.requires_grad:  # frozen (a fine-tune's fixed layers): no fp32 master, no optimizer state
+        if hasattr(p, "ds_id"):  # ZeRO-3: this rank's partition of the model's own values
+            part = p.ds_tensor.numel()
+            start = state.coord.rdp * part
+            stop = min(numel, start + part)
+            return [("param", start, p.ds_tensor.detach().reshape(-1)[:stop - start])] if stop > start else []
+        return [("param", 0, p.detach().reshape(-1))] if state.coord.rdp == 0 else []
     if hasattr(p, "ds_id"):  # ZeRO-3: this rank's own partition, trimmed of its padding
         local = {"param": safe_get_local_fp32_param(p)}
         local.update({k: safe_get_local_optimizer_state(p, k) for k in keys})
@@ -112,8 +119,11 @@ def load(engine, module, folder: Path, universal: dict) -> None:
                           universal.get("step"))
     for name, p in _unique_params(module):
         shape = shard_shape(p)
-        values = {kind: pieces.full_or_shard(name, kind, p).reshape(shape) for kind in ["param", *keys]}
-        if hasattr(p, "ds_id"):
+        kinds = ["param", *keys] if p.requires_grad else ["param"]  # frozen: no optimizer state
+        values = {kind: pieces.full_or_shard(name, kind, p).reshape(shape) for kind in kinds}
+        if not p.requires_grad:
+            _set_model_value(p, values["param"])
+        elif hasattr(p, "ds_id"):
             _set_zero3(p, values, keys)
         elif flats:  # ZeRO-1/2 (or DeepSpeed's bf16 optimizer): whole lp parameter, fp32 fragments
             with torch.no_grad():
@@ -174,16 +184,26 @@ def _create_missing_state(inner, hp_tensors, keys, step) -> None:
                 st[k] = torch.zeros_like(hp)
 
 
+def _set_model_value(p, value: torch.Tensor) -> None:
+    """The parameter's model copy only (ZeRO-3: through DeepSpeed's gather / re-partition)."""
+    if hasattr(p, "ds_id"):
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters([p], modifier_rank=0):  # rank 0 of p's group; all hold the value
+            with torch.no_grad():
+                p.data.copy_(value.to(p.dtype))
+        return
+    with torch.no_grad():
+        p.data.copy_(value.to(p.dtype))
+
+
 def _set_zero3(p, values: dict, keys) -> None:
     """A ZeRO-3 parameter: the model's partition (through DeepSpeed's gather/re-partition, which also
     refreshes hpZ's secondary copy) and the fp32 master and optimizer-state partitions."""
-    import deepspeed
     from deepspeed.utils import (safe_get_local_fp32_param, safe_set_local_fp32_param,
                                  safe_set_local_optimizer_state)
 
-    with deepspeed.zero.GatheredParameters([p], modifier_rank=0):  # rank 0 of p's group; all hold the value
-        with torch.no_grad():
-            p.data.copy_(values["param"].to(p.dtype))
+    _set_model_value(p, values["param"])
     part = safe_get_local_fp32_param(p).numel()
     start = state.coord.rdp * part
 

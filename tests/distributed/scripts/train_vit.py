@@ -16,7 +16,8 @@ from launch_util import write_result  # noqa: E402
 import smdistributed.modelparallel.torch as smp  # noqa: E402
 
 parser = argparse.ArgumentParser()
-parser.add_argument("--model", default="vit", choices=["vit", "cnn"], help="cnn: common.TinyConvNet")
+parser.add_argument("--model", default="vit", choices=["vit", "vit-frozen", "cnn"],
+                    help="vit-frozen: the embeddings frozen (requires_grad False), as fine-tunes do; cnn: common.TinyConvNet")
 parser.add_argument("--steps", type=int, default=4)
 parser.add_argument("--first-step", type=int, default=0)
 parser.add_argument("--per-rank-batch", type=int, default=4)
@@ -34,7 +35,10 @@ args, _ = parser.parse_known_args()
 
 smp.init({"ddp": True})
 with smp.model_creation():  # delayed parameter initialization under sdp (zero.Init)
-    model = tiny_vit() if args.model == "vit" else tiny_cnn()
+    model = tiny_cnn() if args.model == "cnn" else tiny_vit()
+if args.model == "vit-frozen":
+    for p in model.vit.embeddings.parameters():
+        p.requires_grad_(False)
 total_params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
 model = smp.DistributedModel(model)
 if args.init_weights:  # smp rule: load weights after wrapping
