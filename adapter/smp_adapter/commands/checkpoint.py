@@ -90,13 +90,12 @@ def run(args) -> int:
 def _export_hf(folder: Path, manifest: dict, out: Path) -> int:
     from safetensors.torch import save_file
 
-    from smp_adapter.runtime.universal_format import Pieces
+    from smp_adapter.runtime.universal_format import NO_PIECES, Pieces
 
     universal = manifest.get("universal")
     if not universal:
-        raise SMPCheckpointError(f"{folder} has no layout-independent pieces (saved by an older smp-adapter or with "
-                                 "SMP_ADAPTER_LAYOUT_INDEPENDENT_CHECKPOINTS=0): resume it with its layout and save a "
-                                 "full checkpoint (partial=False), or a partial one without that setting")
+        raise SMPCheckpointError(f"{folder} {NO_PIECES}: resume it with its layout and save a full checkpoint "
+                                 "(partial=False), or a partial one without that setting")
     if not universal.get("hf_config"):
         raise SMPCheckpointError(f"{folder} records no Hugging Face config (the model, {universal.get('model_class')}, "
                                  "is not a transformers PreTrainedModel): export needs one")

@@ -24,9 +24,6 @@ from pathlib import Path
 
 from smp_adapter.errors import SMPCheckpointError, UnsupportedFeatureError
 
-SKIPPED_ENGINE_FILES = "engine_files"
-
-
 def add_parser(sub) -> None:
     p = sub.add_parser("reshard", help="rewrite a partial checkpoint for another layout (pp = 1)")
     p.add_argument("dir", metavar="DIR")
@@ -50,56 +47,46 @@ def target_dims(options: str, world_size: int):
 
 def reshard(folder: Path, manifest: dict, dims, out: Path) -> Path:
     """Write the resharded checkpoint; return its ``<tag>_partial`` directory."""
-    from safetensors.torch import save_file
-
     from smp_adapter.parallel.layers import ShardLayout
-    from smp_adapter.runtime.checkpoint_files import MANIFEST, layout_record
-    from smp_adapter.runtime.universal_format import FOLDER, Pieces
+    from smp_adapter.runtime.checkpoint_files import ENGINE_FILES, MANIFEST, layout_record
+    from smp_adapter.runtime.universal_format import FOLDER, NO_PIECES, IndexFile, Pieces
 
     universal = manifest.get("universal")
     if not universal:
-        raise SMPCheckpointError(f"{folder} has no layout-independent pieces (saved by an older smp-adapter or with "
-                                 "SMP_ADAPTER_LAYOUT_INDEPENDENT_CHECKPOINTS=0): nothing to reshard it from; resume "
-                                 "it with its own layout")
+        raise SMPCheckpointError(f"{folder} {NO_PIECES}: nothing to reshard it from; resume it with its own layout")
     tag = manifest.get("tag") or folder.name.removesuffix("_partial")
     final = out / f"{tag}_partial"
     if final.exists():
         raise SMPCheckpointError(f"{final} exists already: give an empty OUT directory, or remove it first")
     pieces, tp = Pieces(folder), dims.tp
-    files: list[dict] = [{"tensors": {}, "index": []} for _ in range(tp)]
+    files = [IndexFile() for _ in range(tp)]  # one per target TP rank
 
     def add(tp_rank: int, name: str, kind: str, values, layout, **extra):
-        target = files[tp_rank]
-        key = f"t{len(target['index'])}"
-        target["tensors"][key] = values.contiguous()
-        target["index"].append({"name": name, "kind": kind, "start": 0, "stop": values.numel(),
-                                "shard_shape": list(values.shape), "tp_rank": tp_rank, "tp_size": tp,
-                                "layout": layout, "key": key, **extra})
+        files[tp_rank].add(name, kind, 0, values.reshape(-1), [values.numel()], tp_rank, tp, layout, **extra)
 
     for kind in ["param", *universal.get("state_keys", [])]:
         for name in pieces.names(kind):
             layout = pieces.by_name[(name, kind)][0]["layout"]
             full = pieces.full(name, kind)  # one parameter at a time
             if layout is None or tp == 1:  # whole on every target TP rank
-                add(0, name, kind, full.reshape(-1), None)
+                add(0, name, kind, full, None)
                 continue
             split = ShardLayout(tuple(layout["full_shape"]), layout["dim"], layout["parts"], layout["transposed"])
             for t in range(tp):
-                add(t, name, kind, split.shard(full, t, tp).reshape(-1), layout)
+                add(t, name, kind, split.shard(full, t, tp), layout)
     for name in pieces.names("buffer"):
-        entry = pieces.by_name[(name, "buffer")][0]
-        add(0, name, "buffer", pieces.tp_shard(name, "buffer", 0).reshape(-1), None, dtype=entry.get("dtype"))
-        files[0]["index"][-1]["shard_shape"] = entry["shard_shape"]
+        add(0, name, "buffer", pieces.tp_shard(name, "buffer", 0), None,
+            dtype=pieces.by_name[(name, "buffer")][0].get("dtype"))
 
     staging = out / f".{tag}_partial.tmp"
     shutil.rmtree(staging, ignore_errors=True)
     (staging / FOLDER).mkdir(parents=True)
     for t, f in enumerate(files):
-        save_file(f["tensors"], str(staging / FOLDER / f"tp{t}.safetensors"), metadata={"index": json.dumps(f["index"])})
+        f.save(staging / FOLDER / f"tp{t}.safetensors")
     if (folder / "user_content.pt").is_file():
         shutil.copy2(folder / "user_content.pt", staging / "user_content.pt")
     record = {"tag": tag, "layout": layout_record(dims), "format": manifest.get("format"), "universal": universal,
-              SKIPPED_ENGINE_FILES: False, "resharded_from": manifest.get("layout")}
+              ENGINE_FILES: False, "resharded_from": manifest.get("layout")}
     (staging / MANIFEST).write_text(json.dumps(record, indent=1))
     staging.rename(final)  # complete or absent, as save_checkpoint's folders
     (out / "newest").write_text(tag)

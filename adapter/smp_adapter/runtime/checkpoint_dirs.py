@@ -135,7 +135,7 @@ def resume_from_checkpoint(path, tag=None, partial: bool = True, strict: bool = 
         raise SMPUsageError("resume a partial checkpoint after creating smp.DistributedOptimizer (the optimizer "
                             "state is restored into it)")
     difference = ckpt.layout_difference(manifest.get("layout", {}))
-    if difference is None and manifest.get("engine_files", True):
+    if difference is None and manifest.get(ckpt.ENGINE_FILES, True):
         model.runtime_engine.load_partial(folder, s.optimizer, strict, load_optimizer and load_sharded_optimizer_state)
     else:  # another layout, or rewritten by `checkpoint reshard`: the universal pieces, or a clear refusal
         difference = difference or f"rewritten by smp-adapter checkpoint reshard from {manifest.get('resharded_from')}"

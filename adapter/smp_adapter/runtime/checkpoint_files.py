@@ -19,6 +19,7 @@ from smp_adapter.runtime.state import state
 PARTIAL_MARK = "_smp_is_partial"
 LAYOUT_MARK = "_smp_layout"
 MANIFEST = "smp_manifest.json"
+ENGINE_FILES = "engine_files"  # manifest key; false: no engine files, resume from the universal pieces
 
 
 def layout_record(d) -> dict:

@@ -61,22 +61,18 @@ def _pieces_to_write(engine, p, keys) -> list[tuple[str, int, torch.Tensor]]:
     from deepspeed.utils import safe_get_local_fp32_param, safe_get_local_optimizer_state
 
     numel = math.prod(shard_shape(p))
-    if not p.requires_grad:  # frozen (a fine-tune's fixed layers): no fp32 master, no optimizer state
-        if hasattr(p, "ds_id"):  # ZeRO-3: this rank's partition of the model's own values
-            part = p.ds_tensor.numel()
-            start = state.coord.rdp * part
-            stop = min(numel, start + part)
-            return [("param", start, p.ds_tensor.detach().reshape(-1)[:stop - start])] if stop > start else []
-        return [("param", 0, p.detach().reshape(-1))] if state.coord.rdp == 0 else []
     if hasattr(p, "ds_id"):  # ZeRO-3: this rank's own partition, trimmed of its padding
-        local = {"param": safe_get_local_fp32_param(p)}
-        local.update({k: safe_get_local_optimizer_state(p, k) for k in keys})
+        if p.requires_grad:
+            local = {"param": safe_get_local_fp32_param(p)}
+            local.update({k: safe_get_local_optimizer_state(p, k) for k in keys})
+        else:  # frozen (a fine-tune's fixed layers): no fp32 master, no optimizer state; the model's values
+            local = {"param": p.ds_tensor}
         part = local["param"].numel()
         start = state.coord.rdp * part
         stop = min(numel, start + part)
         return [(kind, start, v.detach().reshape(-1)[:max(0, stop - start)])
                 for kind, v in local.items() if v is not None and stop > start]
-    flats = _hp_flat_partitions(engine)
+    flats = _hp_flat_partitions(engine) if p.requires_grad else []  # frozen: whole on every rank, as without ZeRO
     if flats:  # ZeRO-1/2 (or DeepSpeed's bf16 optimizer): the fragment of p this rank's flat partition owns
         mapping = getattr(p, "_hp_mapping", None)  # docs/architecture.md: the record DeepSpeed's own
         if mapping is None:                        # universal checkpoints read

@@ -41,6 +41,7 @@ from smp_adapter.runtime.state import state
 
 FOLDER = "universal"
 ENV_SWITCH = "SMP_ADAPTER_LAYOUT_INDEPENDENT_CHECKPOINTS"  # "0": the engine's own files only (same-layout resume)
+NO_PIECES = (f"has no layout-independent pieces (saved by an older smp-adapter or with {ENV_SWITCH}=0)")
 GROUP_KEYS = ("lr", "betas", "eps", "weight_decay", "momentum", "dampening", "nesterov", "amsgrad")
 
 
@@ -78,35 +79,47 @@ def persistent_buffers(module, named_buffers) -> list:
     return [(name, b) for name, b in named_buffers if name in persistent]
 
 
+class IndexFile:
+    """One universal file being written: its index entries, and the tensors it holds itself (``key``)
+    for the values no engine file holds (``ref``)."""
+
+    def __init__(self):
+        self.tensors: dict = {}
+        self.index: list[dict] = []
+
+    def add(self, name, kind, start, values, shard_shape, tp_rank, tp_size, layout, ref=None, **extra) -> None:
+        entry = {"name": name, "kind": kind, "start": start, "stop": start + values.numel(), "shard_shape": shard_shape,
+                 "tp_rank": tp_rank, "tp_size": tp_size, "layout": layout, **extra}
+        if ref is not None:
+            entry["ref"] = ref
+        else:  # fp32 like the masters; buffers keep their dtype
+            entry["key"] = f"t{len(self.index)}"
+            self.tensors[entry["key"]] = values.to("cpu", torch.float32 if kind != "buffer" else values.dtype).contiguous()
+        self.index.append(entry)
+
+    def save(self, path: Path) -> None:
+        from safetensors.torch import save_file
+
+        save_file(self.tensors, str(path), metadata={"index": json.dumps(self.index)})
+
+
 def write_index(staging: Path, pieces, buffers, module, optimizer, keys, step, saved=None) -> dict:
     """Write this rank's ``universal/rank<R>.safetensors``: the index of ``pieces`` ((name, parameter,
     kind, start, 1-D values)) and ``buffers``, pointing into the engine's own files where ``saved``
-    locates the values, else holding them. Return the manifest's record."""
-    from safetensors.torch import save_file
-
-    tensors, index = {}, []
-
-    def record(name, kind, start, values, shard_shape, tp_rank, layout, **extra):
-        entry = {"name": name, "kind": kind, "start": start, "stop": start + values.numel(),
-                 "shard_shape": shard_shape, "tp_rank": tp_rank, "tp_size": state.dims.tp, "layout": layout, **extra}
-        ref = saved.locate(values) if saved is not None else None
-        if ref is not None:
-            entry["ref"] = ref
-        else:  # not in the engine's files (buffers, an unexpected DeepSpeed layout, pp > 1): write the bytes
-            entry["key"] = f"t{len(index)}"
-            tensors[entry["key"]] = values.to("cpu", torch.float32 if kind != "buffer" else values.dtype).contiguous()
-        index.append(entry)
-
+    locates the values, else holding them (buffers, an unexpected DeepSpeed layout, pp > 1). Return
+    the manifest's record."""
+    out, tp = IndexFile(), state.dims.tp
     for name, p, kind, start, values in pieces:
-        record(name, kind, start, values, shard_shape(p), state.coord.tp, layout_of(p))
+        out.add(name, kind, start, values, shard_shape(p), state.coord.tp, tp, layout_of(p),
+                ref=saved.locate(values) if saved is not None else None)
     for name, b in buffers:
-        record(name, "buffer", 0, b.detach().reshape(-1).clone(), list(b.shape), 0, None, dtype=str(b.dtype))
+        out.add(name, "buffer", 0, b.detach().reshape(-1).clone(), list(b.shape), 0, tp, None, dtype=str(b.dtype))
     folder = staging / FOLDER
     if state.rank == 0:
         folder.mkdir(parents=True, exist_ok=True)
     if state.world_size > 1:
         dist.barrier()
-    save_file(tensors, str(folder / f"rank{state.rank}.safetensors"), metadata={"index": json.dumps(index)})
+    out.save(folder / f"rank{state.rank}.safetensors")
     groups = [{k: g[k] for k in GROUP_KEYS if k in g} for g in optimizer.param_groups]
     config = getattr(module, "config", None)  # a Hugging Face model's: lets `checkpoint export --to hf` write config.json
     hf_config = (json.loads(config.to_json_string(use_diff=False))
