@@ -223,6 +223,15 @@ def test_reshard_command_cuts_tensor_parallel_shards_per_target_rank(tmp_path, s
     resumed = _run_gpt2("tp 2 x dp 2", tmp_path / "resumed", "--steps", 4, "--first-step", 4, "--resume",
                         "--ckpt-dir", out)
     torch.testing.assert_close(torch.tensor(resumed[0]["losses"]), torch.tensor(losses[4:]), rtol=1e-5, atol=1e-6)
+    # the rewritten pieces keep the tensors' shapes: both checkpoints export to the same model
+    from safetensors.torch import load_file
+
+    assert main(["checkpoint", "export", str(ckpt), "--to", "hf", str(tmp_path / "hf_source")]) == 0
+    assert main(["checkpoint", "export", str(out), "--to", "hf", str(tmp_path / "hf_resharded")]) == 0
+    source, rewritten = (load_file(tmp_path / d / "model.safetensors") for d in ("hf_source", "hf_resharded"))
+    assert set(source) == set(rewritten)
+    for name in source:
+        assert torch.equal(source[name], rewritten[name]), name
 
 
 def test_checkpoint_commands_refuse_what_they_cannot_read(tmp_path, capsys):

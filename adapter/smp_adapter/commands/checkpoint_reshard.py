@@ -62,7 +62,7 @@ def reshard(folder: Path, manifest: dict, dims, out: Path) -> Path:
     files = [IndexFile() for _ in range(tp)]  # one per target TP rank
 
     def add(tp_rank: int, name: str, kind: str, values, layout, **extra):
-        files[tp_rank].add(name, kind, 0, values.reshape(-1), [values.numel()], tp_rank, tp, layout, **extra)
+        files[tp_rank].add(name, kind, 0, values.reshape(-1), list(values.shape), tp_rank, tp, layout, **extra)
 
     for kind in ["param", *universal.get("state_keys", [])]:
         for name in pieces.names(kind):
