@@ -57,8 +57,8 @@ def _load_yaml(text: str, where: str):
     """YAML with its size bounded: the document is composed (aliases stay references), measured
     as it would be once expanded, and only then constructed. A "billion laughs" file of a few
     lines would otherwise expand to gigabytes."""
-    import yaml
-
+    if _flow_depth(text) > MAX_DOCUMENT_DEPTH:  # before the parser: its pure-Python scanner takes seconds here
+        _refuse_depth(where)
     loader = _yaml_loader()(text)
     try:
         node = loader.get_single_node()
@@ -74,11 +74,40 @@ def _load_yaml(text: str, where: str):
         loader.dispose()
 
 
+def _refuse_depth(where: str):
+    raise_if_any([ConfigProblem(where, f"nests deeper than {MAX_DOCUMENT_DEPTH} levels (MAX_DOCUMENT_DEPTH)",
+                                    "write the options as a flat mapping")])
+
+
+def _flow_depth(text: str) -> int:
+    """Deepest nesting of flow collections ([...], {...}) outside quotes and comments. An approximate
+    count (a quote inside a plain scalar hides the brackets after it, so it can only undercount, and
+    the composer's own depth check below still applies); it catches 100,000 open brackets in
+    milliseconds where PyYAML's scanner needs over a second."""
+    depth = deepest = 0
+    quote = None
+    comment = False
+    for ch in text:
+        if comment:
+            comment = ch != "\n"
+        elif quote is not None:
+            quote = None if ch == quote else quote
+        elif ch in "\"'":
+            quote = ch
+        elif ch == "#":
+            comment = True
+        elif ch in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif ch in "]}":
+            depth -= 1
+    return deepest
+
+
 def _expanded_nodes(node, memo: dict, depth: int, where: str) -> int:
     """Values in ``node`` once aliases are expanded; shared nodes are counted once per use."""
     if depth > MAX_DOCUMENT_DEPTH:
-        raise_if_any([ConfigProblem(where, f"nests deeper than {MAX_DOCUMENT_DEPTH} levels (MAX_DOCUMENT_DEPTH)",
-                                    "write the options as a flat mapping")])
+        _refuse_depth(where)
     if id(node) in memo:
         return memo[id(node)]
     value = node.value
