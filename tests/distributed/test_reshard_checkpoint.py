@@ -246,8 +246,6 @@ def test_checkpoint_commands_refuse_what_they_cannot_read(tmp_path, capsys):
     assert "has no layout-independent pieces (saved by an older smp-adapter or with " \
            "SMP_ADAPTER_LAYOUT_INDEPENDENT_CHECKPOINTS=0)" in capsys.readouterr().err
     reshard = ["checkpoint", "reshard", str(tmp_path / "t_partial"), "--world-size", "2", str(tmp_path / "o")]
-    assert main([*reshard, "--to", json.dumps({"ddp": True, "pipeline_parallel_degree": 2})]) == 2
-    assert "reshard --to a pipeline layout (pipeline_parallel_degree 2) is not supported yet" in capsys.readouterr().err
     assert main([*reshard, "--to", json.dumps({"ddp": True, "sharded_data_parallel_degree": 4})]) == 2
     assert "sharded_data_parallel_degree = 4: must divide the number of model replicas" in capsys.readouterr().err
     assert main([*reshard, "--to", json.dumps({"ddp": True})]) == 2
@@ -332,12 +330,56 @@ def test_pipeline_checkpoint_resumes_without_pipeline(tmp_path, source, target, 
                                atol=1e-6)
 
 
-def test_resuming_into_a_pipeline_layout_is_refused_naming_both_layouts(tmp_path):
+INTO_PP_PAIRS = [("ZeRO-3 2", "pp 2 x dp 2 ZeRO-1", "gpt2"), ("pp 2 x tp 2", "pp 2", "net")]
+
+
+@pytest.mark.parametrize("source, target, model", INTO_PP_PAIRS, ids=[f"{a}->{b} ({m})" for a, b, m in INTO_PP_PAIRS])
+def test_checkpoint_resumes_into_a_pipeline_layout(tmp_path, source, target, model):
+    """Resume *into* pp > 1: the model's values are set before the stages are cut (the first step),
+    the optimizer state at the first optimizer step, on the rank that steps each parameter:
+    GPT-2 from ZeRO-3 (flat fp32 partitions) into two stages with tied embeddings whose optimizer
+    state is sharded over the stage's two replicas; the conv net from pp 2 x tp 2 (fc1 split) to
+    pp 2 (fc1 whole), through `smp-adapter checkpoint reshard` (its output holds pieces only)."""
+    from smp_adapter.cli import main
+
     ckpt = tmp_path / "ckpt"
-    _run_pp_script("1 process", tmp_path / "saved", "gpt2", "--steps", 1, "--save-at", 1, "--ckpt-dir", ckpt)
-    with pytest.raises(AssertionError) as failure:
-        _run_pp_script("pp 2", tmp_path / "resumed", "gpt2", "--steps", 1, "--first-step", 1, "--resume",
-                       "--ckpt-dir", ckpt)
-    assert "was saved with another parallel layout (pp: saved 1 vs now 2" in str(failure.value)
-    assert "and this job's engine (PipelineEngine) cannot re-shard it: resume with the saved layout ({" \
-        in str(failure.value)
+    full = _run_pp_script(source, tmp_path / "full", model, "--steps", 8, "--save-at", 4, "--ckpt-dir", ckpt)
+    if model == "net":
+        options, nprocs = PP_LAYOUTS[target]
+        assert main(["checkpoint", "reshard", str(ckpt / "step4_partial"), "--to", json.dumps(options),
+                     "--world-size", str(nprocs), str(tmp_path / "resharded")]) == 0
+        ckpt = tmp_path / "resharded"
+    resumed = _run_pp_script(target, tmp_path / "resumed", model, "--steps", 4, "--first-step", 4, "--resume",
+                             "--ckpt-dir", ckpt)
+    torch.testing.assert_close(torch.tensor(resumed[0]["losses"]), torch.tensor(full[0]["losses"][4:]), rtol=1e-5,
+                               atol=1e-6)
+    if "ZeRO-1" in target:  # each parameter's state on exactly one replica of its stage
+        for stage in (0, 1):
+            ranks = [r for r in resumed if r["pp_rank"] == stage]
+            names = [set(r["state_names"]) for r in ranks]
+            assert names[0].isdisjoint(names[1]) and names[0] | names[1] == set(ranks[0]["local_names"])
+
+
+def test_fp16_dynamic_loss_scale_continues_under_another_layout(tmp_path):
+    """An fp16 pipeline job whose dynamic loss scale fell from 2^24 by overflows in its first steps
+    resumes at pp 2 x dp 2: the scale (and the iterations since the last overflow) continue, so the
+    resumed steps neither overflow again nor start from the initial scale. Tolerance 2e-3 relative:
+    fp16 activations, gradients averaged over another number of ranks."""
+    fp16 = {"fp16": True}
+    layouts = {"pp 2": ({**MB, "pipeline_parallel_degree": 2, **fp16}, 2),
+               "pp 2 x dp 2": ({**MB, "pipeline_parallel_degree": 2, **fp16}, 4)}
+    ckpt, scale = tmp_path / "ckpt", ["--loss-scale", f"dynamic:{2.0**24}"]
+
+    def run(layout, out, *args):
+        options, nprocs = layouts[layout]
+        return run_ranks(PP_SCRIPT, nprocs, out_dir=out, env={"SM_HP_MP_PARAMETERS": json.dumps(options)},
+                         args=["--model", "six", "--optimizer", "adam", "--per-rank-batch", 8 // (nprocs // 2),
+                               *scale, *args])
+
+    full = run("pp 2", tmp_path / "full", "--steps", 8, "--save-at", 4, "--ckpt-dir", ckpt)[0]
+    assert full["overflows"][0] and full["scales"][4] < 2.0**24  # the scale moved before the checkpoint
+    resumed = run("pp 2 x dp 2", tmp_path / "resumed", "--steps", 4, "--first-step", 4, "--resume",
+                  "--ckpt-dir", ckpt)[0]
+    assert resumed["scales"] == full["scales"][4:] and resumed["overflows"] == full["overflows"][4:]
+    torch.testing.assert_close(torch.tensor(resumed["losses"]), torch.tensor(full["losses"][4:]), rtol=2e-3,
+                               atol=0.0)

@@ -25,7 +25,9 @@ def test_another_stage_assignment_is_refused():
     saved = [["layers.0"], ["layers.1", "layers.2", "head"]]
     with pytest.raises(SMPCheckpointError, match=r"saved under another stage assignment \(saved layers\.0 \| "
                                                  r"layers\.1,layers\.2,\.\.\., now layers\.0,layers\.1 \| layers\.2,head\)"
-                                                 r".*same partition.*partial=False"):
+                                                 r".*same partition.*smp-adapter checkpoint reshard DIR --to OPTIONS --world-size N OUT` and "
+                                                 r"resume OUT \(its layout-independent pieces load into any partition\)"
+                                                 r".*partial=False"):
         _check_stage(runner(), saved, {"layers.0.weight", "layers.0.bias"}, strict=True)
 
 

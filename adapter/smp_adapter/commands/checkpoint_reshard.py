@@ -7,11 +7,11 @@ with that rank's TP shard of every split parameter (parameters every TP rank hol
 into ``tp0``), with their optimizer state, plus the buffers and ``user_content``. Its manifest
 records the target layout and ``"engine_files": false``, so ``resume_from_checkpoint`` under that
 layout reads the pieces (ZeRO partitions are cut from them at load), and every rank reads only its
-own TP shard. Any other pp = 1 layout can resume it too, as any partial checkpoint. RNG states are
-not carried (they mean something only in the saving layout).
+own TP shard. A pipeline target (pp > 1) reads the same files: each stage takes its own parameters
+from them. Any other layout can resume it too, as any partial checkpoint. RNG states are not carried
+(they mean something only in the saving layout).
 
-Limits: the target must have pp = 1 (resuming into pipeline layouts is not supported yet); a
-parameter that the source held whole but the target splits by tensor parallelism is written whole
+Limits: a parameter that the source held whole but the target splits by tensor parallelism is written whole
 (the resuming job splits it, as when it resumes the source directly). Memory: one output file's
 tensors at a time (about the model / target tp).
 """
@@ -22,10 +22,11 @@ import json
 import shutil
 from pathlib import Path
 
-from smp_adapter.errors import SMPCheckpointError, UnsupportedFeatureError
+from smp_adapter.errors import SMPCheckpointError
+
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("reshard", help="rewrite a partial checkpoint for another layout (pp = 1)")
+    p = sub.add_parser("reshard", help="rewrite a partial checkpoint for another layout")
     p.add_argument("dir", metavar="DIR")
     p.add_argument("--to", required=True, metavar="OPTIONS",
                    help="the target job's smp options or distribution dict (file or inline JSON)")
@@ -37,12 +38,7 @@ def target_dims(options: str, world_size: int):
     from smp_adapter.config.dims import ParallelDims
     from smp_adapter.config.distribution import load_job
 
-    dims = ParallelDims.from_config(load_job(options).config(), world_size)  # the same checks as launch
-    if dims.pp > 1:
-        raise UnsupportedFeatureError(
-            f"reshard --to a pipeline layout (pipeline_parallel_degree {dims.pp}) is not supported yet: a pipeline "
-            "job resumes only its own checkpoints. Reshard to pp = 1, or keep the saved layout")
-    return dims
+    return ParallelDims.from_config(load_job(options).config(), world_size)  # the same checks as launch
 
 
 def reshard(folder: Path, manifest: dict, dims, out: Path) -> Path:

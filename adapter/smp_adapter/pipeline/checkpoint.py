@@ -99,7 +99,53 @@ def save_universal(staging: Path, runner, optimizer, mixed) -> dict:
     module = runner.model.module
     buffers = (universal.persistent_buffers(module, runner.local_named_buffers()) if c.tp == 0 and c.rdp == 0
                else [])
-    return universal.write_index(staging, pieces, buffers, module, torch_optimizer, keys, step)
+    return universal.write_index(staging, pieces, buffers, module, torch_optimizer, keys, step,
+                                 scaler=mixed.scaler if mixed is not None else None)
+
+
+def load_universal(runner, folder: Path, universal: dict, mixed):
+    """Resume a checkpoint of another layout (any pp = 1 layout, another pp x tp x dp, another
+    partition) from its universal pieces, in two parts:
+      * now: the model's values (the whole model on every rank before the first step, which is when
+        the stages are cut; this stage's after), persistent buffers and the fp16 loss scaler, so the
+        first step computes with the saved state;
+      * returned, for the engine to call at the first optimizer step, once the stage's parameters,
+        their fp32 masters (fp16/bf16) and the shard_optimizer_state owners exist: the masters at
+        full precision, the optimizer state of the parameters this rank steps (its owner's only
+        under shard_optimizer_state), step count and hyperparameters.
+    Every rank reads only the tensors of its own parameters (the TP shard it holds, cut from the
+    saved shards)."""
+    import torch
+
+    from smp_adapter.runtime import universal_format as universal_fmt
+
+    pieces = universal_fmt.Pieces(folder)
+    with torch.no_grad():
+        for name, p in runner.local_named_parameters():
+            p.copy_(pieces.full_or_shard(name, "param", p).reshape(p.shape).to(p.dtype))
+        for name, b in runner.local_named_buffers():
+            if (name, "buffer") in pieces.by_name:
+                b.copy_(pieces.tp_shard(name, "buffer", 0).to(b.dtype))
+    if mixed is not None:
+        universal_fmt.restore_scaler(mixed.scaler, universal.get("loss_scaler"))
+    keys = list(universal.get("state_keys", []))
+
+    def load_optimizer_state(optimizer, owned) -> None:
+        """``owned(hp)``: whether this rank steps (and keeps state for) the fp32 tensor ``hp``."""
+        master = dict(zip(map(id, mixed.params), mixed.masters)) if mixed is not None and mixed.attached else {}
+        with torch.no_grad():
+            for name, p in runner.local_named_parameters():
+                hp = master.get(id(p), p)  # what the optimizer steps: the fp32 master, or the parameter
+                if hp is not p:
+                    hp.copy_(pieces.full_or_shard(name, "param", p).reshape(hp.shape))
+                if not p.requires_grad or not owned(hp):
+                    continue
+                universal_fmt.create_missing_state(optimizer, [hp], keys, universal.get("step"))
+                for k in keys:
+                    optimizer.state[hp][k].copy_(pieces.full_or_shard(name, k, p).reshape(hp.shape))
+        universal_fmt.restore_step_and_groups(optimizer, universal)
+
+    return load_optimizer_state
 
 
 def load_stage(folder: Path, model, optimizer, strict: bool, load_optimizer: bool) -> None:
@@ -156,7 +202,9 @@ def _check_stage(runner, saved_units, loaded: set, strict: bool) -> None:
             "the partial checkpoint was saved under another stage assignment (saved "
             f"{_describe(saved_units)}, now {_describe(runner.stage_units)}): partial checkpoints load only into the "
             "same partition. Use the same model, options (auto_partition, memory_weight, partition marks) and batch "
-            "shapes as the saving run, or save and load a full checkpoint (partial=False)")
+            "shapes as the saving run; or rewrite it once with `smp-adapter checkpoint reshard DIR --to OPTIONS "
+            "--world-size N OUT` and resume OUT (its layout-independent pieces load into any partition); or save and "
+            "load a full checkpoint (partial=False)")
     missing = sorted(runner.local_keys - loaded)
     if missing and strict:
         raise SMPCheckpointError(f"the partial state dict lacks entries of this stage: {missing[:5]}"

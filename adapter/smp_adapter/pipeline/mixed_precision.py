@@ -114,10 +114,9 @@ class PipelineMixedPrecision:
 
     # -- checkpoints -------------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        s = self.scaler
-        scaler = {k: getattr(s, k) for k in ("cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis")
-                  if hasattr(s, k)}
-        return {"masters": [m.detach().clone() for m in self.masters], "scaler": scaler}
+        from smp_adapter.runtime.universal_format import scaler_fields
+
+        return {"masters": [m.detach().clone() for m in self.masters], "scaler": scaler_fields(self.scaler)}
 
     def load_state_dict(self, sd: dict) -> None:
         for k, v in sd.get("scaler", {}).items():

@@ -30,7 +30,8 @@ from pathlib import Path
 import torch
 
 from smp_adapter.runtime.state import state
-from smp_adapter.runtime.universal_format import (Pieces, layout_of, persistent_buffers, shard_shape, state_keys,
+from smp_adapter.runtime.universal_format import (Pieces, create_missing_state, layout_of, persistent_buffers,
+                                                  restore_scaler, restore_step_and_groups, shard_shape, state_keys,
                                                   step_count, write_index)
 
 
@@ -99,7 +100,14 @@ def save(engine, module, staging: Path, saved=None) -> dict:
               if layout_of(p) is not None or state.coord.tp == 0  # held whole by every TP rank: TP rank 0 records
               for kind, start, values in _pieces_to_write(engine, p, keys)]
     buffers = persistent_buffers(module, module.named_buffers()) if state.rank == 0 else []  # the same everywhere
-    return write_index(staging, pieces, buffers, module, inner, keys, step_count(inner), saved)
+    return write_index(staging, pieces, buffers, module, inner, keys, step_count(inner), saved,
+                       scaler=loss_scaler(engine.optimizer))
+
+
+def loss_scaler(ds_optimizer):
+    """DeepSpeed's loss scaler: its ZeRO optimizers keep one as ``loss_scaler``, its fp16 optimizer
+    without ZeRO keeps the same fields in ``loss_scale_config``; None under fp32."""
+    return getattr(ds_optimizer, "loss_scaler", None) or getattr(ds_optimizer, "loss_scale_config", None)
 
 
 # -- load ------------------------------------------------------------------------------------------
@@ -111,7 +119,7 @@ def load(engine, module, folder: Path, universal: dict) -> None:
     keys = list(universal.get("state_keys", []))
     inner = _inner_optimizer(engine)
     flats = _hp_flat_partitions(engine)
-    _create_missing_state(inner, flats or [p for g in inner.param_groups for p in g["params"]], keys,
+    create_missing_state(inner, flats or [p for g in inner.param_groups for p in g["params"]], keys,
                           universal.get("step"))
     for name, p in _unique_params(module):
         shape = shard_shape(p)
@@ -132,7 +140,8 @@ def load(engine, module, folder: Path, universal: dict) -> None:
             st = inner.state[p]
             for k in keys:
                 st[k].copy_(values[k])
-    _restore_step_and_groups(inner, universal)
+    restore_step_and_groups(inner, universal)
+    restore_scaler(loss_scaler(engine.optimizer), universal.get("loss_scaler"))
     with torch.no_grad():
         for name, b in module.named_buffers():
             if (name, "buffer") in pieces.by_name:
@@ -167,19 +176,6 @@ def _set_fragment_state(inner, flats, p, values: dict, keys) -> None:
         flat_state[k].narrow(0, hp.start, hp.numel).copy_(values[k].flatten().narrow(0, lp.start, lp.numel))
 
 
-def _create_missing_state(inner, hp_tensors, keys, step) -> None:
-    """A torch optimizer creates its state at its first step; a resume happens before it. Create it
-    the way torch's Adam-family optimizers would (step, and zeros shaped like the parameter for every
-    saved key), so the loaded values have a home: DeepSpeed's ZeRO-3 keeps its fp32 partitions in
-    this optimizer's param groups and creates no state of its own before that step."""
-    for hp in hp_tensors:
-        st = inner.state[hp]
-        if not st:
-            st["step"] = torch.tensor(float(step or 0), dtype=torch.float32)
-            for k in keys:
-                st[k] = torch.zeros_like(hp)
-
-
 def _set_model_value(p, value: torch.Tensor) -> None:
     """The parameter's model copy only (ZeRO-3: through DeepSpeed's gather / re-partition)."""
     if hasattr(p, "ds_id"):
@@ -211,18 +207,3 @@ def _set_zero3(p, values: dict, keys) -> None:
     safe_set_local_fp32_param(p, local(values["param"]))
     for k in keys:
         safe_set_local_optimizer_state(p, local(values[k]), k)
-
-
-def _restore_step_and_groups(inner, universal: dict) -> None:
-    step = universal.get("step")
-    if step is not None:
-        for st in inner.state.values():
-            if "step" in st:
-                if torch.is_tensor(st["step"]):
-                    st["step"].fill_(step)
-                else:
-                    st["step"] = type(st["step"])(step)
-    saved = universal.get("param_groups") or []
-    if len(saved) == len(inner.param_groups):
-        for group, values in zip(inner.param_groups, saved):
-            group.update({k: tuple(v) if k == "betas" else v for k, v in values.items()})

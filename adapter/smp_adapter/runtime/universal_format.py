@@ -43,6 +43,8 @@ FOLDER = "universal"
 ENV_SWITCH = "SMP_ADAPTER_LAYOUT_INDEPENDENT_CHECKPOINTS"  # "0": the engine's own files only (same-layout resume)
 NO_PIECES = (f"has no layout-independent pieces (saved by an older smp-adapter or with {ENV_SWITCH}=0)")
 GROUP_KEYS = ("lr", "betas", "eps", "weight_decay", "momentum", "dampening", "nesterov", "amsgrad")
+# DeepSpeed's loss scalers (the DeepSpeed engine's and the pipeline engine's are the same classes)
+SCALER_FIELDS = ("cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis")
 
 
 def enabled() -> bool:
@@ -103,11 +105,11 @@ class IndexFile:
         save_file(self.tensors, str(path), metadata={"index": json.dumps(self.index)})
 
 
-def write_index(staging: Path, pieces, buffers, module, optimizer, keys, step, saved=None) -> dict:
+def write_index(staging: Path, pieces, buffers, module, optimizer, keys, step, saved=None, scaler=None) -> dict:
     """Write this rank's ``universal/rank<R>.safetensors``: the index of ``pieces`` ((name, parameter,
     kind, start, 1-D values)) and ``buffers``, pointing into the engine's own files where ``saved``
     locates the values, else holding them (buffers, an unexpected DeepSpeed layout, pp > 1). Return
-    the manifest's record."""
+    the manifest's record (``scaler``: the fp16 loss scaler, the same on every rank)."""
     out, tp = IndexFile(), state.dims.tp
     for name, p, kind, start, values in pieces:
         out.add(name, kind, start, values, shard_shape(p), state.coord.tp, tp, layout_of(p),
@@ -124,7 +126,7 @@ def write_index(staging: Path, pieces, buffers, module, optimizer, keys, step, s
     config = getattr(module, "config", None)  # a Hugging Face model's: lets `checkpoint export --to hf` write config.json
     hf_config = (json.loads(config.to_json_string(use_diff=False))
                  if hasattr(config, "to_json_string") and hasattr(module, "save_pretrained") else None)
-    return {"state_keys": keys, "step": step, "param_groups": groups,
+    return {"state_keys": keys, "step": step, "param_groups": groups, "loss_scaler": scaler_record(scaler),
             "aliases": _aliases(module), "hf_config": hf_config, "model_class": type(module).__name__}
 
 
@@ -138,6 +140,64 @@ def _aliases(module) -> dict:
             first[id(p)] = name
     return out
 
+
+
+# -- loss scaler and optimizer state (both engines) -----------------------------------------------
+def scaler_fields(scaler) -> dict:
+    """The state of one of DeepSpeed's loss scalers (its settings come from the job's options)."""
+    return {k: getattr(scaler, k) for k in SCALER_FIELDS if getattr(scaler, k, None) is not None}
+
+
+def _dynamic(scaler) -> bool:
+    # DeepSpeed's DynamicLossScaler says ``dynamic``; its LossScaleConfig (fp16 without ZeRO) ``dynamic_loss_scale``
+    return bool(getattr(scaler, "dynamic", getattr(scaler, "dynamic_loss_scale", False)))
+
+
+def scaler_record(scaler) -> dict | None:
+    """A dynamic fp16 loss scaler's state, JSON-ready; None without one (fp32, bf16, a static scale)."""
+    if scaler is None or not _dynamic(scaler):
+        return None
+    return {k: float(v) if k == "cur_scale" else int(v) for k, v in scaler_fields(scaler).items()}
+
+
+def restore_scaler(scaler, record: dict | None) -> None:
+    """Continue a dynamic loss scale where the saving job left it (scale, iterations since the last
+    overflow, hysteresis). A static scale, or a job that saved none, keeps this job's options."""
+    if scaler is None or record is None or not _dynamic(scaler):
+        return
+    for k in SCALER_FIELDS:
+        if k in record and hasattr(scaler, k):
+            setattr(scaler, k, record[k])
+
+
+def create_missing_state(optimizer, hp_tensors, keys, step) -> None:
+    """A torch optimizer creates its state at its first step; a resume happens before it. Create it
+    the way torch's Adam-family optimizers would (step, and zeros shaped like the parameter for every
+    saved key), so the loaded values have a home (DeepSpeed's ZeRO-3 keeps its fp32 partitions in
+    this optimizer's param groups and creates no state of its own before that step)."""
+    for hp in hp_tensors:
+        st = optimizer.state[hp]
+        if not st:
+            st["step"] = torch.tensor(float(step or 0), dtype=torch.float32)
+            for k in keys:
+                st[k] = torch.zeros_like(hp)
+
+
+def restore_step_and_groups(optimizer, universal: dict) -> None:
+    """The step count into every state that has one, and the saved hyperparameters into the param
+    groups (when the group count matches: the same optimizer construction)."""
+    step = universal.get("step")
+    if step is not None:
+        for st in optimizer.state.values():
+            if "step" in st:
+                if torch.is_tensor(st["step"]):
+                    st["step"].fill_(step)
+                else:
+                    st["step"] = type(st["step"])(step)
+    saved = universal.get("param_groups") or []
+    if len(saved) == len(optimizer.param_groups):
+        for group, values in zip(optimizer.param_groups, saved):
+            group.update({k: tuple(v) if k == "betas" else v for k, v in values.items()})
 
 
 # -- read ------------------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ Lifecycle: created by ``DistributedModel`` after tensor-parallel splitting; ``at
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from pathlib import Path
 
 import torch
 
@@ -140,11 +141,23 @@ class Engine(ABC):
         """Load a partial checkpoint saved by this same layout."""
 
     def load_partial_from_other_layout(self, folder, optimizer, manifest: dict, difference: str) -> None:
-        """Load a partial checkpoint saved by another layout (``difference`` says how it differs)."""
+        """Load a partial checkpoint saved by another layout (``difference`` says how it differs)
+        from its layout-independent pieces (runtime/universal_format.py)."""
+        from smp_adapter.runtime import universal_format
+
+        if "universal" not in manifest:
+            raise SMPCheckpointError(
+                f"checkpoint {folder} was saved with another parallel layout ({difference}) and without "
+                f"layout-independent pieces ({universal_format.ENV_SWITCH}=0, or an older smp-adapter): resume "
+                f"it with the saved layout ({manifest.get('layout')}), then save again without that setting")
+        self.load_universal(Path(folder), manifest["universal"])
+
+    def load_universal(self, folder: Path, universal: dict) -> None:
+        """Put the model, optimizer state and loss scaler back from the universal pieces."""
         raise SMPCheckpointError(
-            f"checkpoint {folder} was saved with another parallel layout ({difference}) and this job's engine "
-            f"({type(self).__name__}) cannot re-shard it: resume with the saved layout "
-            f"({manifest.get('layout')}), or load a full checkpoint (partial=False)")
+            f"checkpoint {folder} was saved with another parallel layout and this job's engine "
+            f"({type(self).__name__}) cannot re-shard it: resume with the saved layout, or load a full checkpoint "
+            "(partial=False)")
 
 
 def model_dtype(cfg):

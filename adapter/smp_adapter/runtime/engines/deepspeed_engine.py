@@ -227,15 +227,10 @@ class DeepSpeedEngine(Engine):
             self._ds.save_checkpoint(str(staging), tag="ds", save_latest=False)
         return {"universal": universal_checkpoint.save(self._ds, self.model.module, Path(staging), saved)}
 
-    def load_partial_from_other_layout(self, folder, optimizer, manifest: dict, difference: str) -> None:
-        from smp_adapter.runtime import universal_checkpoint, universal_format
+    def load_universal(self, folder, universal: dict) -> None:
+        from smp_adapter.runtime import universal_checkpoint
 
-        if "universal" not in manifest:
-            raise SMPCheckpointError(
-                f"checkpoint {folder} was saved with another parallel layout ({difference}) and without "
-                f"layout-independent pieces ({universal_format.ENV_SWITCH}=0, or an older smp-adapter): resume "
-                f"it with the saved layout ({manifest.get('layout')}), then save again without that setting")
-        universal_checkpoint.load(self._ds, self.model.module, Path(folder), manifest["universal"])
+        universal_checkpoint.load(self._ds, self.model.module, Path(folder), universal)
 
     def load_partial(self, folder, optimizer, strict: bool, load_optimizer: bool) -> None:
         loaded, _ = self._ds.load_checkpoint(str(folder), tag="ds", load_module_strict=strict,

@@ -6,7 +6,8 @@ There is no DeepSpeed engine here. The pieces, all in smp_adapter/pipeline:
   * ``PipelineMixedPrecision`` (mixed_precision.py): fp16/bf16 fp32 masters and loss scaling;
   * ``PipelineStateSharding`` (sharded_optimizer.py): shard_optimizer_state, ZeRO-1 over the
     stage's RDP group;
-  * checkpoint.py: one file per (pp, tp) position.
+  * checkpoint.py: one file per (pp, tp) position, and the layout-independent pieces (saved for
+    any other layout; a resume from another layout puts the optimizer state back at the first step).
 
 An optimizer step: (fp16/bf16: overflow check, unscaled fp32 master gradients) -> clipping -> the
 torch optimizer (sharded with shard_optimizer_state) -> (masters back into the model).
@@ -31,6 +32,7 @@ class PipelineEngine(Engine):
         self.runner = PipelineRunner(model, tp_originals)  # stages are cut at the first step call
         self._mixed = None
         self._sharding = None
+        self._resume_optimizer_state = None  # a resume from another layout: finished at the first step
 
     # -- model -----------------------------------------------------------------------------------
     def run_step(self, func, bound_mbs: list, detach: bool) -> list:
@@ -83,11 +85,16 @@ class PipelineEngine(Engine):
 
     def optimizer_step(self, optimizer, clip_norm) -> None:
         mixed = self._mixed
-        if mixed is not None and self.runner.built:
-            if not mixed.attached:
-                mixed.attach(optimizer, list(self.model.local_parameters()))
-            if not mixed.prepare_step():
-                return  # overflow on some rank: every rank skips this step
+        if mixed is not None and self.runner.built and not mixed.attached:
+            mixed.attach(optimizer, list(self.model.local_parameters()))
+        if self._resume_optimizer_state is not None and self.runner.built:
+            sharding = self._state_sharding()
+            owned = ({id(hp) for hp, o in zip(sharding.params, sharding.owner) if o == sharding.rank}
+                     if sharding is not None else None)
+            self._resume_optimizer_state(optimizer, lambda hp: owned is None or id(hp) in owned)
+            self._resume_optimizer_state = None
+        if mixed is not None and self.runner.built and not mixed.prepare_step():
+            return  # overflow on some rank: every rank skips this step
         if clip_norm is not None:
             self._clip(clip_norm)
         sharding = self._state_sharding()
@@ -161,5 +168,10 @@ class PipelineEngine(Engine):
         from smp_adapter.pipeline.checkpoint import load_stage
 
         load_stage(folder, self.model, optimizer, strict, load_optimizer)
+
+    def load_universal(self, folder, universal: dict) -> None:
+        from smp_adapter.pipeline.checkpoint import load_universal
+
+        self._resume_optimizer_state = load_universal(self.runner, folder, universal, self._mixed)
 
 
