@@ -311,7 +311,7 @@ def test_pipeline_checkpoint_resumes_without_pipeline(tmp_path, source, target, 
     a TP-split layer inside a stage (the seed's conv net marks fc1 for tensor parallelism; smp-adapter
     keeps Hugging Face layers whole under pp x tp, so GPT-2's are replicated over the TP ranks there).
     GPT-2's checkpoint also exports (`checkpoint export --to hf`) to the state dict gathered at the
-    save, bitwise, and from_pretrained loads it."""
+    save, bitwise, and from_pretrained loads it. The index points into the stage files."""
     from transformers import GPT2LMHeadModel
 
     from smp_adapter.cli import main
@@ -319,6 +319,7 @@ def test_pipeline_checkpoint_resumes_without_pipeline(tmp_path, source, target, 
     ckpt = tmp_path / "ckpt"
     full = _run_pp_script(source, tmp_path / "full", model, "--steps", 8, "--save-at", 4, "--ckpt-dir", ckpt,
                           "--final-state")
+    _assert_index_points_into_the_stage_files(ckpt / "step4_partial")
     if model == "gpt2":
         assert main(["checkpoint", "export", str(ckpt), "--to", "hf", str(tmp_path / "hf")]) == 0
         exported = GPT2LMHeadModel.from_pretrained(tmp_path / "hf").state_dict()
@@ -328,6 +329,18 @@ def test_pipeline_checkpoint_resumes_without_pipeline(tmp_path, source, target, 
                              "--ckpt-dir", ckpt)
     torch.testing.assert_close(torch.tensor(resumed[0]["losses"]), torch.tensor(full[0]["losses"][4:]), rtol=1e-5,
                                atol=1e-6)
+
+
+def _assert_index_points_into_the_stage_files(folder):
+    """Saving writes no value twice: every piece but the buffers is a reference into the stage or
+    optimizer files the pipeline engine has just written."""
+    from safetensors import safe_open
+
+    for path in (folder / "universal").glob("*.safetensors"):
+        with safe_open(str(path), framework="pt") as handle:
+            index = json.loads(handle.metadata()["index"])
+        assert all("ref" in e and e["ref"]["file"].startswith(("stage_pp", "optimizer_pp"))
+                   for e in index if e["kind"] != "buffer"), path
 
 
 INTO_PP_PAIRS = [("ZeRO-3 2", "pp 2 x dp 2 ZeRO-1", "gpt2"), ("pp 2 x tp 2", "pp 2", "net")]
@@ -378,6 +391,7 @@ def test_fp16_dynamic_loss_scale_continues_under_another_layout(tmp_path):
 
     full = run("pp 2", tmp_path / "full", "--steps", 8, "--save-at", 4, "--ckpt-dir", ckpt)[0]
     assert full["overflows"][0] and full["scales"][4] < 2.0**24  # the scale moved before the checkpoint
+    _assert_index_points_into_the_stage_files(ckpt / "step4_partial")  # fp32 masters included
     resumed = run("pp 2 x dp 2", tmp_path / "resumed", "--steps", 4, "--first-step", 4, "--resume",
                   "--ckpt-dir", ckpt)[0]
     assert resumed["scales"] == full["scales"][4:] and resumed["overflows"] == full["overflows"][4:]

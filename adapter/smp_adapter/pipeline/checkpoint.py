@@ -46,8 +46,10 @@ def mark_stage(runner, sd: dict) -> dict:
     return sd
 
 
-def save_stage(staging: Path, runner, optimizer) -> None:
-    """This rank's part of a partial checkpoint (rdp rank 0 of each (pp, tp) position writes)."""
+def save_stage(staging: Path, runner, optimizer, saved=None) -> dict | None:
+    """This rank's part of a partial checkpoint (rdp rank 0 of each (pp, tp) position writes the
+    stage file); return the stage file's object (None on other rdp ranks). ``saved``: a
+    ``checkpoint_refs.SavedTensors`` told what each file holds."""
     model = runner.model
     if not runner.built:
         raise SMPUsageError("with pipeline_parallel_degree > 1 a partial checkpoint can be saved only after the first "
@@ -57,23 +59,33 @@ def save_stage(staging: Path, runner, optimizer) -> None:
     sharded = state.dims.zero_stage > 0
     mixed = getattr(optimizer, "mixed_precision", None)
     staging.mkdir(parents=True, exist_ok=True)
+    def save(obj, path: Path) -> None:
+        atomic_torch_save(obj, str(path))
+        if saved is not None:
+            saved.record(path, obj)
+
     if sharded and optimizer is not None:  # every rank's own shard of the optimizer state
-        atomic_torch_save(optimizer.local_state_dict(), str(optimizer_shard_file(staging, c.pp, c.tp, c.rdp)))
-    if c.rdp == 0:  # the rest is the same on every rdp rank; fp16/bf16: the fp32 masters and the loss scaler
-        optimizer_sd = optimizer.local_state_dict() if optimizer is not None and not sharded else None
-        atomic_torch_save({"model": model.local_state_dict(), "optimizer": optimizer_sd,
-                           "mixed_precision": mixed.state_dict() if mixed is not None else None},
-                          str(stage_file(staging, c.pp, c.tp)))
+        save(optimizer.local_state_dict(), optimizer_shard_file(staging, c.pp, c.tp, c.rdp))
+    if c.rdp != 0:
+        return None
+    # the rest is the same on every rdp rank; fp16/bf16: the fp32 masters and the loss scaler
+    optimizer_sd = optimizer.local_state_dict() if optimizer is not None and not sharded else None
+    blob = {"model": model.local_state_dict(), "optimizer": optimizer_sd,
+            "mixed_precision": mixed.state_dict() if mixed is not None else None}
+    save(blob, stage_file(staging, c.pp, c.tp))
+    return blob
 
 
-def save_universal(staging: Path, runner, optimizer, mixed) -> dict:
+def save_universal(staging: Path, runner, optimizer, mixed, saved, blob) -> dict:
     """The layout-independent index (runtime/universal_format.py) of this stage, so that a job
-    without pipeline parallelism can resume the checkpoint. Each value is recorded once: parameters
-    (fp32 masters under fp16/bf16) by rdp rank 0 of their (pp, tp) position, a tied parameter by the
+    with another layout can resume the checkpoint. Each value is recorded once: parameters (fp32
+    masters under fp16/bf16) by rdp rank 0 of their (pp, tp) position, a tied parameter by the
     first of the stages holding it, optimizer state by the rank holding it (its owner under
     shard_optimizer_state, else rdp rank 0), persistent buffers by tp rank 0 / rdp rank 0 of their
-    stage. The values are written into the universal files (the stage files are not indexed).
-    Collective: the ranks agree on the optimizer's state keys and step count."""
+    stage. The index points into the stage and optimizer files ``save_stage`` has just written
+    (``saved``; ``blob``: this rank's stage file object, whose parameter and master copies are the
+    tensors recorded), so no value is written twice. Collective: the ranks agree on the
+    optimizer's state keys and step count."""
     import torch.distributed as dist
 
     from smp_adapter.runtime import universal_format as universal
@@ -85,6 +97,11 @@ def save_universal(staging: Path, runner, optimizer, mixed) -> dict:
     keys = sorted({k for rank_keys, _ in views for k in rank_keys})
     step = next((s for _, s in views if s is not None), None)
     master = dict(zip(map(id, mixed.params), mixed.masters)) if mixed is not None and mixed.attached else {}
+    stored = {}  # rdp rank 0: the copies in the stage file (the same values), whose bytes are on disk already
+    if blob is not None:
+        model_sd = blob["model"]
+        stored = (dict(zip(map(id, mixed.params), blob["mixed_precision"]["masters"])) if master
+                  else {id(p): model_sd[name] for name, p in runner.local_named_parameters() if name in model_sd})
     recorded_elsewhere = {id(p) for p, group in runner.tied if min(dist.get_process_group_ranks(group)) != state.rank}
     pieces = []
     for name, p in runner.local_named_parameters():
@@ -92,14 +109,14 @@ def save_universal(staging: Path, runner, optimizer, mixed) -> dict:
             continue  # a tied copy another stage records, or whole on every TP rank: TP rank 0 records
         values = master.get(id(p), p)
         if c.rdp == 0:
-            pieces.append((name, p, "param", 0, values.detach().reshape(-1)))
+            pieces.append((name, p, "param", 0, stored.get(id(p), values).detach().reshape(-1)))
         if sharded or c.rdp == 0:
             st = torch_optimizer.state.get(values, {})
             pieces += [(name, p, k, 0, st[k].detach().reshape(-1)) for k in keys if k in st]
     module = runner.model.module
     buffers = (universal.persistent_buffers(module, runner.local_named_buffers()) if c.tp == 0 and c.rdp == 0
                else [])
-    return universal.write_index(staging, pieces, buffers, module, torch_optimizer, keys, step,
+    return universal.write_index(staging, pieces, buffers, module, torch_optimizer, keys, step, saved,
                                  scaler=mixed.scaler if mixed is not None else None)
 
 

@@ -1,4 +1,4 @@
-"""Point into DeepSpeed's own checkpoint files instead of writing their bytes a second time.
+"""Point into the engine's own checkpoint files instead of writing their bytes a second time.
 
 The layout-independent index (runtime/universal_format.py) needs, for every parameter, its
 fp32 master and optimizer-state values as they sit on this rank. DeepSpeed has just written exactly
@@ -7,7 +7,8 @@ own files. ``SavedTensors`` captures what DeepSpeed's checkpoint engine saves du
 and then answers, for a tensor view on this rank, "which file, which object path, which offset"
 holds it: pure pointer arithmetic over the same live storage DeepSpeed serialized, so nothing
 depends on the layout of DeepSpeed's state dicts, and a DeepSpeed version that changes it only
-makes ``locate`` return None (the caller then writes the bytes itself).
+makes ``locate`` return None (the caller then writes the bytes itself). The pipeline engine, which
+writes its stage files itself, hands each saved object to ``record`` instead.
 
 ``OpenedFiles`` reads a located range back: ``torch.load(mmap=True)`` maps the file, so a rank
 touches only the pages of the ranges it asks for, never the whole file.
@@ -22,8 +23,11 @@ import torch
 
 
 class SavedTensors:
-    """``with SavedTensors(ds_engine, root) as saved: ds_engine.save_checkpoint(...)``, then
-    ``saved.locate(view)`` -> ``{"file": path relative to root, "path": [...], "offset": n}`` or None."""
+    """``with SavedTensors(ds_engine, root) as saved: ds_engine.save_checkpoint(...)`` (or, with
+    ``ds_engine`` None, ``saved.record(file, obj)`` for each object the caller saves), then
+    ``saved.locate(view)`` -> ``{"file": path relative to root, "path": [...], "offset": n}`` or None.
+    The tensors saved must stay alive (and unchanged) until the last ``locate``: the index keeps
+    their addresses, not the tensors."""
 
     def __init__(self, ds_engine, root: Path):
         self._engine, self._root = ds_engine, Path(root).resolve()
@@ -31,18 +35,25 @@ class SavedTensors:
         self._index: dict[tuple, tuple[list[int], list[tuple]]] = {}
 
     def __enter__(self):
+        if self._engine is None:
+            return self
         checkpoint_engine = self._engine.checkpoint_engine
         original = checkpoint_engine.save
 
         def save(state_dict, path, *args, **kwargs):
-            self._saved.append((str(Path(path).resolve().relative_to(self._root)), state_dict))
+            self.record(path, state_dict)
             return original(state_dict, path, *args, **kwargs)
 
         checkpoint_engine.save = save  # an instance attribute: `del` below restores the class's method
         return self
 
+    def record(self, path, obj) -> None:
+        """``obj`` was (or is being) written to ``path`` by torch.save."""
+        self._saved.append((str(Path(path).resolve().relative_to(self._root)), obj))
+
     def __exit__(self, *exc):
-        del self._engine.checkpoint_engine.save
+        if self._engine is not None:
+            del self._engine.checkpoint_engine.save
         if exc[0] is not None:
             return False
         for file, obj in self._saved:
@@ -83,7 +94,8 @@ def _tensors(obj, path: list):
 
 
 class OpenedFiles:
-    """DeepSpeed's files of one checkpoint, each opened (memory-mapped) the first time it is needed."""
+    """The engine's files of one checkpoint (DeepSpeed's, or the pipeline's stage files), each opened
+    (memory-mapped) the first time it is needed."""
 
     def __init__(self, root: Path):
         self._root, self._open = Path(root), {}
@@ -102,7 +114,7 @@ class OpenedFiles:
 
                 raise SMPCheckpointError(f"{path} is missing: the checkpoint was copied incompletely; copy the "
                                          "whole <tag>_partial folder")
-            try:  # DeepSpeed's own files: the same trust as DeepSpeed's loader, which unpickles them too
+            try:  # the engine's own files: the same trust as DeepSpeed's loader, which unpickles them too
                 self._open[file] = torch.load(path, map_location="cpu", mmap=True, weights_only=False)
             except RuntimeError:  # a file in torch's legacy (non-zip) format cannot be mapped
                 self._open[file] = torch.load(path, map_location="cpu", weights_only=False)

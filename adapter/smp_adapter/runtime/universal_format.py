@@ -14,9 +14,10 @@ holds before ZeRO, in its stored orientation) of one kind (``param``: the fp32 m
     shard_shape the TP shard's shape
     tp_rank/tp_size, layout   where the TP shard sits in the full tensor (ShardLayout fields, or
                 null for a parameter every TP rank holds whole)
-    ref         where the values are: {"file", "path", "offset"} into one of DeepSpeed's own files
-                of this checkpoint (runtime/checkpoint_refs.py), or, when DeepSpeed's files do not
-                hold them (persistent buffers; a DeepSpeed version that copies before saving),
+    ref         where the values are: {"file", "path", "offset"} into one of the engine's own files
+                of this checkpoint (DeepSpeed's, or the pipeline's stage files; runtime/checkpoint_refs.py),
+                or, when those files do not hold them (persistent buffers; a DeepSpeed version that
+                copies before saving),
     key         the tensor in this safetensors file that holds them (fp32; buffers keep their dtype)
 
 So the pieces cost an index, not a second copy of the model: the values are the tensors DeepSpeed
@@ -108,7 +109,7 @@ class IndexFile:
 def write_index(staging: Path, pieces, buffers, module, optimizer, keys, step, saved=None, scaler=None) -> dict:
     """Write this rank's ``universal/rank<R>.safetensors``: the index of ``pieces`` ((name, parameter,
     kind, start, 1-D values)) and ``buffers``, pointing into the engine's own files where ``saved``
-    locates the values, else holding them (buffers, an unexpected DeepSpeed layout, pp > 1). Return
+    locates the values, else holding them (buffers, a value the engine did not save as-is). Return
     the manifest's record (``scaler``: the fp16 loss scaler, the same on every rank)."""
     out, tp = IndexFile(), state.dims.tp
     for name, p, kind, start, values in pieces:

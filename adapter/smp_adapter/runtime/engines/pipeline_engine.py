@@ -15,6 +15,8 @@ torch optimizer (sharded with shard_optimizer_state) -> (masters back into the m
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from smp_adapter.runtime.engines.base import Engine, model_dtype, refuse_full_sharded_optimizer_state
 from smp_adapter.runtime.state import state
 
@@ -158,11 +160,14 @@ class PipelineEngine(Engine):
     def save_partial(self, staging, optimizer) -> dict:
         from smp_adapter.pipeline.checkpoint import save_stage, save_universal
         from smp_adapter.runtime import universal_format
+        from smp_adapter.runtime.checkpoint_refs import SavedTensors
 
-        save_stage(staging, self.runner, optimizer)  # same-layout resume
         if not universal_format.enabled() or optimizer is None:
+            save_stage(staging, self.runner, optimizer)  # same-layout resume only
             return {}
-        return {"universal": save_universal(staging, self.runner, optimizer, self._mixed)}  # any pp = 1 layout
+        with SavedTensors(None, Path(staging)) as saved:  # the index points into these files
+            blob = save_stage(staging, self.runner, optimizer, saved)
+        return {"universal": save_universal(staging, self.runner, optimizer, self._mixed, saved, blob)}
 
     def load_partial(self, folder, optimizer, strict: bool, load_optimizer: bool) -> None:
         from smp_adapter.pipeline.checkpoint import load_stage
