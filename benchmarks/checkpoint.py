@@ -18,7 +18,9 @@ the moments under ZeRO 1, 1/N of both under ZeRO 3). The model is the overhead b
 widened (--n-embd, --n-layer, --vocab) so the files, not fixed costs, dominate. The targets (issue 15): saving
 with the pieces within 1.1x of DeepSpeed-only, resume memory per rank within 1.2x of its share.
 
-    PYTHONPATH=adapter .venv/bin/python benchmarks/checkpoint.py [--modes zero3 zero1] [--repeats 3]
+    PYTHONPATH=adapter .venv/bin/python benchmarks/checkpoint.py [--modes zero3 zero1 pp2] [--repeats 3]
+
+pp2 (two pipeline stages): "DS only" is then the pipeline engine's own stage files.
 """
 
 from __future__ import annotations
@@ -40,10 +42,12 @@ SWITCH = "SMP_ADAPTER_LAYOUT_INDEPENDENT_CHECKPOINTS"
 
 
 def _share_bytes(options: dict, world: int, params: int) -> float:
-    """Bytes of fp32 params + two Adam moments that one rank of this layout holds."""
+    """Bytes of fp32 params + two Adam moments that one rank of this layout holds (pp > 1: its
+    stage's, taken as 1/pp of the model)."""
     sharded_params = options.get("sharded_data_parallel_degree", 1) > 1
     sharded_moments = sharded_params or options.get("shard_optimizer_state", False)
-    return 4 * params * ((1 / world if sharded_params else 1) + 2 * (1 / world if sharded_moments else 1))
+    stage = 1 / options.get("pipeline_parallel_degree", 1)
+    return 4 * params * stage * ((1 / world if sharded_params else 1) + 2 * (1 / world if sharded_moments else 1))
 
 
 def _size(args) -> dict:
