@@ -137,7 +137,7 @@ def saved_gpt2(tmp_path_factory):
         if layout not in cache:
             root = tmp_path_factory.mktemp(f"gpt2_{layout.replace(' ', '_')}")
             full = _run_gpt2(layout, root / "run", "--steps", 8, "--save-at", 4, "--ckpt-dir", root / "ckpt")
-            cache[layout] = (root / "ckpt", full[0]["losses"])
+            cache[layout] = (root / "ckpt", full[0]["losses"], full[0]["saved_state"])
         return cache[layout]
 
     return get
@@ -147,7 +147,7 @@ def saved_gpt2(tmp_path_factory):
 def test_resume_under_another_tensor_parallel_layout(tmp_path, saved_gpt2, source, target):
     """A change of tp degree (each TP shard rebuilt through the full tensor, fused q|k|v and
     GPT-2's transposed Conv1D weights included), also combined with a change of ZeRO stage."""
-    ckpt, losses = saved_gpt2(source)
+    ckpt, losses, _ = saved_gpt2(source)
     full = [{"losses": losses}]
     resumed = _run_gpt2(target, tmp_path / "resumed", "--steps", 4, "--first-step", 4, "--resume", "--ckpt-dir", ckpt)
     torch.testing.assert_close(torch.tensor(resumed[0]["losses"]), torch.tensor(full[0]["losses"][4:]), rtol=1e-5,
@@ -155,20 +155,22 @@ def test_resume_under_another_tensor_parallel_layout(tmp_path, saved_gpt2, sourc
 
 
 
-def test_export_to_hugging_face_equals_the_gathered_state_dict(tmp_path):
-    """`smp-adapter checkpoint export --to hf` of a tp 2 x ZeRO-3 2 checkpoint (no process group):
-    from_pretrained loads it, and every tensor equals the run's gathered model.state_dict() bitwise."""
+@pytest.mark.parametrize("layout", sorted({source for source, _ in TP_PAIRS}))
+def test_export_of_every_tensor_parallel_layout_equals_its_state_dict(tmp_path, saved_gpt2, layout):
+    """`smp-adapter checkpoint export --to hf` (no process group) of the GPT-2 checkpoints the TP pairs
+    resume (1 process, tp 2, tp 2 x dp 2, tp 2 x ZeRO-3 2): from_pretrained loads it, and every tensor
+    equals the run's gathered model.state_dict() at the save bitwise (TP shards joined, fused q|k|v
+    and GPT-2's transposed Conv1D included)."""
     from transformers import GPT2LMHeadModel
 
     from smp_adapter.cli import main
 
-    ckpt, out = tmp_path / "ckpt", tmp_path / "hf"
-    run = _run_gpt2("tp 2 x ZeRO-3 2", tmp_path / "run", "--steps", 4, "--save-at", 4, "--ckpt-dir", ckpt)
+    ckpt, _, saved_state = saved_gpt2(layout)
+    out = tmp_path / "hf"
     assert main(["checkpoint", "inspect", str(ckpt), "--json"]) == 0
     assert main(["checkpoint", "export", str(ckpt), "--to", "hf", str(out)]) == 0
-    model = GPT2LMHeadModel.from_pretrained(out)
-    exported = model.state_dict()
-    for name, values in run[0]["final_state"].items():
+    exported = GPT2LMHeadModel.from_pretrained(out).state_dict()
+    for name, values in saved_state.items():
         assert torch.equal(exported[name], torch.tensor(values)), name
 
 
@@ -213,7 +215,7 @@ def test_reshard_command_cuts_tensor_parallel_shards_per_target_rank(tmp_path, s
 
     from smp_adapter.cli import main
 
-    (ckpt, losses), out = saved_gpt2("tp 2"), tmp_path / "resharded"
+    (ckpt, losses, _), out = saved_gpt2("tp 2"), tmp_path / "resharded"
     options, _, _ = TP_LAYOUTS["tp 2 x dp 2"]
     assert main(["checkpoint", "reshard", str(ckpt), "--to", json.dumps(options), "--world-size", "4", str(out)]) == 0
     for t in (0, 1):

@@ -55,6 +55,7 @@ def train_step(model, data, target):
     return out["loss"]
 
 
+saved_state = None
 model.train()
 for step in range(args.first_step, args.first_step + args.steps):
     data, target = batch_for(args.model, step, B * readers)
@@ -74,6 +75,7 @@ for step in range(args.first_step, args.first_step + args.steps):
     losses.append(sum(smp.allgather(loss.item(), smp.WORLD)) / smp.size())
     if step + 1 == args.save_at:
         smp.save_checkpoint(args.ckpt_dir, tag=f"step{step + 1}", partial=True, user_content={"step": step + 1})
+        saved_state = {k: v.tolist() for k, v in model.state_dict().items()}  # what the checkpoint holds
 
 hpz_group = None
 if smp.state.dims.hpz_partition_size > 1:  # the group DeepSpeed's ZeRO-3 uses for hpZ (secondary shards)
@@ -86,4 +88,5 @@ if args.save_hf and smp.rank() == 0:
     plain.load_state_dict(state)
     plain.save_pretrained(args.save_hf)
 write_result({"losses": losses, "split": split, "final_state": {k: v.tolist() for k, v in state.items()},
+              "saved_state": saved_state,
               "readers": readers, "rank": smp.rank(), "hpz_group": hpz_group})
