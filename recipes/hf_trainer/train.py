@@ -2,7 +2,9 @@
 contain `partitions` (and SM_FRAMEWORK_PARAMS with sagemaker_mpi_enabled, which smp-adapter launch
 sets), transformers' Trainer takes its SageMaker model-parallel path and drives smp (smp.init,
 DistributedModel, @smp.step, DistributedOptimizer) - here carried out by smp-adapter. transformers
-builds torch.device("cuda", smp.local_rank()) on that path, so it needs a GPU."""
+builds torch.device("cuda", smp.local_rank()) on that path: on a machine without GPUs, smp-adapter
+launch's CUDA-on-CPU ranks stand in (docs/launch.md). transformers 5.x never creates the optimizer on
+that path; smp-adapter restores that step (runtime/transformers_compat.py)."""
 
 import argparse
 import os

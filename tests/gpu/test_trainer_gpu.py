@@ -1,5 +1,5 @@
-"""The Hugging Face Trainer's SageMaker model-parallel path, driven through smp-adapter (GPU only:
-transformers builds torch.device("cuda", smp.local_rank()) on that path)."""
+"""The Hugging Face Trainer's SageMaker model-parallel path, driven through smp-adapter on GPU ranks
+(tests/distributed/test_recipes.py runs it on CUDA-on-CPU ranks)."""
 
 import subprocess
 import sys
@@ -12,9 +12,6 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
-@pytest.mark.xfail(strict=True, reason="transformers 5.x: on its SageMaker-MP path Trainer delays optimizer creation, "
-                   "then skips it because the model is wrapped, and fails at LambdaLR(None) (seen on CPU ranks, "
-                   "2026-11-22); strict, so a fixed transformers shows up here")
 def test_trainer_recipe_runs_through_launch(tmp_path):
     cmd = [sys.executable, "-c", "from smp_adapter.cli import main; raise SystemExit(main())", "launch", "--gpu",
            "--recipe", str(ROOT / "recipes/hf_trainer/gpt2_trainer.yaml"), "--hp", f"run_dir={tmp_path}",

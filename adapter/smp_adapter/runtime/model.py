@@ -67,6 +67,9 @@ class DistributedModel(nn.Module):
         #: the engine that executes this model (runtime/engines); chosen once, here
         self.runtime_engine = create_engine(self, s.dims, {n: before[n] for n in self._distributed_modules})
         s.model = self
+        from smp_adapter.runtime.transformers_compat import restore_trainer_optimizer_creation
+
+        restore_trainer_optimizer_creation()  # a Hugging Face Trainer wrapping this model: its optimizer
 
     # -- engine ----------------------------------------------------------------------------------
     @property

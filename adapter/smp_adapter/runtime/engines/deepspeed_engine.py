@@ -114,8 +114,7 @@ class DeepSpeedEngine(Engine):
         if self._client_optimizer is None:  # DeepSpeed would fail with "must provide optimizer during init"
             raise SMPUsageError(
                 "model.backward() needs an optimizer: wrap it with smp.DistributedOptimizer(optimizer) right after "
-                "smp.DistributedModel, before the first step (transformers 5.x's Trainer never creates one on its "
-                "SageMaker model-parallel path: see the README's Trainer row)")
+                "smp.DistributedModel, before the first step")
         engine = self.deepspeed_engine
         reduce_now = self._reduce_after_backward if state.in_step else True
         engine.set_gradient_accumulation_boundary(reduce_now and not self._manual_reduction)
