@@ -59,7 +59,7 @@ def gpt_reference(args: dict, data_dir: Path, data_ranks: int) -> list[float]:
     import importlib.util
     from types import SimpleNamespace
 
-    from transformers import AutoModelForCausalLM, set_seed
+    from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM, set_seed
 
     spec = importlib.util.spec_from_file_location("aws_style_gpt_train", FIXTURES / "gpt/train.py")
     gpt = importlib.util.module_from_spec(spec)  # the fixture's own model_config, nothing else
@@ -71,7 +71,8 @@ def gpt_reference(args: dict, data_dir: Path, data_ranks: int) -> list[float]:
                 "train_batch_size": 4, "max_steps": 4}
     a = SimpleNamespace(**{**defaults, **{k: v for k, v in args.items() if k in defaults}})
     set_seed(a.seed)
-    model = AutoModelForCausalLM.from_config(gpt.model_config(a))
+    auto = AutoModelForSeq2SeqLM if a.model_type == "flan_t5" else AutoModelForCausalLM
+    model = auto.from_config(gpt.model_config(a))
     gpt_reference.initial_norm = torch.sqrt(sum(p.detach().pow(2).sum() for p in model.parameters())).item()
     decay, no_decay, seen = [], [], set()
     for module in model.modules():
@@ -89,13 +90,13 @@ def gpt_reference(args: dict, data_dir: Path, data_ranks: int) -> list[float]:
     for step in range(a.max_steps):
         rows = tokens[(step * global_batch) % len(tokens):][:global_batch]
         with torch.no_grad():  # what rank 0 reports: the loss of its own rows before the update
-            mine = rows[0::data_ranks]
+            mine = rows[0::data_ranks].contiguous()  # as the rank's copy on its device (T5 views labels)
             losses.append(model(input_ids=mine, labels=mine)["loss"].item())
         opt.zero_grad()
         # the mean of the data ranks' losses = the loss of the whole batch (equal token counts)
         model(input_ids=rows, labels=rows)["loss"].backward()
         if a.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), a.grad_clip)
+            gpt_reference.last_grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), a.grad_clip))
         opt.step()
     return losses
 

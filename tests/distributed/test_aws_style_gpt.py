@@ -59,6 +59,19 @@ def test_falcon_sharded_data_parallel(tmp_path):
     assert results["sharded_params"] == results["num_params"] // 2
 
 
+def test_flan_t5_sharded_data_parallel_checkpointing(tmp_path):
+    """The Flan-T5 sibling's setup: an encoder-decoder (AutoModelForSeq2SeqLM, labels = input_ids)
+    under sdp 2 (ZeRO-3) with its encoder and decoder blocks activation-checkpointed, and the
+    template's "Grad norm" log line (optimizer._global_grad_norm, DeepSpeed's) against the
+    single-process reference's norm before clipping."""
+    args = {"model_type": "flan_t5", "sharded_data_parallel_degree": 2, "use_distributed_transformer": 0,
+            "activation_checkpointing": 1, "num_layers": 2}
+    results, _, data = _run(tmp_path, 2, args)
+    _assert_matches(results["losses"], gpt_reference(args, data, data_ranks=2))
+    assert results["sharded_params"] == results["num_params"] // 2 and results["layers"] == 2
+    assert abs(results["grad_norm"] - gpt_reference.last_grad_norm) <= 1e-4 * gpt_reference.last_grad_norm
+
+
 def test_gpt2_distributed_transformer_tp2_sdp2_checkpointing(tmp_path):
     """use_distributed_transformer 1: transformer.seq_layers with grouped activation checkpointing;
     tp 2 x sdp 2 with prescaled_batch (4 processes, 2 data ranks)."""

@@ -41,6 +41,13 @@ with autocast(True):
 scaler = torch.cuda.amp.GradScaler()
 out["scaled"] = scaler.scale(torch.tensor(1.0)).item()
 out["legacy_type"] = isinstance(torch.cuda.FloatTensor([1.0]), torch.cuda.FloatTensor)
+# a move to the GPU copies: a strided slice arrives contiguous, a dense transposed matrix keeps its strides
+rows = torch.arange(24).view(6, 4)
+every_other, transposed = rows[0::2], rows.t()
+moved, moved_t = every_other.to(device), transposed.cuda()
+out["moved"] = [moved.is_contiguous(), torch.equal(moved, every_other), moved.data_ptr() != rows.data_ptr(),
+                list(moved_t.stride()) == list(transposed.stride()), torch.equal(moved_t, transposed),
+                x.to(device) is x]
 print("RESULT " + json.dumps(out))
 """
 
@@ -68,6 +75,7 @@ def test_gpu_calls_of_a_script_run_on_the_cpu():
     assert 5.0 <= out["elapsed_ms"] < 5000.0
     assert out["autocast_dtype"] == "torch.bfloat16"  # torch.cuda.amp.autocast -> CPU autocast
     assert out["scaled"] == 65536.0 and out["legacy_type"] is True
+    assert out["moved"] == [True, True, True, True, True, True]  # as a copy to a GPU (contiguous: no copy)
 
 
 def test_not_installed_unless_asked():

@@ -58,6 +58,10 @@ def _from_library(depth: int = 2) -> bool:
     return name.split(".", 1)[0] in _LIBRARIES
 
 
+def _is_device(device) -> bool:
+    return isinstance(device, torch.device) or (isinstance(device, str) and (device == "cpu" or _is_cuda(device)))
+
+
 def _is_cuda(device) -> bool:
     if isinstance(device, torch.device):
         return device.type == "cuda"
@@ -81,7 +85,13 @@ class _CudaToCpu(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is torch.Tensor.cuda:
-            return args[0]
+            return _as_transferred(args[0])
+        # a move to a device: here every device is the CPU (torch.device("cuda", i) already says "cpu:i")
+        transfer = func is torch.Tensor.to and any(_is_device(a) for a in (*args[1:], kwargs.get("device")))
+        if transfer:  # "cpu:i" is not the tensor's "cpu" to torch, which would copy every time: one CPU
+            args = tuple(torch.device("cpu") if _is_device(a) else a for a in args)
+            if kwargs.get("device") is not None:
+                kwargs = {**kwargs, "device": torch.device("cpu")}
         if any(_is_cuda(a) for a in args):
             args = tuple("cpu" if _is_cuda(a) else a for a in args)
         device = kwargs.get("device")
@@ -94,7 +104,16 @@ class _CudaToCpu(TorchFunctionMode):
 
                 with sdpa_kernel(SDPBackend.MATH):
                     return func(*args, **kwargs)
-        return func(*args, **kwargs)
+        out = func(*args, **kwargs)
+        return _as_transferred(out) if transfer and out is args[0] else out
+
+
+def _as_transferred(t: torch.Tensor) -> torch.Tensor:
+    """What a copy to a GPU gives: strides kept where the tensor is dense, contiguous otherwise. A
+    strided slice (``rows[0::2]``) moved with ``.to("cuda")`` comes out contiguous, and scripts rely
+    on it without knowing (Hugging Face's T5 loss calls ``labels.view(-1)``); a contiguous tensor is
+    returned as it is (same values and layout, no copy)."""
+    return t if t.is_contiguous() else t.clone(memory_format=torch.preserve_format)
 
 
 def _rss() -> int:
