@@ -96,7 +96,7 @@ def save_universal(staging: Path, runner, optimizer, mixed, saved, blob) -> dict
     dist.all_gather_object(views, (universal.state_keys(torch_optimizer), universal.step_count(torch_optimizer)))
     keys = sorted({k for rank_keys, _ in views for k in rank_keys})
     step = next((s for _, s in views if s is not None), None)
-    master = dict(zip(map(id, mixed.params), mixed.masters)) if mixed is not None and mixed.attached else {}
+    master = mixed.masters_by_param() if mixed is not None else {}
     stored = {}  # rdp rank 0: the copies in the stage file (the same values), whose bytes are on disk already
     if blob is not None:
         model_sd = blob["model"]
@@ -149,7 +149,7 @@ def load_universal(runner, folder: Path, universal: dict, mixed):
 
     def load_optimizer_state(optimizer, owned) -> None:
         """``owned(hp)``: whether this rank steps (and keeps state for) the fp32 tensor ``hp``."""
-        master = dict(zip(map(id, mixed.params), mixed.masters)) if mixed is not None and mixed.attached else {}
+        master = mixed.masters_by_param() if mixed is not None else {}
         with torch.no_grad():
             for name, p in runner.local_named_parameters():
                 hp = master.get(id(p), p)  # what the optimizer steps: the fp32 master, or the parameter

@@ -75,6 +75,10 @@ class PipelineMixedPrecision:
     def attached(self) -> bool:
         return bool(self.masters)
 
+    def masters_by_param(self) -> dict:
+        """id(model parameter) -> its fp32 master (empty until ``attach``)."""
+        return dict(zip(map(id, self.params), self.masters))
+
     # -- step --------------------------------------------------------------------------------------
     def prepare_step(self) -> bool:
         """Overflow check over every rank, then fp32 master gradients = gradients / scale.

@@ -112,7 +112,7 @@ class PipelineEngine(Engine):
         from smp_adapter.pipeline.runtime import clip_grad_norm_pipeline
 
         mixed = self._mixed
-        masters = dict(zip(map(id, mixed.params), mixed.masters)) if mixed is not None and mixed.attached else None
+        masters = mixed.masters_by_param() if mixed is not None and mixed.attached else None
         clip_grad_norm_pipeline(self.runner, max_norm, masters)
 
     def _state_sharding(self):
