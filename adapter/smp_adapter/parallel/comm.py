@@ -226,6 +226,8 @@ def copy_to_tp(x, group):
     """Identity forward, all-reduce backward (Megatron's copy_to_tensor_model_parallel_region)."""
     if _size(group) == 1:
         return x
+    if torch.compiler.is_exporting():
+        return torch.ops.smp_adapter.copy_to_tp(x, group.group_name)
     from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
 
     return copy_to_tensor_model_parallel_region(x, group=group)
@@ -235,6 +237,52 @@ def reduce_from_tp(x, group):
     """All-reduce forward, identity backward (Megatron's reduce_from_tensor_model_parallel_region)."""
     if _size(group) == 1:
         return x
+    if torch.compiler.is_exporting():
+        return torch.ops.smp_adapter.reduce_from_tp(x, group.group_name)
     from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
 
     return reduce_from_tensor_model_parallel_region(x, group=group)
+
+
+# ---------------------------------------------------------------- traced forms (torch.export)
+# Pipeline stages are cut from the model by torch.export (pipeline/runtime.py), with the Hugging
+# Face units already split for tensor parallelism. A collective inside a traced unit becomes one of
+# torch's functional collectives, whose gradient is the collective's own adjoint (all-gather <->
+# reduce-scatter, all-to-all reversed): right for the batch exchanges above, wrong for Megatron's
+# pair below, whose backward assumes that what follows is computed identically on every TP rank
+# (copy_to: identity forward, all-reduce backward; reduce_from: all-reduce forward, identity
+# backward). While exporting, those two are custom ops, which the stage graph keeps, backward
+# included; outside export Megatron's functions run (no extra copy).
+
+
+def _group_named(name: str):
+    return dist.distributed_c10d._resolve_process_group(name)
+
+
+def _all_reduced(x: torch.Tensor, group_name: str) -> torch.Tensor:
+    out = x.contiguous().clone()
+    dist.all_reduce(out, group=_group_named(group_name))
+    return out
+
+
+@torch.library.custom_op("smp_adapter::copy_to_tp", mutates_args=())
+def _copy_to_tp_op(x: torch.Tensor, group_name: str) -> torch.Tensor:
+    return x.clone()  # a custom op may not return its input
+
+
+@torch.library.custom_op("smp_adapter::reduce_from_tp", mutates_args=())
+def _reduce_from_tp_op(x: torch.Tensor, group_name: str) -> torch.Tensor:
+    return _all_reduced(x, group_name)
+
+
+for _op in (_copy_to_tp_op, _reduce_from_tp_op):
+    _op.register_fake(lambda x, group_name: torch.empty_like(x))
+
+
+def _keep_group_name(ctx, inputs, output):
+    ctx.group_name = inputs[1]
+
+
+_copy_to_tp_op.register_autograd(lambda ctx, grad: (_all_reduced(grad, ctx.group_name), None),
+                                 setup_context=_keep_group_name)
+_reduce_from_tp_op.register_autograd(lambda ctx, grad: (grad, None), setup_context=_keep_group_name)

@@ -4,7 +4,8 @@ One ``PipelineRunner`` per DistributedModel when pipeline_parallel_degree > 1. O
 ``@smp.step`` call it profiles and partitions the model, cuts it with ``pipeline()`` (torch.export),
 keeps this rank's stage module, re-points the stage at the model's own Parameter objects (so the
 user's optimizer, built from ``model.parameters()`` before partitioning, updates them), swaps the
-tensor-parallel modules back in, and builds a traced ``PipelineStage`` over smp's PP group.
+replaced tensor-parallel modules back in (Hugging Face units split in place are traced with their
+collectives), and builds a traced ``PipelineStage`` over smp's PP group.
 
 Each step call:
   1. the first stage learns the model inputs of every microbatch by running the step body up to its
@@ -48,8 +49,11 @@ class _Captured(Exception):
 class PipelineRunner:
     def __init__(self, model, tp_originals: dict | None = None):
         self.model = model
-        self.tp_originals = dict(tp_originals or {})  # qualified name -> module before the TP swap
-        surgery.refuse_split_transformer_layers(model.module, self.tp_originals)
+        # qualified name -> module before the TP swap. Modules replaced by a split one (smp.nn layers,
+        # marked nn.Linear / nn.Embedding) are traced as their originals and put back into the stage;
+        # Hugging Face units split in place (parallel/hf.py) are traced as they are, collectives
+        # included (parallel/comm.py, "traced forms")
+        self.tp_originals = {n: m for n, m in (tp_originals or {}).items() if m is not model.module.get_submodule(n)}
         self.num_stages = state.dims.pp
         self.stage_index = state.coord.pp
         self.group = state.groups.pp
@@ -462,10 +466,10 @@ class PipelineRunner:
 
 
 # -- module surgery helpers ----------------------------------------------------------------------
-def clip_grad_norm_pipeline(runner: PipelineRunner, max_norm: float, masters: dict | None = None) -> None:
+def clip_grad_norm_pipeline(runner: PipelineRunner, max_norm: float, masters: dict | None = None) -> float:
     """Global-norm clipping over all stages and TP ranks (runtime/clipping.py). A parameter tied
     across stages is counted on the lowest stage holding it. ``masters`` (id(parameter) -> its fp32
-    master, fp16/bf16): clip the masters' gradients instead."""
+    master, fp16/bf16): clip the masters' gradients instead. Returns the norm before clipping."""
     from smp_adapter.runtime.clipping import clip_by_global_norm
 
     model = runner.model
@@ -473,5 +477,5 @@ def clip_grad_norm_pipeline(runner: PipelineRunner, max_norm: float, masters: di
     not_counted = {id(p) for p, grp in runner.tied if min(dist.get_process_group_ranks(grp)) != state.rank}
     grads = [(holder(p).grad, model.is_distributed_parameter(p), id(p) not in not_counted)
              for p in runner.local_params if holder(p).grad is not None]
-    clip_by_global_norm(grads, max_norm, tp_group=state.groups.tp if state.dims.tp > 1 else None,
-                        pp_group=runner.group if runner.built and runner.num_stages > 1 else None)
+    return clip_by_global_norm(grads, max_norm, tp_group=state.groups.tp if state.dims.tp > 1 else None,
+                               pp_group=runner.group if runner.built and runner.num_stages > 1 else None)

@@ -2,7 +2,6 @@
 hooks the stage builder installs (pipeline/runtime.py).
 
 * ``originals_swapped_in``: the pre-TP modules back in place while torch.export traces the model;
-* ``refuse_split_transformer_layers``: PP x TP on Hugging Face layers, refused before the first step;
 * ``CarryInputs``: model inputs first read by a later stage, carried from stage 0;
 * ``WidenAutocastOutputs``: autocast activations cross stages in the traced dtype.
 """
@@ -13,8 +12,6 @@ import inspect
 
 import torch
 from torch import nn
-
-from smp_adapter.errors import UnsupportedFeatureError
 
 
 class originals_swapped_in:
@@ -31,24 +28,6 @@ class originals_swapped_in:
     def __exit__(self, *exc):
         for name, mod in self.saved.items():
             set_submodule(self.module, name, mod)
-
-
-def refuse_split_transformer_layers(module: nn.Module, tp_originals: dict) -> None:
-    """Pipeline stages are exported from the unsplit model and the split modules are swapped back
-    in afterwards. That works for modules called with one tensor whose output shape does not change
-    (smp.nn.DistributedLinear, nn.Linear / nn.Embedding marked for TP). A Hugging Face layer split in
-    place keeps head counts and shapes the trace has baked in, and is called by the stage graph with
-    its arguments flattened in another order: refuse it before the first step rather than fail then."""
-    from smp_adapter.parallel.hf import unit_spec_for
-
-    layers = [name for name in tp_originals if unit_spec_for(module.get_submodule(name)) is not None]
-    if layers:
-        raise UnsupportedFeatureError(
-            f"pipeline_parallel_degree > 1 together with tensor_parallel_degree > 1 is not supported yet for Hugging "
-            f"Face transformer layers ({', '.join(layers[:3])}{', ...' if len(layers) > 3 else ''}): use tensor "
-            "parallelism without pipeline parallelism (with sharded_data_parallel_degree for memory), or pipeline "
-            "parallelism with tensor_parallel_degree: 1; PP x TP works for smp.nn modules and for nn.Linear / "
-            "nn.Embedding layers marked with smp.set_tensor_parallelism")
 
 
 class CarryInputs:

@@ -21,6 +21,16 @@ from smp_adapter.runtime.engines.base import Engine, model_dtype, refuse_full_sh
 from smp_adapter.runtime.state import state
 
 
+class ClippingRecord:
+    """The pipeline engine's answer to scripts that read DeepSpeed's ZeRO-optimizer attributes
+    through smp's optimizer (DistributedOptimizer.__getattr__): ``_global_grad_norm``, the norm
+    over all stages before the last step's clipping (the templates' "Grad norm" log line). As in
+    DeepSpeed's ZeRO-3: 0.0 before the first clipped step, inf after a step skipped for an fp16
+    overflow. Other names fall through to the torch optimizer."""
+
+    _global_grad_norm = 0.0
+
+
 class PipelineEngine(Engine):
     name = "pipeline"
 
@@ -35,6 +45,11 @@ class PipelineEngine(Engine):
         self._mixed = None
         self._sharding = None
         self._resume_optimizer_state = None  # a resume from another layout: finished at the first step
+        self._internals = ClippingRecord()
+
+    @property
+    def optimizer_internals(self):
+        return self._internals
 
     # -- model -----------------------------------------------------------------------------------
     def run_step(self, func, bound_mbs: list, detach: bool) -> list:
@@ -96,6 +111,7 @@ class PipelineEngine(Engine):
             self._resume_optimizer_state(optimizer, lambda hp: owned is None or id(hp) in owned)
             self._resume_optimizer_state = None
         if mixed is not None and self.runner.built and not mixed.prepare_step():
+            self._internals._global_grad_norm = float("inf")  # as DeepSpeed's ZeRO-3 on an overflow
             return  # overflow on some rank: every rank skips this step
         if clip_norm is not None:
             self._clip(clip_norm)
@@ -113,7 +129,7 @@ class PipelineEngine(Engine):
 
         mixed = self._mixed
         masters = mixed.masters_by_param() if mixed is not None and mixed.attached else None
-        clip_grad_norm_pipeline(self.runner, max_norm, masters)
+        self._internals._global_grad_norm = clip_grad_norm_pipeline(self.runner, max_norm, masters)
 
     def _state_sharding(self):
         """shard_optimizer_state with rdp > 1: the owner of each stage parameter's state
