@@ -28,9 +28,13 @@ def make_tokens(path: Path, samples: int = 64, seq: int = 16, vocab: int = 64) -
 
 def launch(script: Path, nprocs: int, args: dict, run_dir: Path, channels: dict | None = None, timeout: int = 400,
            extra: tuple = ()) -> subprocess.CompletedProcess:
-    """`smp-adapter launch --cpu --nproc-per-node N [--channel ...] script --k v ...` (the script's own
-    arguments: smp options are built by the script itself, as the AWS templates do)."""
+    """`smp-adapter launch --cpu --launcher torchrun --nproc-per-node N [--channel ...] script --k v ...`
+    (the script's own arguments: smp options are built by the script itself, as the AWS templates do).
+    torchrun, not the default deepspeed launcher: these tests are about the scripts, and the deepspeed
+    launcher's two extra Python processes cost about 3.7 s per job here (its own path is tested in
+    test_launch.py and by the recipes)."""
     cmd = [sys.executable, "-c", "from smp_adapter.cli import main; raise SystemExit(main())", "launch", "--cpu",
+           "--launcher", "torchrun",
            "--nproc-per-node", str(nprocs), "--job-dir", str(run_dir / "job"), "--timeout", str(timeout - 30), *extra]
     for name, path in (channels or {}).items():
         cmd += ["--channel", f"{name}={path}"]

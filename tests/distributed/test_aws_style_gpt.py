@@ -9,7 +9,6 @@ sequence), and bf16 rounds: those runs are checked for finite, decreasing losses
 
 import math
 
-import pytest
 from aws_style import FIXTURES, gpt_reference, make_tokens, run_ok
 
 SCRIPT = FIXTURES / "gpt/train.py"
@@ -98,10 +97,10 @@ def test_gpt_neox_sdp_delayed_init_bf16_sublayer_checkpointing(tmp_path):
     _assert_learns(results["losses"])
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_save_checkpoint_then_resume_with_load_partial(tmp_path, tp):
+def test_save_checkpoint_then_resume_with_load_partial(tmp_path, tp=2):
     """Steps 0-1 then a partial checkpoint; a new job resumes it (--load_partial) for steps 2-3:
-    the losses are the uninterrupted run's."""
+    the losses are the uninterrupted run's. tp 2 x sdp 2: TP shards and ZeRO-3 partitions in one
+    checkpoint (sdp alone resumes in test_data_parallel.py and test_reshard_checkpoint.py)."""
     ckpt = tmp_path / "checkpoints"
     base = {"sharded_data_parallel_degree": 2, "tensor_parallel_degree": tp, "prescaled_batch": int(tp > 1),
             "use_distributed_transformer": 1, "checkpoint_dir": ckpt}

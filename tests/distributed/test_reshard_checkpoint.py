@@ -310,8 +310,8 @@ def _run_pp_script(layout, out, model, *args):
 def test_pipeline_checkpoint_resumes_without_pipeline(tmp_path, source, target, model):
     """A pipeline job's partial checkpoint resumed by a job with pp = 1: stages, GPT-2's embedding tied
     to the LM head over the first and last stage, optimizer state sharded over a stage's replicas, and
-    a TP-split layer inside a stage (the seed's conv net marks fc1 for tensor parallelism; smp-adapter
-    keeps Hugging Face layers whole under pp x tp, so GPT-2's are replicated over the TP ranks there).
+    a TP-split layer inside a stage (the seed's conv net marks fc1 for tensor parallelism; train_pp.py
+    does not mark GPT-2, so its layers are replicated over the TP ranks there).
     GPT-2's checkpoint also exports (`checkpoint export --to hf`) to the state dict gathered at the
     save, bitwise, and from_pretrained loads it. The index points into the stage files."""
     from transformers import GPT2LMHeadModel
