@@ -2,6 +2,8 @@
 StepOutput, checkpoints. Multi-process behaviour lives in tests/distributed."""
 
 import json
+import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -181,6 +183,106 @@ def test_checkpoint_round_trip_and_bad_files(fresh, tmp_path):
                                                  r"and without layout-independent pieces .*: resume it with the saved "
                                                  r"layout \(\{.*'pp': 2"):
         smp.resume_from_checkpoint(str(tmp_path), tag="t1")
+
+
+class _RunsCode:
+    """A pickle that would run a command when loaded: must never load untrusted."""
+
+    def __reduce__(self):
+        return (os.system, ("touch /tmp/smp_adapter_pwned_by_checkpoint",))
+
+
+def test_checkpoints_holding_client_objects(fresh, tmp_path, monkeypatch):
+    """The AWS GPT templates put a transformers config in user_content, the DLC script puts one in
+    its smp.save dict, train scripts keep an argparse.Namespace: plain data, loaded without trust.
+    BERT's checkpoint holds a DataLoader: refused (loading it runs code of the file's choosing),
+    with both fixes named; SMP_ADAPTER_TRUST_CHECKPOINTS=1 or weights_only=False load it as smp v1 did."""
+    import argparse
+
+    from transformers import GPT2Config
+
+    smp.init({})
+    model = smp.DistributedModel(_mlp())
+    smp.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.1))
+    config = GPT2Config(n_layer=2, n_embd=16, n_head=2, vocab_size=64)
+    content = {"total_steps": 2, "model_config": config, "args": argparse.Namespace(lr=0.1)}
+    smp.save_checkpoint(str(tmp_path), tag="t1", partial=True, user_content=content)
+    got = smp.resume_from_checkpoint(str(tmp_path), tag="t1")
+    assert got["total_steps"] == 2 and got["args"].lr == 0.1
+    assert isinstance(got["model_config"], GPT2Config) and got["model_config"].to_dict() == config.to_dict()
+    smp.save_checkpoint(str(tmp_path), tag="full.pt", partial=False, user_content=content)
+    assert smp.resume_from_checkpoint(str(tmp_path), tag="full.pt", partial=False)["model_config"].n_layer == 2
+    smp.save({"model": model.local_state_dict(), "model_config": config}, str(tmp_path / "m.pt"), partial=True)
+    assert smp.load(str(tmp_path / "m.pt"))["model_config"].n_embd == 16
+
+    loader = torch.utils.data.DataLoader(list(range(4)), batch_size=2)
+    smp.save({"data_loader": loader}, str(tmp_path / "bert.pt"), partial=False)
+    with pytest.raises(SMPCheckpointError, match=r"bert.pt holds Python objects that are not plain data \(torch.utils.data._utils.collate"
+                                                 r".*torch.utils.data.dataloader.DataLoader.*set SMP_ADAPTER_TRUST_CHECKPOINTS=1 .*"
+                                                 r"or pass weights_only=False to smp.load"):
+        smp.load(str(tmp_path / "bert.pt"), partial=False)
+    assert isinstance(smp.load(str(tmp_path / "bert.pt"), partial=False, weights_only=False)["data_loader"],
+                      torch.utils.data.DataLoader)
+    monkeypatch.setenv("SMP_ADAPTER_TRUST_CHECKPOINTS", "1")
+    assert isinstance(smp.load(str(tmp_path / "bert.pt"), partial=False)["data_loader"], torch.utils.data.DataLoader)
+    monkeypatch.delenv("SMP_ADAPTER_TRUST_CHECKPOINTS")
+
+    marker = Path("/tmp/smp_adapter_pwned_by_checkpoint")
+    marker.unlink(missing_ok=True)
+    torch.save({"x": _RunsCode()}, tmp_path / "evil.pt")
+    with pytest.raises(SMPCheckpointError, match=r"evil.pt holds Python objects that are not plain data \(posix.system"):
+        smp.load(str(tmp_path / "evil.pt"), partial=False)
+    assert not marker.exists()
+
+
+def test_smp_1_10_save_names_and_optimizer_backcompat(fresh, tmp_path):
+    """smp.save(v3=...) and the optimizer's *_backcompat methods, as the DLC GPT-2 script calls them:
+    v3=False writes one file per mp rank (<f>_<pp>_<tp>, saved on rdp 0 and loaded by every replica),
+    v3=True one per rdp rank, None decides from the layout (no ZeRO here: per mp rank)."""
+    smp.init({})
+    model = smp.DistributedModel(_mlp())
+    optimizer = smp.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.1))
+    F.cross_entropy(model(torch.randn(5, 4)), torch.randint(0, 3, (5,))).backward()
+    optimizer.step()
+    whole = optimizer.save_optimizer_backcompat(gather_if_shard=True)
+    smp.save({"optimizer": whole}, str(tmp_path / "a.pt"), partial=True, v3=False)
+    smp.save({"optimizer": optimizer.save_optimizer_backcompat(gather_if_shard=False)}, str(tmp_path / "b.pt"),
+             partial=True, v3=True)
+    smp.save({}, str(tmp_path / "c.pt"), partial=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.pt_0_0", "b.pt_0_0_0", "c.pt_0_0"]
+    assert whole["state"][0]["exp_avg"].device.type == "cpu"
+    before = {k: v["exp_avg"].clone() for k, v in optimizer.state_dict()["state"].items()}
+    optimizer.step()  # moves the moments; loading the saved state puts them back
+    optimizer.load_optimizer_backcompat(smp.load(str(tmp_path / "a.pt"))["optimizer"], gather_if_shard=True)
+    after = optimizer.state_dict()["state"]
+    assert all(torch.equal(after[k]["exp_avg"], v) for k, v in before.items())
+    optimizer.load_optimizer_backcompat(smp.load(str(tmp_path / "b.pt"))["optimizer"])
+
+
+def test_model_creation_says_which_smp_transformer_keywords_it_does_not_carry_out(fresh):
+    """The templates pass smp's own-transformer switches: each is said once, on rank 0, with the reason."""
+    import warnings
+
+    from smp_adapter.runtime import memory
+
+    memory._said.clear()
+    smp.init({})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            with smp.model_creation(tensor_parallelism=False, flash_attention=True, fused_softmax=True,
+                                    query_key_layer_scaling=False, zero_init=True):
+                _mlp()
+    said = [str(w.message) for w in caught if "model_creation" in str(w.message)]
+    assert said == [
+        "smp.model_creation(flash_attention=True) is not carried out: a fused-kernel switch (speed only, same math): "
+        "Hugging Face layers keep their own kernels (transformers' scaled_dot_product_attention where the model "
+        "supports it)",
+        "smp.model_creation(fused_softmax=True) is not carried out: a fused-kernel switch (speed only, same math): "
+        "Hugging Face layers keep their own kernels",
+        "smp.model_creation(zero_init=True) is not carried out: replaced: under sharded data parallel every parameter "
+        "is ZeRO-3-partitioned when DistributedModel wraps the model (at creation with "
+        "delayed_parameter_initialization)"], said  # False (query_key_layer_scaling) asks for nothing
 
 
 def test_partial_checkpoint_index_points_into_deepspeeds_files_unless_switched_off(fresh, tmp_path, monkeypatch):

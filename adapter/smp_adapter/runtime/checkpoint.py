@@ -114,25 +114,30 @@ def load_whole_local_state_dict(module, sd: dict, strict: bool):
 
 
 # -- smp.save / smp.load -------------------------------------------------------------------------
-def _partial_name(f: str) -> str:
+def _partial_name(f: str, v3: bool | None) -> str:
+    """``f_<pp>_<tp>`` (smp 1.6+), plus ``_<rdp>`` when each replica holds its own optimizer-state
+    shard. smp 1.10's ``v3`` says so explicitly (True: per rdp rank; False: one file per mp rank, the
+    caller saving on rdp_rank() == 0 only); None decides from the layout, so a ZeRO shard is never
+    overwritten by another replica's."""
     c = state.coord
-    if state.dims.zero_stage > 0:  # each rdp rank holds its own optimizer-state shard
-        return f"{f}_{c.pp}_{c.tp}_{c.rdp}"
-    return f"{f}_{c.pp}_{c.tp}"
+    per_replica = state.dims.zero_stage > 0 if v3 is None else bool(v3)
+    return f"{f}_{c.pp}_{c.tp}_{c.rdp}" if per_replica else f"{f}_{c.pp}_{c.tp}"
 
 
-def save(obj, f, partial: bool = True, pickle_module=None, pickle_protocol: int = 2):
+def save(obj, f, partial: bool = True, pickle_module=None, pickle_protocol: int = 2, v3: bool | None = None):
     """torch.save to a string path; partial=True adds this rank's position to the name."""
     require_initialized("save")
     if not isinstance(f, (str, os.PathLike)):
         raise SMPUsageError("smp.save needs a file path (str), not a file object, as in smp v1")
-    path = _partial_name(str(f)) if partial else str(f)
+    path = _partial_name(str(f), v3) if partial else str(f)
     atomic_torch_save(obj, path, pickle_protocol)
 
 
 def load(f, map_location=None, pickle_module=None, pickle_load_args=None, partial: bool = True,
          weights_only: bool = True):
-    """torch.load(weights_only=True); partial=True picks this rank's file (all historic names)."""
+    """torch.load; partial=True picks this rank's file (all historic names). Loading is weights-only
+    plus plain data (transformers configs, argparse.Namespace); other objects need weights_only=False
+    or SMP_ADAPTER_TRUST_CHECKPOINTS=1 (checkpoint_files.safe_torch_load)."""
     require_initialized("load")
     f = str(f)
     if partial:

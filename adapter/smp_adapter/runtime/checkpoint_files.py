@@ -2,7 +2,8 @@
 but ``state`` and the errors).
 
 * ``atomic_torch_save``: write to a temporary name, then rename, so a crash never leaves a torn file;
-* ``safe_torch_load``: ``torch.load(weights_only=True)`` with a clear error for a missing or foreign file;
+* ``safe_torch_load``: ``torch.load(weights_only=True)``, letting through the plain-data objects client
+  scripts store (transformers configs, argparse.Namespace), with a clear error for anything else;
 * the marks a partial state dict carries (``PARTIAL_MARK``, ``LAYOUT_MARK``) and the layout check
   that refuses to load a partial checkpoint into another parallel layout.
 """
@@ -10,6 +11,7 @@ but ``state`` and the errors).
 from __future__ import annotations
 
 import os
+import pickle
 
 import torch
 
@@ -54,13 +56,75 @@ def atomic_torch_save(obj, path: str, pickle_protocol: int = 2) -> None:
     os.replace(tmp, path)
 
 
+# Checkpoints the AWS templates write hold more than tensors: a transformers config in user_content
+# ("model_config"), an argparse Namespace. Those are plain data, so they are let through torch's
+# weights-only unpickler by name (it still runs no code of the file's choosing); anything else
+# (a DataLoader, the script's own classes) needs the caller's explicit trust, as torch itself asks.
+TRUST_ENV = "SMP_ADAPTER_TRUST_CHECKPOINTS"
+_DATA_ONLY_CLASSES = {"argparse.Namespace"}
+
+
+def _data_only_class(qualified: str):
+    """The class named ``module.Class`` if it is plain data that may be unpickled: argparse.Namespace,
+    or a transformers configuration (PretrainedConfig / GenerationConfig subclass); else None.
+    Only modules under ``transformers.`` and ``argparse`` are imported to find out."""
+    module_name, _, name = qualified.rpartition(".")
+    if qualified not in _DATA_ONLY_CLASSES and not module_name.startswith("transformers."):
+        return None
+    import importlib
+
+    try:
+        cls = getattr(importlib.import_module(module_name), name)
+    except (ImportError, AttributeError):
+        return None
+    if qualified in _DATA_ONLY_CLASSES:
+        return cls
+    from transformers import GenerationConfig, PretrainedConfig
+
+    return cls if isinstance(cls, type) and issubclass(cls, (PretrainedConfig, GenerationConfig)) else None
+
+
+def _trusted() -> bool:
+    return os.environ.get(TRUST_ENV, "").strip().lower() in ("1", "true", "yes")
+
+
 def safe_torch_load(path: str, map_location=None, weights_only: bool = True):
+    """torch.load with weights_only=True, plus the plain-data classes above; ``weights_only=False``
+    (or SMP_ADAPTER_TRUST_CHECKPOINTS=1 for the whole job) loads any pickle, as smp v1 did."""
     if not os.path.exists(path):
         raise SMPCheckpointError(f"checkpoint file {path} does not exist: check the path and tag")
+    if not weights_only or _trusted():
+        return _load(path, map_location, weights_only=False)
+    try:
+        return torch.load(path, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError:
+        pass  # other Python objects in the file: see whether they are plain data
+    except Exception as exc:  # noqa: BLE001 - zip/format errors: not a torch checkpoint
+        _not_a_checkpoint(path, exc)
+    try:
+        needed = torch.serialization.get_unsafe_globals_in_checkpoint(path)
+    except Exception as exc:  # noqa: BLE001 - legacy (non-zip) format or a torn file
+        _not_a_checkpoint(path, exc)
+    classes = {name: _data_only_class(name) for name in needed}
+    refused = sorted(name for name, cls in classes.items() if cls is None)
+    if refused:
+        raise SMPCheckpointError(
+            f"{path} holds Python objects that are not plain data ({', '.join(refused[:5])}"
+            f"{', ...' if len(refused) > 5 else ''}), and loading them would run code from the file. smp v1 "
+            f"unpickled everything; smp-adapter does so only when told the file is trusted: set {TRUST_ENV}=1 for "
+            "the job (smp-adapter launch passes the environment on), or pass weights_only=False to smp.load")
+    with torch.serialization.safe_globals(list(classes.values())):
+        return _load(path, map_location, weights_only=True)
+
+
+def _load(path: str, map_location, weights_only: bool):
     try:
         return torch.load(path, map_location=map_location, weights_only=weights_only)
-    except Exception as exc:  # pickle / zip errors: the file is not a (safe) torch checkpoint
-        raise SMPCheckpointError(
-            f"{path} is not a loadable checkpoint ({type(exc).__name__}: {str(exc).splitlines()[0][:200]}). Loading "
-            "uses torch.load(weights_only=True); if you trust a file holding other Python objects, pass "
-            "weights_only=False to smp.load") from None
+    except Exception as exc:  # noqa: BLE001 - pickle / zip errors: the file is not a torch checkpoint
+        _not_a_checkpoint(path, exc)
+
+
+def _not_a_checkpoint(path: str, exc: Exception):
+    raise SMPCheckpointError(
+        f"{path} is not a loadable checkpoint ({type(exc).__name__}: {str(exc).splitlines()[0][:200]}): a file "
+        "written by torch.save / smp.save / smp.save_checkpoint was expected; check the path and tag") from None
