@@ -167,3 +167,14 @@ def test_translate_function_names_and_family_checks():
         gpt2.translate_hf_state_dict_to_smdistributed(sd, 32)
     with pytest.raises(SMPCheckpointError, match=r"does not look like a t5 state dict.*SelfAttention.q.weight"):
         t5.translate_state_dict_to_hf_t5(sd)
+
+
+def test_huggingface_families_are_attributes_without_an_import():
+    """The templates call smp.nn.huggingface.gpt2.translate_state_dict_to_hf_gpt2(...) after importing
+    only smdistributed.modelparallel.torch, as smp v1 allowed."""
+    import smdistributed.modelparallel.torch as smp
+
+    assert callable(smp.nn.huggingface.gpt2.translate_state_dict_to_hf_gpt2)
+    assert callable(smp.nn.huggingface.t5.translate_state_dict_to_hf_t5)
+    with pytest.raises(AttributeError, match="smp.nn.huggingface has no family 'bloom': one of bert, gpt2"):
+        smp.nn.huggingface.bloom

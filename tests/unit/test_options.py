@@ -247,6 +247,20 @@ def test_distribution_dict_is_parsed():
         ({"ddp": True}, 4, 2, "-x A=1", "distribution")
 
 
+def test_instance_groups_of_a_heterogeneous_cluster_are_accepted_and_explained(tmp_path, capsys):
+    """The DLC heterogeneous-cluster MNIST test puts instance_groups in its distribution dict: the
+    job runs on the hosts it is launched on, which --explain says."""
+    from smp_adapter.cli import main
+
+    data = {**_dist({"ddp": True, "partitions": 2}, processes_per_host=2), "instance_groups": ["train_group"]}
+    job = job_from_mapping(data)
+    assert job.extra == {"instance_groups": ["train_group"]} and job.options == {"ddp": True, "partitions": 2}
+    (tmp_path / "job.json").write_text(json.dumps(data))
+    assert main(["translate", str(tmp_path / "job.json"), "--explain"]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("instance_groups"))
+    assert "ignored" in line and "the job runs on the hosts it is launched on" in line
+
+
 def test_parameters_may_be_a_path_to_a_json_file(tmp_path):
     (tmp_path / "smp.json").write_text(json.dumps({"ddp": True, "microbatches": 2}))
     (tmp_path / "job.yaml").write_text("smdistributed:\n  modelparallel:\n    enabled: true\n    parameters: smp.json\n"
@@ -264,6 +278,7 @@ def test_parameters_may_be_a_path_to_a_json_file(tmp_path):
     (_dist({}) | {"mpi": {"enabled": False}}, r"mpi.enabled = False: must be true"),
     (_dist({}, processes_per_host=0), r"mpi.processes_per_host = 0: must be an integer >= 1"),
     (_dist({}, hosts=2), r"mpi.hosts: is not an mpi option"),
+    (_dist({}) | {"instance_groups": "train"}, r"instance_groups = 'train': must be a list of instance group names"),
     ({"smdistributed": {"modelparallel": {"enabled": False}}, "mpi": {"enabled": True}},
      r"smdistributed.modelparallel.enabled = False: is not true"),
 ])

@@ -221,6 +221,14 @@ def job_from_mapping(data: Mapping[str, Any], base_dir: Path | None = None) -> J
         problems.append(ConfigProblem(
             "torch_distributed", "selects SageMaker model parallelism v2 (torch.sagemaker), a different library",
             "for smp v1 scripts use {'smdistributed': {'modelparallel': ...}, 'mpi': {'enabled': true}}"))
+    # heterogeneous clusters: the SDK names the instance groups that run the distributed job; here
+    # the job runs on the hosts it is launched on (recorded, and said by translate --explain)
+    instance_groups = data.pop("instance_groups", None)
+    if instance_groups is not None and not (isinstance(instance_groups, list)
+                                            and all(isinstance(g, str) for g in instance_groups)):
+        problems.append(ConfigProblem("instance_groups", "must be a list of instance group names",
+                                      "e.g. ['train_group'], or leave it out", instance_groups))
+        instance_groups = None
     unknown = sorted(set(data) - {"smdistributed", "mpi", "torch_distributed"})
     for key in unknown:
         problems.append(ConfigProblem(key, "is not a key of a SageMaker distribution dict for smp v1",
@@ -249,7 +257,8 @@ def job_from_mapping(data: Mapping[str, Any], base_dir: Path | None = None) -> J
                                           "use enabled, processes_per_host, custom_mpi_options"))
     raise_if_any(problems)
     return JobSpec(options=options, processes_per_host=ppn, instance_count=instance_count,
-                   custom_mpi_options=custom, source="distribution")
+                   custom_mpi_options=custom, source="distribution",
+                   extra={"instance_groups": instance_groups} if instance_groups else {})
 
 
 def _parameters(smd: Any, base_dir: Path | None, problems: list[ConfigProblem]) -> dict[str, Any]:

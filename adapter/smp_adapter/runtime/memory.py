@@ -122,11 +122,45 @@ def _param_dtype():
     return torch.float16 if cfg.fp16 else torch.bfloat16 if cfg.bf16 else torch.get_default_dtype()
 
 
+_KERNEL = "a fused-kernel switch (speed only, same math): Hugging Face layers keep their own kernels"
+_FP16_GUARD = ("an fp16 overflow guard of smp's own attention (numerics only): Hugging Face layers keep "
+               "their attention math; use bf16 if fp16 attention overflows")
+# smp v1's model_creation keywords for its own distributed transformer. smp-adapter splits Hugging Face
+# layers in place, so on those layers they are not carried out; an smp.nn module built from a
+# tp_register'ed module still receives the ones its __init__ accepts (parallel/nn.build_registered).
+# One home: `smp-adapter check` reads this table too.
+MODEL_CREATION_NOT_CARRIED_OUT = {
+    "flash_attention": _KERNEL + " (transformers' scaled_dot_product_attention where the model supports it)",
+    "fused_softmax": _KERNEL, "fused_dropout": _KERNEL, "fused_bias_gelu": _KERNEL,
+    "attention_in_fp32": _FP16_GUARD, "query_key_layer_scaling": _FP16_GUARD,
+    "fp32_residual_addition": "residual sums in fp32 under fp16 (numerics only): not applied to Hugging Face layers",
+    "use_alibi": "ALiBi attention bias: not added to Hugging Face layers (models built with ALiBi, such as BLOOM "
+                 "and MPT, carry it themselves)",
+    "zero_init": "replaced: under sharded data parallel every parameter is ZeRO-3-partitioned when "
+                 "DistributedModel wraps the model (at creation with delayed_parameter_initialization)",
+}
+_said: set[str] = set()
+
+
+def _say_not_carried_out(config: dict) -> None:
+    """Warn once per keyword (rank 0) for each smp-transformer keyword asked for with a non-default value."""
+    import warnings
+
+    for key in sorted(config):
+        if key in MODEL_CREATION_NOT_CARRIED_OUT and config[key] and key not in _said:
+            _said.add(key)
+            if state.rank == 0:
+                warnings.warn(f"smp.model_creation({key}={config[key]!r}) is not carried out: "
+                              f"{MODEL_CREATION_NOT_CARRIED_OUT[key]}", stacklevel=4)
+
+
 @contextlib.contextmanager
 def model_creation(tensor_parallelism: bool = False, dtype=None, distribute_embedding: bool = False,
                    **tensor_parallel_config):
-    """tensor_parallelism(...) + delay_param_initialization(...) + a default dtype while creating."""
+    """tensor_parallelism(...) + delay_param_initialization(...) + a default dtype while creating.
+    smp's own-transformer keywords are said once not to be carried out (MODEL_CREATION_NOT_CARRIED_OUT)."""
     s = require_initialized("model_creation")
+    _say_not_carried_out(tensor_parallel_config)
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise SMPUsageError(f"model_creation(dtype=...) must be a floating torch.dtype, got {dtype!r}")
     previous = torch.get_default_dtype()

@@ -180,6 +180,10 @@ def _mpi_rows(job: JobSpec) -> list[ExplainRow]:
     if job.processes_per_host is not None:
         rows.append(ExplainRow("mpi.processes_per_host", job.processes_per_host, "given",
                                "--num_gpus / --nproc_per_node / mpirun host slots", job.processes_per_host, "exact", ""))
+    if job.extra.get("instance_groups"):
+        rows.append(ExplainRow("instance_groups", job.extra["instance_groups"], "given", "-", "-", "ignored",
+                               "SageMaker heterogeneous clusters: the job runs on the hosts it is launched on "
+                               "(--hostfile / --nnodes / mpirun hosts)"))
     if job.custom_mpi_options.strip():
         rows.append(ExplainRow("mpi.custom_mpi_options", job.custom_mpi_options, "given", "mpirun flags",
                                "appended", "approximated",

@@ -5,6 +5,10 @@ from smp_adapter.parallel.fused_modules import FlashAttentionLayer, FusedLayerNo
 
 
 def __getattr__(name):
+    if name == "huggingface":  # smp.nn.huggingface.gpt2.translate_... works without importing it first, as in smp v1
+        import importlib
+
+        return importlib.import_module(f"{__name__}.huggingface")
     from smp_adapter.parallel import nn as _impl
 
     try:
