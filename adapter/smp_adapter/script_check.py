@@ -4,9 +4,14 @@ The script is parsed with ``ast``, never executed. Reported, with line numbers:
   * every ``smp.<name>`` (whatever alias ``smdistributed.modelparallel.torch`` was imported as),
     names imported ``from smdistributed.modelparallel.torch[.sub] import X``, ``smp.nn.X``,
     ``smp.amp.GradScaler``, ``smp.optimizers.X``, ``...patches.checkpoint``;
-  * methods called on objects made by ``smp.DistributedModel(...)`` / ``smp.DistributedOptimizer(...)``;
+  * every attribute read on objects made by ``smp.DistributedModel(...)`` / ``smp.DistributedOptimizer(...)``
+    and on ``smp.state`` (also as ``state_mod.state`` or a name bound to it), against the real classes
+    (script_check_api.py: what the runtime provides);
+  * keyword arguments of calls of smp callables and wrapper methods, against their real signatures;
+    ``model_creation`` keywords the runtime accepts without carrying them out;
   * option dicts given to ``smp.init({...})`` (literal, or a name bound to a literal), validated
     with ``SMPConfig.from_dict``;
+  * imports of NVIDIA apex (smp v1's containers had it; smp-adapter does not install it);
   * CPU blockers (``torch.cuda.set_device``, ``torch.device("cuda")``, ``.cuda()``) not guarded by
     ``torch.cuda.is_available()``, and known slips (``vit.encoder.layer``, ``optim.AdaDelta``).
 """
@@ -15,7 +20,11 @@ from __future__ import annotations
 
 import ast
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
+
+from smp_adapter import script_check_api as provided
+from smp_adapter.script_check_local import APEX_ROOTS, apex_need
 
 SMP = "smdistributed.modelparallel.torch"
 SMP_ROOT = "smdistributed.modelparallel"
@@ -91,6 +100,9 @@ SUPPORT: dict[str, tuple[str, str]] = {
 _NAMESPACES = {"nn", "amp", "optimizers", "patches", "patches.checkpoint", "utils", "state_mod", "test.torch.utils"}  # their unknown members are unknown
 _WRAPPERS = ("DistributedModel", "DistributedOptimizer")
 _GPU_CALLS = ("torch.cuda.set_device", "torch.cuda.current_device", "torch.cuda.synchronize")
+_APEX = APEX_ROOTS
+APEX_NOTE = ("NVIDIA apex is not installed by smp-adapter; use smp.optimizers / smp.nn replacements or "
+             "torch.cuda.amp")
 GPU_NOTE = ("a GPU call: through smp-adapter launch on CPU ranks it runs on the CPU (CUDA on CPU ranks); run "
             "directly (python script.py) on a machine without GPUs it fails")
 
@@ -101,14 +113,20 @@ class Use:
     col: int
     expr: str  # as written in the script
     name: str  # table key, option key, or what was flagged
-    kind: str  # api | import | method | options | gpu | compat
+    kind: str  # api | import | method | keyword | options | gpu | compat
     status: str
     note: str = ""
 
 
 def lookup(name: str) -> tuple[str, str, str]:
     """(table key, status, note) of an API name: the longest table entry covering it (attribute
-    chains such as ``state.cfg.fp16`` -> ``state``), or UNKNOWN."""
+    chains such as ``state.cfg.fp16`` -> ``state``, once ``cfg`` is known to be an attribute of
+    smp.state), or UNKNOWN."""
+    for state in ("state.", "state_mod.state."):
+        attr = name[len(state):].split(".")[0] if name.startswith(state) else None
+        if attr and not provided.state_attribute(attr):
+            return (state + attr, UNKNOWN, f"smp.state has no attribute {attr!r} in smp-adapter "
+                    "(smp_adapter.runtime.state.State): AttributeError")
     parts = name.split(".")
     for i in range(len(parts), 0, -1):
         key = ".".join(parts[:i])
@@ -120,11 +138,17 @@ def lookup(name: str) -> tuple[str, str, str]:
 
 
 class _Checker:
-    def __init__(self, tree: ast.Module):
-        self.tree, self.uses = tree, []
+    def __init__(self, tree: ast.Module, options_only: bool = False, path: str | None = None):
+        self.tree, self.uses, self.path = tree, [], path  # path: to read the script's own modules beside it
+        self.options_only = options_only  # only what smp.init is given (launch): no check that reads the runtime
         self.parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
         self.bindings: dict[str, str] = {}  # local name -> full dotted path it was imported as
         self.wrapped: dict[str, str] = {}  # source text of a variable -> "DistributedModel" / "DistributedOptimizer"
+        # where a plain name is bound, by scope (innermost function, or the module): a script's `model`
+        # is not always the wrapped one (an argparse group in parse_args, the plain model before wrapping)
+        self.wrapped_at: dict[tuple[ast.AST, str], int] = {}  # (scope, name) -> first line it is wrapped
+        self.bound: set[tuple[ast.AST, str]] = set()  # (scope, name) assigned there
+        self.params: set[tuple[ast.AST, str]] = set()  # (function, parameter name)
         self.literals: dict[str, list[tuple[int, ast.AST]]] = {}  # name -> [(line, value)] of assignments
         self.sharded = False  # the options shard optimizer state: a full optimizer state_dict raises
         self.init_options: dict | None = None  # the literal dict given to smp.init, if any
@@ -134,6 +158,8 @@ class _Checker:
 
     def run(self) -> list[Use]:
         for node in ast.walk(self.tree):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                self.visit_apex(node)
             if isinstance(node, ast.Import):
                 for a in node.names:
                     self.bindings[a.asname or a.name.split(".")[0]] = a.name if a.asname else a.name.split(".")[0]
@@ -147,14 +173,29 @@ class _Checker:
                         key, status, note = lookup(relative)
                         self.add(node, f"from {node.module} import {a.name}", key, "import", status, note)
         for node in ast.walk(self.tree):
-            if isinstance(node, ast.Assign):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+                a = node.args
+                self.params |= {(node, p.arg) for p in (*a.posonlyargs, *a.args, *a.kwonlyargs, a.vararg, a.kwarg) if p}
+            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                self.bound.add((self.scope_of(node), node.id))
+            elif isinstance(node, ast.Assign):
                 wrapper = self.smp_api(node.value.func) if isinstance(node.value, ast.Call) else None
+                value_path = self.full_path(node.value)
                 for target in node.targets:
                     if wrapper in _WRAPPERS:
                         self.wrapped[ast.unparse(target)] = wrapper
+                        if isinstance(target, ast.Name):
+                            key = (self.scope_of(node), target.id)
+                            self.wrapped_at[key] = min(node.lineno, self.wrapped_at.get(key, node.lineno))
                     if isinstance(target, ast.Name):
                         self.literals.setdefault(target.id, []).append((node.lineno, node.value))
+                        if value_path in (f"{SMP}.state", f"{SMP}.state_mod.state"):  # st = smp.state
+                            self.bindings[target.id] = value_path
         for node in ast.walk(self.tree):
+            if isinstance(node, ast.Call) and self.smp_api(node.func) == "init":
+                self.visit_init(node)
+            if self.options_only:
+                continue
             if isinstance(node, (ast.Attribute, ast.Name)):
                 self.visit_ref(node)
             if isinstance(node, ast.Call):
@@ -182,12 +223,30 @@ class _Checker:
         path = self.full_path(node)
         return path[len(SMP) + 1:] if path and path.startswith(SMP + ".") else None
 
+    def scope_of(self, node: ast.AST) -> ast.AST:
+        while node in self.parents:
+            node = self.parents[node]
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+                return node
+        return self.tree
+
+    def wrapper_of(self, node: ast.AST) -> str | None:
+        """"DistributedModel" / "DistributedOptimizer" if ``node`` denotes a wrapped object. A plain
+        name: from its wrapping line on in the scope that wraps it; elsewhere a parameter or a free
+        name of that name is taken to be it (``def train(model, optimizer)``), a local one is not."""
+        wrapper = self.wrapped.get(ast.unparse(node))
+        if not wrapper or not isinstance(node, ast.Name):
+            return wrapper  # attribute targets (self.model = ...) go by their text
+        key = (self.scope_of(node), node.id)
+        if key in self.wrapped_at:
+            return wrapper if node.lineno >= self.wrapped_at[key] else None
+        return None if key in self.bound and key not in self.params else wrapper
+
     def visit_ref(self, node: ast.AST) -> None:
         parent = self.parents.get(node)
-        if isinstance(node, ast.Attribute):
-            owner = self.wrapped.get(ast.unparse(node.value))
-            if owner and f"{owner}.{node.attr}" in SUPPORT:
-                self.add(node, ast.unparse(node), f"{owner}.{node.attr}", "method", *SUPPORT[f"{owner}.{node.attr}"])
+        owner = self.wrapper_of(node.value) if isinstance(node, ast.Attribute) else None
+        if owner and isinstance(node.ctx, ast.Load):  # setting an attribute creates it: nothing to check
+            self.add(node, ast.unparse(node), f"{owner}.{node.attr}", "method", *_wrapper_status(owner, node.attr))
         if isinstance(parent, ast.Attribute) and parent.value is node or isinstance(getattr(node, "ctx", None), ast.Store):
             return  # only whole attribute chains, and no assignment targets
         text = ast.unparse(node)
@@ -210,9 +269,66 @@ class _Checker:
         if (path in _GPU_CALLS or path == "torch.device" and cuda_arg or attr == "cuda" and not path
                 or attr == "to" and cuda_arg) and not self.guarded(node):
             self.add(node, ast.unparse(node), path or f".{attr}()", "gpu", NEEDS_GPU, GPU_NOTE)
-        if self.smp_api(node.func) == "init" and node.args:
+        if not any(kw.arg is None for kw in node.keywords):  # a **kwargs splat: its keys are unknown here
+            self.check_arguments(node)
+
+    def check_arguments(self, call: ast.Call) -> None:
+        """Keywords (and too many positional arguments) the real callable refuses; model_creation
+        keywords the runtime accepts without carrying them out."""
+        api = self.smp_api(call.func)
+        owner = self.wrapper_of(call.func.value) if isinstance(call.func, ast.Attribute) else None
+        if api in SUPPORT:  # a table entry itself (smp.save), not an attribute chain (smp.state.cfg.x)
+            name, sig = api, provided.smp_signature(api)
+        elif owner:
+            name, sig = f"{owner}.{call.func.attr}", provided.method_signature(owner, call.func.attr)
+        else:
+            return
+        keywords = {kw.arg: kw for kw in call.keywords}
+        positional = None if any(isinstance(a, ast.Starred) for a in call.args) else len(call.args)
+        display = f"smp.{name}" if api else name
+        for kw, note in provided.call_problems(sig, positional, list(keywords), display) if sig else ():
+            where = keywords[kw] if kw else call
+            self.add(where, ast.unparse(where), f"{name}({kw}=)" if kw else f"{name}()", "keyword", ERROR, note)
+        if api == "model_creation":
+            for kw, reason in provided.model_creation_not_carried_out().items():
+                value = keywords[kw].value if kw in keywords else None
+                if value is not None and not (isinstance(value, ast.Constant) and not value.value):  # asked for
+                    self.add(keywords[kw], ast.unparse(keywords[kw]), f"model_creation({kw}=)", "keyword", PARTIAL,
+                             f"smp.model_creation({kw}=...) is not carried out: {reason}")
+
+    def visit_apex(self, node: ast.Import | ast.ImportFrom) -> None:
+        if isinstance(node, ast.ImportFrom):
+            modules = [node.module or ""] if not node.level else []  # `from . import apex` is the script's own
+        else:
+            modules = [a.name for a in node.names]
+        roots = {m.split(".")[0] for m in modules}
+        needs = {root: "" for root in roots & set(_APEX)}
+        if self.path and Path(self.path).is_file():  # the script's own modules beside it, e.g. the DLC fp16/ package
+            for root in sorted(roots - set(_APEX)):
+                where = apex_need(self.path, root)
+                if where:
+                    needs[root] = f" (the script's own module {root} imports it: {where})"
+        for root, where in sorted(needs.items()):
+            if self.import_guarded(node):
+                self.add(node, ast.unparse(node), root, "import", PARTIAL,
+                         APEX_NOTE + where + " (this import is guarded: the script's fallback runs without apex)")
+            else:
+                self.add(node, ast.unparse(node), root, "import", UNSUPPORTED, APEX_NOTE + where)
+
+    def import_guarded(self, node: ast.AST) -> bool:
+        """Inside ``try:`` whose handlers catch a failed import."""
+        while node in self.parents:
+            child, node = node, self.parents[node]
+            if isinstance(node, ast.Try) and child in node.body and any(
+                    h.type is None or any(n in ast.unparse(h.type) for n in ("ImportError", "Exception"))
+                    for h in node.handlers):
+                return True
+        return False
+
+    def visit_init(self, node: ast.Call) -> None:
+        if node.args:
             self.check_options(node, node.args[0])
-        elif self.smp_api(node.func) == "init" and not node.keywords and self.init_options is None:
+        elif not node.keywords and self.init_options is None:
             self.init_options = {}
 
     def guarded(self, node: ast.AST) -> bool:
@@ -253,6 +369,12 @@ class _Checker:
         self.sharded |= cfg.shard_optimizer_state or cfg.sharded_data_parallel_degree > 1
         if not any(u.kind == "options" and u.line == call.lineno for u in self.uses):
             self.add(call, expr, "options", "options", SUPPORTED, "valid smp options")
+
+
+def _wrapper_status(owner: str, attr: str) -> tuple[str, str]:
+    if f"{owner}.{attr}" in SUPPORT:  # the table's notes (and refusals: join, register_comm_hook) come first
+        return SUPPORT[f"{owner}.{attr}"]
+    return provided.wrapper_attribute(owner, attr) or (UNKNOWN, provided.unknown_wrapper_note(owner, attr))
 
 
 def _pipeline_status(cfg) -> tuple[str, str]:
@@ -298,5 +420,13 @@ class Report:
 
 def check_source(source: str, path: str = "<script>") -> Report:
     """Raises SyntaxError for a script that does not parse."""
-    checker = _Checker(ast.parse(source, filename=path))
+    checker = _Checker(ast.parse(source, filename=path), path=path)
     return Report(path, checker.run(), checker.init_options)
+
+
+def script_options(source: str, path: str = "<script>") -> dict | None:
+    """``check_source(...).init_options`` without the checks that read the runtime (they import
+    torch, a second or more): for launch, which needs only the options. Raises SyntaxError."""
+    checker = _Checker(ast.parse(source, filename=path), options_only=True)
+    checker.run()
+    return checker.init_options

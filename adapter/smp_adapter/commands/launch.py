@@ -159,10 +159,10 @@ def _slots_per_host(hosts: dict[str, int | None] | None) -> int | None:
 def _script_options(script: str) -> dict:
     """The options the script gives smp.init, read statically; launch-time options are checked merged
     with them. Unknown (no smp.init call found, or not a literal dict): assume ddp, smp.init checks."""
-    from smp_adapter.script_check import check_source
+    from smp_adapter.script_check import script_options
 
-    try:
-        options = check_source(Path(script).read_text(), script).init_options
+    try:  # options only: the full check reads the runtime's classes, which imports torch (~1 s)
+        options = script_options(Path(script).read_text(), script)
     except (SyntaxError, ValueError, OSError, SMPAdapterError):
         options = None
     return {"ddp": True} if options is None else options
