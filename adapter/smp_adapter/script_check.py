@@ -124,6 +124,8 @@ def lookup(name: str) -> tuple[str, str, str]:
     smp.state), or UNKNOWN."""
     for state in ("state.", "state_mod.state."):
         attr = name[len(state):].split(".")[0] if name.startswith(state) else None
+        if attr in provided.pre_1_10_state_names():
+            return (state + attr, UNSUPPORTED, provided.pre_1_10_fp16_note())
         if attr and not provided.state_attribute(attr):
             return (state + attr, UNKNOWN, f"smp.state has no attribute {attr!r} in smp-adapter "
                     "(smp_adapter.runtime.state.State): AttributeError")

@@ -109,6 +109,19 @@ def unknown_wrapper_note(wrapper: str, name: str) -> str:
     return f"smp-adapter's {wrapper} has no attribute {name!r} ({why}): AttributeError"
 
 
+def pre_1_10_state_names() -> tuple[str, ...]:
+    """smp.state internals only smp < 1.10's fp16 path read: the runtime refuses them (runtime/state.py)."""
+    from smp_adapter.runtime.state import PRE_1_10_STATE_NAMES
+
+    return PRE_1_10_STATE_NAMES
+
+
+def pre_1_10_fp16_note() -> str:
+    from smp_adapter.runtime.state import PRE_1_10_FP16
+
+    return PRE_1_10_FP16
+
+
 def state_attribute(name: str) -> bool:
     return not is_private(name) and name in known_attributes(state_class())
 

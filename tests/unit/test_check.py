@@ -556,3 +556,13 @@ def test_the_scripts_own_helper_package_that_needs_apex(tmp_path, capsys):
 
 APEX_NOTE_FOR_TEST = ("NVIDIA apex is not installed by smp-adapter; use smp.optimizers / smp.nn replacements or "
                       "torch.cuda.amp")
+
+
+def test_smp_before_1_10_fp16_internals_are_unsupported_with_the_fix():
+    """The DLC GPT-2 script's smp < 1.10 branch reads smp's internal maps through state_mod.state:
+    the check says what the runtime raises (UnsupportedFeatureError naming fp16: true)."""
+    src = ("from smdistributed.modelparallel.torch.state_mod import state as smp_state\n"
+           "names = smp_state.param_index_to_name_tp_group\n")
+    use = [u for u in check_source(src).uses if u.line == 2]
+    assert [(u.name, u.status) for u in use] == [("state_mod.state.param_index_to_name_tp_group", "unsupported")]
+    assert use[0].note.startswith("smp < 1.10's fp16 path") and "set fp16: true (or bf16: true)" in use[0].note

@@ -363,3 +363,23 @@ def test_engine_registry_names_the_available_engines():
     pp1 = ParallelDims.from_config(SMPConfig.from_dict({"tensor_parallel_degree": 2, "ddp": True}), 2)
     assert (engine_name_for(pp2), engine_name_for(pp1)) == ("pipeline", "deepspeed")
     assert engine_class("pipeline").name == "pipeline" and engine_class("deepspeed").name == "deepspeed"
+
+
+def test_smp_before_1_10_fp16_path_is_refused_with_the_fix(fresh):
+    """smp < 1.10 scripts wrapped their own apex-style FP16_Optimizer and read smp's internal maps:
+    both say to use the fp16 option instead (never a bare AttributeError)."""
+    from smp_adapter.errors import UnsupportedFeatureError
+
+    class FP16_Optimizer:  # the shape of the DLC script's own class: not a torch optimizer
+        def __init__(self, optimizer):
+            self.optimizer = optimizer
+
+    smp.init({})
+    model = smp.DistributedModel(_mlp())
+    fix = r"has no equivalent in smp-adapter: set fp16: true \(or bf16: true\) in the smp options"
+    with pytest.raises(UnsupportedFeatureError, match=r"smp.DistributedOptimizer\(FP16_Optimizer\): smp < 1.10's fp16 path.*" + fix):
+        smp.DistributedOptimizer(FP16_Optimizer(torch.optim.SGD(model.parameters(), lr=0.1)))
+    with pytest.raises(UnsupportedFeatureError, match=r"smp.state.param_index_to_name_tp_group: .*" + fix):
+        smp.state.param_index_to_name_tp_group
+    with pytest.raises(AttributeError, match="smp.state has no attribute 'no_such_thing'"):
+        smp.state.no_such_thing

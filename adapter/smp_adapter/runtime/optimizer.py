@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from smp_adapter.errors import SMPUsageError
-from smp_adapter.runtime.state import require_initialized, state
+from smp_adapter.errors import SMPUsageError, UnsupportedFeatureError
+from smp_adapter.runtime.state import PRE_1_10_FP16, require_initialized, state
 from smp_adapter.translate.deepspeed import DEFAULT_DYNAMIC_LOSS_ARGS, LossScaleArgs
 
 
@@ -36,6 +36,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def __init__(self, optimizer, static_loss_scale=1.0, dynamic_loss_scale=False, dynamic_loss_args=None, **kwargs):
         s = require_initialized("DistributedOptimizer")
         if not isinstance(optimizer, torch.optim.Optimizer):
+            if "fp16" in type(optimizer).__name__.lower():  # smp < 1.10 scripts wrapped their own FP16_Optimizer
+                raise UnsupportedFeatureError(f"smp.DistributedOptimizer({type(optimizer).__name__}): {PRE_1_10_FP16}")
             raise SMPUsageError(f"smp.DistributedOptimizer wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")
         if isinstance(optimizer, DistributedOptimizer):
             raise SMPUsageError("this optimizer is already an smp.DistributedOptimizer: wrap the torch optimizer once")

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from smp_adapter.errors import NotInitializedError
+from smp_adapter.errors import NotInitializedError, UnsupportedFeatureError
 
 
 @dataclass
@@ -33,7 +33,20 @@ class ModuleManager:
     translate_functions: list = []
 
 
+# smp < 1.10 had no fp16 option: scripts (the DLC GPT-2 test's fp16/ helpers) wrapped their own
+# apex-style FP16_Optimizer around smp and read smp's internal maps. That path has no equivalent here.
+PRE_1_10_FP16 = ("smp < 1.10's fp16 path (an apex-style FP16_Optimizer over smp internals, as in the DLC GPT-2 "
+                 "script's fp16/ helpers) has no equivalent in smp-adapter: set fp16: true (or bf16: true) in the "
+                 "smp options and wrap the torch optimizer itself in smp.DistributedOptimizer")
+PRE_1_10_STATE_NAMES = ("param_index_to_name_tp_group", "param_name_to_index_tp_group")
+
+
 class State:
+    def __getattr__(self, name):  # only for names the instance does not have
+        if name in PRE_1_10_STATE_NAMES:
+            raise UnsupportedFeatureError(f"smp.state.{name}: {PRE_1_10_FP16}")
+        raise AttributeError(f"smp.state has no attribute {name!r}")
+
     def __init__(self):
         self.module_manager = ModuleManager()
         self.reset()
