@@ -263,10 +263,7 @@ def test_model_creation_says_which_smp_transformer_keywords_it_does_not_carry_ou
     """The templates pass smp's own-transformer switches: each is said once, on rank 0, with the reason."""
     import warnings
 
-    from smp_adapter.runtime import memory
-
-    memory._said.clear()
-    smp.init({})
+    smp.init({})  # after the fixture's shutdown: nothing said yet
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for _ in range(2):

@@ -51,7 +51,7 @@ def init(config: Mapping[str, Any] | None = None) -> None:
         return
     environ_before = dict(os.environ)
     cfg, dims, launch = resolve_layout(config, os.environ)
-    _warn_once(cfg.warnings, launch.rank)
+    warn_once(cfg.warnings, launch.rank)
     import torch
 
     use_cuda = torch.cuda.is_available()
@@ -196,7 +196,8 @@ def _set_tp_context() -> None:
 _warned: set[str] = set()
 
 
-def _warn_once(messages, rank: int) -> None:
+def warn_once(messages, rank: int) -> None:
+    """Each message once per smp.init .. shutdown, from rank 0 only (the job's log is not N copies)."""
     import warnings
 
     for message in messages:

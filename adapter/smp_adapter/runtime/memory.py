@@ -139,19 +139,14 @@ MODEL_CREATION_NOT_CARRIED_OUT = {
     "zero_init": "replaced: under sharded data parallel every parameter is ZeRO-3-partitioned when "
                  "DistributedModel wraps the model (at creation with delayed_parameter_initialization)",
 }
-_said: set[str] = set()
 
 
 def _say_not_carried_out(config: dict) -> None:
-    """Warn once per keyword (rank 0) for each smp-transformer keyword asked for with a non-default value."""
-    import warnings
+    """Warn once (rank 0) for each smp-transformer keyword asked for with a non-default value."""
+    from smp_adapter.runtime.init import warn_once
 
-    for key in sorted(config):
-        if key in MODEL_CREATION_NOT_CARRIED_OUT and config[key] and key not in _said:
-            _said.add(key)
-            if state.rank == 0:
-                warnings.warn(f"smp.model_creation({key}={config[key]!r}) is not carried out: "
-                              f"{MODEL_CREATION_NOT_CARRIED_OUT[key]}", stacklevel=4)
+    warn_once([f"smp.model_creation({key}={config[key]!r}) is not carried out: {MODEL_CREATION_NOT_CARRIED_OUT[key]}"
+               for key in sorted(config) if key in MODEL_CREATION_NOT_CARRIED_OUT and config[key]], state.rank)
 
 
 @contextlib.contextmanager

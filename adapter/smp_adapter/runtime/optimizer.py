@@ -151,21 +151,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
         optimizer-state sharding that raises, as ``state_dict()`` does, naming ``local_state_dict()``) or
         this rank's shard. ``fp32_states_only`` changes nothing: the state holds no fp16 copies here."""
         sd = self.state_dict() if gather_if_shard else self.local_state_dict()
-        return _to_cpu(sd) if cast_to_cpu else sd
+        if not cast_to_cpu:
+            return sd
+        return torch.utils._pytree.tree_map(lambda v: v.cpu() if isinstance(v, torch.Tensor) else v, sd)
 
     def load_optimizer_backcompat(self, state_dict, gather_if_shard: bool = False):
         """Load what ``save_optimizer_backcompat`` returned (whole or this rank's shard: the state dict says which)."""
         self.load_state_dict(state_dict)
-
-
-def _to_cpu(obj):
-    if isinstance(obj, torch.Tensor):
-        return obj.cpu()
-    if isinstance(obj, dict):
-        return {k: _to_cpu(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_to_cpu(v) for v in obj)
-    return obj
 
 
 def _check_unique_params(optimizer) -> None:
