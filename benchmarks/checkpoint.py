@@ -1,5 +1,5 @@
 """Partial checkpoints: save and resume time, and peak memory per rank, with and without the
-layout-independent pieces (runtime/universal_checkpoint.py, docs/checkpoints.md).
+layout-independent pieces (runtime/engines/deepspeed/universal_checkpoint.py, docs/checkpoints.md).
 
 For each mode (the overhead benchmark's GPT-2-style model, fp32, AdamW, 2 steps so Adam's state
 exists) one job saves twice, alternating, with SMP_ADAPTER_LAYOUT_INDEPENDENT_CHECKPOINTS=0 (today's

@@ -34,7 +34,7 @@ SUPPORTED, PARTIAL, UNSUPPORTED, NEEDS_GPU, ERROR, UNKNOWN = (
 FAILING = (UNSUPPORTED, ERROR, UNKNOWN)  # a script using any of these does not run as-is
 
 _TP = "Megatron-core tensor-parallel layers; see docs"
-# pp > 1 runs on torch.distributed.pipelining (smp_adapter.pipeline)
+# pp > 1 runs on torch.distributed.pipelining (smp_adapter.runtime.engines.pipeline)
 _PP = "stage marks for pipeline_parallel_degree > 1, carried out by torch.distributed.pipelining (see docs/pipeline.md)"
 _S, _P, _U = SUPPORTED, PARTIAL, UNSUPPORTED
 

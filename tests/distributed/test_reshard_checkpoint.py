@@ -1,4 +1,4 @@
-"""Partial checkpoints resumed under another parallel layout (runtime/universal_checkpoint.py): the
+"""Partial checkpoints resumed under another parallel layout (runtime/engines/deepspeed/universal_checkpoint.py): the
 ViT script with Adam saves after step 4 at one layout and resumes at another; steps 5-8 must equal
 the source run's own steps 5-8 (it ran on uninterrupted). Adam shows lost optimizer state at once
 (the step count in the bias correction, the moments in every update).

@@ -257,7 +257,7 @@ def test_deepspeed_internals_the_check_names_exist_where_it_says():
     import inspect
 
     from smp_adapter.runtime.engines.base import Engine
-    from smp_adapter.runtime.engines.pipeline_engine import ClippingRecord
+    from smp_adapter.runtime.engines.pipeline.engine import ClippingRecord
     from smp_adapter.runtime.optimizer import DistributedOptimizer
     from smp_adapter.script_check_api import ZERO_INTERNALS
 

@@ -1,4 +1,4 @@
-"""Checks behind partial checkpoints with pipeline_parallel_degree > 1 (smp_adapter/pipeline/checkpoint.py)
+"""Checks behind partial checkpoints with pipeline_parallel_degree > 1 (smp_adapter/runtime/engines/pipeline/checkpoint.py)
 that need no process group: a checkpoint from another stage assignment, or with entries of another
 model or stage, is refused with a message that says why and what to do."""
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from smp_adapter.errors import SMPCheckpointError
-from smp_adapter.pipeline.checkpoint import STAGE_MARK, _check_stage, load_stage_state_dict
+from smp_adapter.runtime.engines.pipeline.checkpoint import STAGE_MARK, _check_stage, load_stage_state_dict
 
 UNITS = [["layers.0", "layers.1"], ["layers.2", "head"]]
 
@@ -64,7 +64,7 @@ def test_this_stages_entries_load_and_other_stages_keep_their_values():
 
 
 def test_optimizer_state_owners_balance_by_size():
-    from smp_adapter.pipeline.sharded_optimizer import assign_owners
+    from smp_adapter.runtime.engines.pipeline.sharded_optimizer import assign_owners
 
     # largest first to the least-loaded rank, ties to the lower rank
     assert assign_owners([256, 16, 256, 16, 256, 16], 2) == [0, 1, 1, 1, 0, 1]

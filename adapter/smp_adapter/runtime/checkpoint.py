@@ -6,7 +6,7 @@ Layout written by ``save_checkpoint(path, tag)`` (our encoding of smp's rankinfo
     <path>/<tag>_partial/          one directory per partial checkpoint
         ds/...                     DeepSpeed engine checkpoint: model + (sharded) optimizer per rank
         stage_pp<P>_tp<T>.pt       instead of ds/ when pp > 1: a stage's model + optimizer state
-                                   (smp_adapter/pipeline/checkpoint.py)
+                                   (smp_adapter/runtime/engines/pipeline/checkpoint.py)
         rng_rank<R>.pt             each rank's RNG states (exact resume with dropout)
         user_content.pt
         smp_manifest.json          written last: layout, tag; its presence = the checkpoint is complete

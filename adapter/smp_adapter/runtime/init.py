@@ -173,7 +173,7 @@ def _build_groups(dims: ParallelDims, rank: int, backend: str) -> None:
             if rank in ranks:
                 mine = group
         setattr(state.groups, kind, mine)
-    if dims.hpz_partition_size > 1:  # hpZ: chunks of sdp ranks of each RDP group (runtime/engines/deepspeed_groups.py)
+    if dims.hpz_partition_size > 1:  # hpZ: chunks of sdp ranks of each RDP group (runtime/engines/deepspeed/groups.py)
         for ranks in grid.sdp_groups(dims.sdp):
             group = dist.new_group(list(ranks))
             if rank in ranks:

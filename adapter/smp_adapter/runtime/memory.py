@@ -32,7 +32,7 @@ def delay_param_initialization(enabled: bool = True):
     # libraries (transformers) import it lazily while building models - so load it first.
     import torch._dynamo  # noqa: F401
 
-    from smp_adapter.runtime.engines.deepspeed_groups import zero_init_context
+    from smp_adapter.runtime.engines.deepspeed.groups import zero_init_context
     from smp_adapter.translate.deepspeed import to_deepspeed_config
 
     try:
@@ -105,7 +105,7 @@ def partition_for_zero3(module: nn.Module) -> None:
     partitioned (created under delayed initialisation) are left alone; new ones (tensor-parallel
     slices built from gathered shards) join them. Floating parameters are cast to the job's dtype
     first, because DeepSpeed casts only parameters it partitions itself."""
-    from smp_adapter.runtime.engines.deepspeed_groups import partition_module
+    from smp_adapter.runtime.engines.deepspeed.groups import partition_module
 
     whole = [p for p in module.parameters() if not hasattr(p, "ds_id")]
     if not whole:

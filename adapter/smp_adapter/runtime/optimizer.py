@@ -64,7 +64,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     @property
     def mixed_precision(self):
-        """pp > 1 with fp16/bf16: the fp32 masters and loss scaler (pipeline/mixed_precision.py), else None."""
+        """pp > 1 with fp16/bf16: the fp32 masters and loss scaler (runtime/engines/pipeline/mixed_precision.py), else None."""
         return self._engine.mixed_precision
 
     @property

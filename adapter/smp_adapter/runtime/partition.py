@@ -3,7 +3,7 @@
 The marks are recorded on the module instances (``partition_mark`` reads them). With ``auto_partition: true`` (the default) they
 are ignored, whatever the pipeline degree, so a pipeline script runs at pp = 1 for debugging; with
 ``auto_partition: false`` an index must be below the pipeline degree. With pp > 1 and
-``auto_partition: false`` the pipeline package (smp_adapter.pipeline.partition.manual_split) turns
+``auto_partition: false`` the pipeline engine (runtime.engines.pipeline.partition.manual_split) turns
 them into stages at the first step; under auto-partitioning they are ignored with a warning.
 """
 
@@ -49,5 +49,5 @@ def set_partition_mark(module: nn.Module, index: int) -> None:
 
 
 def partition_mark(module: nn.Module):
-    """The stage a module was marked for, or None (pipeline/partition.py reads the marks)."""
+    """The stage a module was marked for, or None (runtime/engines/pipeline/partition.py reads the marks)."""
     return module.__dict__.get(PARTITION_ATTR)

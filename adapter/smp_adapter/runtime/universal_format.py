@@ -1,7 +1,7 @@
 """The layout-independent checkpoint format (docs/checkpoints.md): the index each rank writes, the
 writer both engines share (``write_index``) and the reader (``Pieces``, also used by the
 ``smp-adapter checkpoint`` commands without a process group). What each engine records is in
-runtime/universal_checkpoint.py (DeepSpeed) and pipeline/checkpoint.py (pipeline).
+runtime/engines/deepspeed/universal_checkpoint.py (DeepSpeed) and runtime/engines/pipeline/checkpoint.py (pipeline).
 
 On disk: ``<tag>_partial/universal/rank<R>.safetensors``, one per rank, whose safetensors metadata
 holds an index. An entry describes a 1-D piece of one parameter's *TP shard* (the tensor a rank

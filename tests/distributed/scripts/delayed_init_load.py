@@ -5,7 +5,7 @@ file bitwise.
 
 ``--accelerator-without-fp16`` makes DeepSpeed's accelerator answer ``is_fp16_supported()`` as it
 does on CPUs without AVX512-FP16/AMX (e.g. AMD EPYC): ``None``. That answer used to turn every fp32
-parameter created under zero.Init into bfloat16 (runtime/engines/deepspeed_groups.py says why), so
+parameter created under zero.Init into bfloat16 (runtime/engines/deepspeed/groups.py says why), so
 the test reproduces such a machine on any machine."""
 
 import argparse

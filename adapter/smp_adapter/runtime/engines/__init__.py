@@ -3,10 +3,10 @@
     layout (ParallelDims) --engine_name_for--> "deepspeed" | "pipeline" --create_engine--> Engine
 
 * ``deepspeed``: pipeline_parallel_degree 1. A DeepSpeed engine (ZeRO 0/1/3, hpZ, fp16/bf16)
-  over the whole module, tensor-parallel layers inside it (runtime/engines/deepspeed_engine.py).
+  over the whole module, tensor-parallel layers inside it (runtime/engines/deepspeed/engine.py).
 * ``pipeline``: pipeline_parallel_degree > 1. torch.distributed.pipelining stages
-  (smp_adapter/pipeline), with smp's reductions, mixed precision and optimizer-state sharding
-  (runtime/engines/pipeline_engine.py).
+  (runtime/engines/pipeline/), with smp's reductions, mixed precision and optimizer-state sharding
+  (runtime/engines/pipeline/engine.py).
 
 Engines are imported only when chosen (DeepSpeed and torch.export are heavy imports). The interface
 is ``Engine`` in base.py.
@@ -20,13 +20,13 @@ from smp_adapter.errors import SMPUsageError
 
 # name -> "module:class", imported lazily
 ENGINES = {
-    "deepspeed": "smp_adapter.runtime.engines.deepspeed_engine:DeepSpeedEngine",
-    "pipeline": "smp_adapter.runtime.engines.pipeline_engine:PipelineEngine",
+    "deepspeed": "smp_adapter.runtime.engines.deepspeed.engine:DeepSpeedEngine",
+    "pipeline": "smp_adapter.runtime.engines.pipeline.engine:PipelineEngine",
 }
 
 
 def engine_name_for(dims) -> str:
-    """The engine a layout needs: the only branch on the pipeline degree outside smp_adapter/pipeline."""
+    """The engine a layout needs: the only branch on the pipeline degree outside the engines."""
     return "pipeline" if dims.pp > 1 else "deepspeed"
 
 

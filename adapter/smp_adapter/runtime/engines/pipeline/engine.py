@@ -1,6 +1,6 @@
 """The pipeline engine (pipeline_parallel_degree > 1): torch.distributed.pipelining stages.
 
-There is no DeepSpeed engine here. The pieces, all in smp_adapter/pipeline:
+There is no DeepSpeed engine here. The pieces, all in this folder:
   * ``PipelineRunner`` (runtime.py): cuts the model into stages at the first step, runs the
     schedule, reduces gradients (tied parameters over their stages, then TP / RDP);
   * ``PipelineMixedPrecision`` (mixed_precision.py): fp16/bf16 fp32 masters and loss scaling;
@@ -36,7 +36,7 @@ class PipelineEngine(Engine):
 
     def __init__(self, model, tp_originals: dict):
         super().__init__(model, tp_originals)
-        from smp_adapter.pipeline import PipelineRunner
+        from smp_adapter.runtime.engines.pipeline.runtime import PipelineRunner
 
         dtype = model_dtype(state.cfg)
         if dtype is not None:  # fp16/bf16: no DeepSpeed engine to cast the model
@@ -74,12 +74,12 @@ class PipelineEngine(Engine):
         return self.runner.full_state_dict(sd)  # each stage contributes its entries
 
     def local_state_dict(self, sd: dict) -> dict:
-        from smp_adapter.pipeline.checkpoint import mark_stage
+        from smp_adapter.runtime.engines.pipeline.checkpoint import mark_stage
 
         return mark_stage(self.runner, self.runner.local_state_dict(sd))
 
     def load_local_state_dict(self, sd: dict, strict: bool):
-        from smp_adapter.pipeline.checkpoint import load_stage_state_dict
+        from smp_adapter.runtime.engines.pipeline.checkpoint import load_stage_state_dict
 
         return load_stage_state_dict(self.runner, sd, strict=strict)  # this stage's entries only
 
@@ -87,7 +87,7 @@ class PipelineEngine(Engine):
     def attach_optimizer(self, optimizer, loss_scale) -> None:
         cfg = state.cfg
         if cfg.fp16 or cfg.bf16:
-            from smp_adapter.pipeline.mixed_precision import PipelineMixedPrecision
+            from smp_adapter.runtime.engines.pipeline.mixed_precision import PipelineMixedPrecision
 
             self._mixed = PipelineMixedPrecision(model_dtype(cfg), loss_scale)
             self.runner.loss_scale_source = lambda: self._mixed.loss_scale
@@ -125,7 +125,7 @@ class PipelineEngine(Engine):
 
     def _clip(self, max_norm: float) -> None:
         """The norm over all stages' parameters (fp32 masters under fp16/bf16)."""
-        from smp_adapter.pipeline.runtime import clip_grad_norm_pipeline
+        from smp_adapter.runtime.engines.pipeline.runtime import clip_grad_norm_pipeline
 
         mixed = self._mixed
         masters = mixed.masters_by_param() if mixed is not None and mixed.attached else None
@@ -133,11 +133,11 @@ class PipelineEngine(Engine):
 
     def _state_sharding(self):
         """shard_optimizer_state with rdp > 1: the owner of each stage parameter's state
-        (pipeline/sharded_optimizer.py), set up at the first step (after partitioning)."""
+        (runtime/engines/pipeline/sharded_optimizer.py), set up at the first step (after partitioning)."""
         if state.dims.zero_stage == 0 or state.dims.rdp == 1 or not self.runner.built:
             return None  # (before the first step there are no stages and no gradients)
         if self._sharding is None:
-            from smp_adapter.pipeline.sharded_optimizer import PipelineStateSharding
+            from smp_adapter.runtime.engines.pipeline.sharded_optimizer import PipelineStateSharding
 
             mixed = self._mixed
             params = mixed.masters if mixed is not None else list(self.model.local_parameters())
@@ -174,7 +174,7 @@ class PipelineEngine(Engine):
 
     # -- partial checkpoints: one file per stage ---------------------------------------------------
     def save_partial(self, staging, optimizer) -> dict:
-        from smp_adapter.pipeline.checkpoint import save_stage, save_universal
+        from smp_adapter.runtime.engines.pipeline.checkpoint import save_stage, save_universal
         from smp_adapter.runtime import universal_format
         from smp_adapter.runtime.checkpoint_refs import SavedTensors
 
@@ -186,12 +186,12 @@ class PipelineEngine(Engine):
         return {"universal": save_universal(staging, self.runner, optimizer, self._mixed, saved, blob)}
 
     def load_partial(self, folder, optimizer, strict: bool, load_optimizer: bool) -> None:
-        from smp_adapter.pipeline.checkpoint import load_stage
+        from smp_adapter.runtime.engines.pipeline.checkpoint import load_stage
 
         load_stage(folder, self.model, optimizer, strict, load_optimizer)
 
     def load_universal(self, folder, universal: dict) -> None:
-        from smp_adapter.pipeline.checkpoint import load_universal
+        from smp_adapter.runtime.engines.pipeline.checkpoint import load_universal
 
         self._resume_optimizer_state = load_universal(self.runner, folder, universal, self._mixed)
 

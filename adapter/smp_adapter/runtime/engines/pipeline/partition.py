@@ -29,7 +29,7 @@ from torch import nn
 from smp_adapter.errors import SMPUsageError
 from smp_adapter.runtime.partition import partition_mark
 
-log = logging.getLogger("smp_adapter.pipeline")
+log = logging.getLogger("smp_adapter.runtime.engines.pipeline")
 
 
 @dataclass

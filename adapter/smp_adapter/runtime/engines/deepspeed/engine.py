@@ -67,7 +67,7 @@ class DeepSpeedEngine(Engine):
     def _build(self, optimizer, loss_scale):
         import deepspeed
 
-        from smp_adapter.runtime.engines.deepspeed_groups import adopt_smp_hpz_group, mpu_or_none
+        from smp_adapter.runtime.engines.deepspeed.groups import adopt_smp_hpz_group, mpu_or_none
         from smp_adapter.translate.deepspeed import to_deepspeed_config
 
         config = to_deepspeed_config(state.dims, loss_scale=loss_scale,
@@ -214,9 +214,10 @@ class DeepSpeedEngine(Engine):
             engine.optimizer.load_state_dict(sd)
 
     # -- partial checkpoints: DeepSpeed's own format under <tag>_partial/ds, and layout-independent
-    # pieces under <tag>_partial/universal (runtime/universal_checkpoint.py) ----------------------
+    # pieces under <tag>_partial/universal (runtime/engines/deepspeed/universal_checkpoint.py) ----------------------
     def save_partial(self, staging, optimizer) -> dict:
-        from smp_adapter.runtime import universal_checkpoint, universal_format
+        from smp_adapter.runtime import universal_format
+        from smp_adapter.runtime.engines.deepspeed import universal_checkpoint
         from smp_adapter.runtime.checkpoint_refs import SavedTensors
 
         if not universal_format.enabled():
@@ -227,7 +228,7 @@ class DeepSpeedEngine(Engine):
         return {"universal": universal_checkpoint.save(self._ds, self.model.module, Path(staging), saved)}
 
     def load_universal(self, folder, universal: dict) -> None:
-        from smp_adapter.runtime import universal_checkpoint
+        from smp_adapter.runtime.engines.deepspeed import universal_checkpoint
 
         universal_checkpoint.load(self._ds, self.model.module, Path(folder), universal)
 

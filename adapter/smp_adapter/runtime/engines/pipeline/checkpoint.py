@@ -8,7 +8,7 @@ With pp > 1 there is no DeepSpeed engine to write a checkpoint, and each rank ho
     ``stage_pp<P>_tp<T>.pt`` = {"model": local state dict, "optimizer": local optimizer state,
     "mixed_precision": fp16/bf16 fp32 masters and loss-scaler state, or None};
     with ``shard_optimizer_state`` each rank's optimizer state is its own shard
-    (pipeline/sharded_optimizer.py), so it goes to ``optimizer_pp<P>_tp<T>_rdp<R>.pt`` from every rank
+    (runtime/engines/pipeline/sharded_optimizer.py), so it goes to ``optimizer_pp<P>_tp<T>_rdp<R>.pt`` from every rank
     and the stage file's "optimizer" is None;
   * loading works before the first step too (the usual place for ``resume_from_checkpoint``): the
     model is then still whole on every rank, so this stage's entries are loaded by name into it and

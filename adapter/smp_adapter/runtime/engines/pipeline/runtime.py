@@ -31,8 +31,8 @@ import torch.distributed as dist
 from torch import nn
 
 from smp_adapter.errors import SMPUsageError, UnsupportedFeatureError
-from smp_adapter.pipeline import partition as part
-from smp_adapter.pipeline import surgery
+from smp_adapter.runtime.engines.pipeline import partition as part
+from smp_adapter.runtime.engines.pipeline import surgery
 from smp_adapter.runtime.partition import partition_mark
 from smp_adapter.runtime.state import state
 
@@ -223,7 +223,7 @@ class PipelineRunner:
         return output
 
     def _schedule(self, n: int, training: bool, simple: bool):
-        from smp_adapter.pipeline.schedules import make_schedule
+        from smp_adapter.runtime.engines.pipeline.schedules import make_schedule
 
         key = (n, training, simple)
         if key not in self._schedules:
