@@ -69,7 +69,7 @@ def translation_bundle(job: JobSpec, world_size: int | None = None, instance_cou
     ds = to_deepspeed_config(dims, batch_size)
     plan = to_megatron_plan(dims, batch_size)
     launch = {name: to_launch_plan(job, cfg, script, launcher=name, nprocs_per_node=nprocs, nnodes=nnodes,
-                                   master_port=master_port, cpu=cpu).to_dict() for name in LAUNCHERS}
+                                   master_port=master_port, cpu=cpu, dims=dims).to_dict() for name in LAUNCHERS}
     return {
         "world_size": dims.world_size,
         "nnodes": nnodes,

@@ -86,6 +86,12 @@ class ParallelDims:
 
     # -- what the engines get ------------------------------------------------------------------
     @property
+    def engine(self) -> str:
+        """The engine that runs this layout (runtime/engines): the one branch on the pipeline degree.
+        pp > 1: torch.distributed.pipelining stages ("pipeline"); pp = 1: DeepSpeed ZeRO 0/1/3 ("deepspeed")."""
+        return "pipeline" if self.pp > 1 else "deepspeed"
+
+    @property
     def zero_stage(self) -> int:
         if self.sdp > 1:
             return 3

@@ -43,8 +43,8 @@ from smp_adapter.parallel.nn import DistributedLinear, build_registered
 
 
 class _Walk:
-    def __init__(self, root: nn.Module, ctx: TPContext):
-        self.root, self.ctx, self.names = root, ctx, []
+    def __init__(self, root: nn.Module, ctx: TPContext, gathered):
+        self.root, self.ctx, self.names, self.gathered = root, ctx, [], gathered
         self.settled: set = set()  # ids of modules already decided (left whole, with a warning)
         # distinct module objects owning each parameter directly: >1 means shared weights
         self.owners: dict[int, list] = {}
@@ -108,7 +108,7 @@ class _Walk:
         # shards (1-D slices): a handler needs them whole to cut its TP slice, so the parameters it
         # reads are gathered for the duration of that one split (never the whole model at once).
         # The new TP modules hold plain tensors; DistributedModel partitions them afterwards.
-        with _zero3_gathered(_split_inputs(module, hf)):
+        with self.gathered([p for m in _split_inputs(module, hf) for p in m.parameters()]):
             return self._distribute(module, qname, mark, hf)
 
     def _distribute(self, module: nn.Module, qname: str, mark, hf) -> str:
@@ -202,27 +202,21 @@ def _split_inputs(module: nn.Module, hf) -> list:
     return [module]
 
 
-@contextlib.contextmanager
-def _zero3_gathered(modules: list):
-    params = list({id(p): p for m in modules for p in m.parameters() if hasattr(p, "ds_id")}.values())
-    if not params:
-        yield
-        return
-    import deepspeed
-
-    # collective over the ZeRO group: every rank walks the same model in the same order
-    with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
-        yield
+def _nothing_to_gather(params):
+    return contextlib.nullcontext()
 
 
-def apply_tensor_parallelism(module: nn.Module, ctx: TPContext) -> list:
-    """Replace the marked supported modules of ``module`` in place; return their qualified names."""
+def apply_tensor_parallelism(module: nn.Module, ctx: TPContext, gathered=_nothing_to_gather) -> list:
+    """Replace the marked supported modules of ``module`` in place; return their qualified names.
+    ``gathered(params)``: a context in which parameters sharded by the data-parallel engine (ZeRO-3,
+    created under delayed initialisation) hold their whole values while a split reads them (the
+    engine's ``gathered`` hook; collective, every rank walks the same model in the same order)."""
     if not isinstance(ctx, TPContext):
         raise TypeError(f"expected a TPContext, got {type(ctx).__name__}")
     object.__setattr__(module, "_smp_tp_applied", True)
     if ctx.size == 1:
         return []
-    walk = _Walk(module, ctx)
+    walk = _Walk(module, ctx, gathered)
     with using_tp_context(ctx):
         walk.visit(module, "")
     return walk.names

@@ -22,8 +22,6 @@ from __future__ import annotations
 
 import os
 
-import torch
-
 from smp_adapter.errors import SMPCheckpointError, SMPUsageError
 from smp_adapter.runtime.checkpoint_files import (LAYOUT_MARK, PARTIAL_MARK, atomic_torch_save, check_layout,
                                                   current_layout, safe_torch_load)
@@ -31,30 +29,19 @@ from smp_adapter.runtime.state import require_initialized, state
 
 
 # -- model state dicts ---------------------------------------------------------------------------
-def _zero3(model) -> bool:
-    return _is_zero3_module(model.module)
-
-
-def _is_zero3_module(module) -> bool:
-    """Parameters are ZeRO-3 shards (after the engine is built, or created under zero.Init)."""
-    return any(hasattr(p, "ds_id") for p in module.parameters())
-
-
 def full_model_state_dict(model, gather_to_rank0: bool = False) -> dict:
     """The whole model in the original module's layout. Collective under ZeRO-3 and TP: every rank
     must call it."""
-    module = model.module
-    if _zero3(model):
-        import deepspeed
-
-        with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
+    module, engine = model.module, model.runtime_engine
+    if engine.holds_shards(module):  # ZeRO-3: whole values only inside the engine's gathered block
+        with engine.gathered(list(module.parameters()), modifier_rank=None):
             # copies: the gathered tensors are freed again when the context ends
             sd = {k: v.detach().clone().cpu() for k, v in _unsplit_state_dict(module).items()}
     elif state.dims.tp > 1:
         sd = _unsplit_state_dict(module)
     else:
         sd = {k: v.detach().clone().cpu() for k, v in module.state_dict().items()}
-    sd = model.runtime_engine.merge_full_state_dict(sd)  # pp > 1: each stage contributes its entries
+    sd = engine.merge_full_state_dict(sd)  # pp > 1: each stage contributes its entries
     if gather_to_rank0 and state.rank != 0:
         return {}
     return sd
@@ -70,13 +57,8 @@ def _unsplit_state_dict(module) -> dict:
 
 
 def local_model_state_dict(model) -> dict:
-    module = model.module
-    if _zero3(model):
-        sd = {n: p.ds_tensor.detach().clone().cpu() for n, p in module.named_parameters()}
-        sd.update({n: b.detach().clone().cpu() for n, b in module.named_buffers()})
-    else:
-        sd = {k: v.detach().clone().cpu() for k, v in module.state_dict().items()}
-    sd = model.runtime_engine.local_state_dict(sd)
+    engine = model.runtime_engine
+    sd = engine.local_state_dict(engine.local_tensors())  # this rank's tensors (ZeRO-3: its shards)
     sd[PARTIAL_MARK] = True
     sd[LAYOUT_MARK] = current_layout()
     return sd
@@ -86,31 +68,18 @@ def load_model_state_dict(model, state_dict, strict: bool = True):
     if not isinstance(state_dict, dict):
         raise SMPCheckpointError(f"load_state_dict expects a dict of tensors, got {type(state_dict).__name__}")
     sd = dict(state_dict)
-    module = model.module
+    module, engine = model.module, model.runtime_engine
     if sd.pop(PARTIAL_MARK, False):
         check_layout(sd.pop(LAYOUT_MARK, current_layout()), "this partial state dict")
-        return model.runtime_engine.load_local_state_dict(sd, strict)
+        return engine.load_local_state_dict(sd, strict)
     sd.pop(LAYOUT_MARK, None)
     if state.dims.tp > 1:  # this rank's slices of the unsplit tensors
         from smp_adapter.parallel.tensor import current_tp_context, shard_state_dict
 
         sd = shard_state_dict(module, sd, current_tp_context())
-    if _zero3(model):
-        import deepspeed
-
-        with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=0):
-            return module.load_state_dict(sd, strict=strict)
-    return module.load_state_dict(sd, strict=strict)
-
-
-def load_whole_local_state_dict(module, sd: dict, strict: bool):
-    """A partial state dict whose every entry is this rank's (pp = 1): ZeRO-3 shards or tensors."""
-    if _is_zero3_module(module):
-        with torch.no_grad():
-            for n, p in module.named_parameters():
-                p.ds_tensor.copy_(sd[n])
-        return None
-    return module.load_state_dict(sd, strict=strict)
+    # ZeRO-3: rank 0's writes into the gathered values are re-partitioned on exit
+    with engine.gathered(list(module.parameters()), modifier_rank=0):
+        return module.load_state_dict(sd, strict=strict)
 
 
 # -- smp.save / smp.load -------------------------------------------------------------------------

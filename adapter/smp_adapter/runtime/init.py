@@ -35,13 +35,19 @@ def resolve_layout(config: Mapping[str, Any] | None, environ: Mapping[str, str])
     """The pure part of smp.init: (options, ParallelDims, LaunchEnv) from the script's dict and the
     environment. Every layout rule is ParallelDims' own, so translate and launch (which build the
     same ParallelDims) accept and refuse exactly what smp.init does."""
-    cfg = SMPConfig.from_sources(config, environ)
+    return place_options(SMPConfig.from_sources(config, environ), environ)
+
+
+def place_options(cfg: SMPConfig, environ: Mapping[str, str]):
+    """(options, ParallelDims, LaunchEnv) for options already read: the world this process is in."""
     launch = LaunchEnv.from_environ(environ)
     return cfg, ParallelDims.from_config(cfg, launch.world_size), launch
 
 
 def init(config: Mapping[str, Any] | None = None) -> None:
-    """smp.init(): environment options (SM_HP_MP_PARAMETERS) override the script's dict."""
+    """smp.init(): environment options (SM_HP_MP_PARAMETERS) override the script's dict. The options
+    are read once; the layout names the engine (ParallelDims.engine), which is chosen here, before
+    any model exists, and starts the process group and builds its one config for the job."""
     cfg = SMPConfig.from_sources(config, os.environ)
     if state.initialized:
         if cfg != state.cfg:
@@ -50,7 +56,7 @@ def init(config: Mapping[str, Any] | None = None) -> None:
                 f"(first: {state.cfg.to_dict()}, now: {cfg.to_dict()})")
         return
     environ_before = dict(os.environ)
-    cfg, dims, launch = resolve_layout(config, os.environ)
+    cfg, dims, launch = place_options(cfg, os.environ)
     warn_once(cfg.warnings, launch.rank)
     import torch
 
@@ -61,15 +67,14 @@ def init(config: Mapping[str, Any] | None = None) -> None:
     _export_rendezvous(launch, cfg)
     import torch.distributed as dist
 
+    from smp_adapter.runtime.engines import engine_class
+
+    engine = engine_class(dims.engine)  # the engine of this job, chosen before any model exists
     state.owns_process_group = not dist.is_initialized()
     if state.owns_process_group:
-        import deepspeed
-
-        if not use_cuda:
-            _skip_deepspeed_shm_allreduce()
-        deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False,
-                                   timeout=collective_timeout(), rank=launch.rank, world_size=launch.world_size)
+        engine.start_process_group(backend, launch.rank, launch.world_size, collective_timeout(), use_cuda)
     state.cfg, state.dims, state.launcher, state.backend = cfg, dims, launch.launcher, backend
+    state.engine, state.engine_config = engine, engine.build_job_config(dims, backend)
     state.rank, state.world_size = launch.rank, launch.world_size
     state.local_rank, state.local_size = launch.local_rank, launch.local_size
     state.device = torch.device("cuda", launch.local_rank) if use_cuda else torch.device("cpu")
@@ -113,19 +118,6 @@ def _destroy_at_exit() -> None:
         dist.destroy_process_group()
     except Exception:  # exiting anyway; never turn a clean exit into a failure
         pass
-
-
-def _skip_deepspeed_shm_allreduce() -> None:
-    """On CPU DeepSpeed's comm backend creates a ~64 MiB /dev/shm buffer per rank and job for its
-    inference all-reduce kernel, and never unlinks it: every job leaks it, until /dev/shm (RAM) is
-    full. smp training never calls that kernel (collectives go through torch.distributed/gloo), so
-    the backend is built without it."""
-    import importlib
-
-    # importlib, not `import deepspeed.comm.torch as m`: deepspeed.comm's `torch` attribute is the
-    # torch package itself, which that statement would return
-    ds_torch_comm = importlib.import_module("deepspeed.comm.torch")
-    ds_torch_comm.build_shm_op = lambda: None
 
 
 def _choose_backend(requested: str, use_cuda: bool) -> str:
@@ -213,7 +205,8 @@ def shutdown() -> None:
 
     if state.owns_process_group and dist.is_initialized():
         dist.destroy_process_group()
-        _reset_deepspeed_group_caches()
+        if state.engine is not None:
+            state.engine.forget_process_group()
     for name, value in state.environ_changes.items():
         if value is None:
             os.environ.pop(name, None)
@@ -236,19 +229,3 @@ def _reset_module_globals() -> None:
         module = sys.modules.get(name)  # not imported: nothing to reset
         if module is not None:
             module.reset()
-
-
-def _reset_deepspeed_group_caches() -> None:
-    """DeepSpeed caches process groups in module globals; after the process group is destroyed a
-    later smp.init must not reuse them."""
-    import sys
-
-    groups = sys.modules.get("deepspeed.utils.groups")
-    if groups is None:
-        return
-    for name, value in list(vars(groups).items()):
-        if name.startswith("_") and ("GROUP" in name or name.startswith("_MPU_")):
-            if isinstance(value, dict):
-                value.clear()
-            elif not callable(value):
-                setattr(groups, name, None)

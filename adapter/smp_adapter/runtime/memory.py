@@ -1,9 +1,10 @@
 """Memory-saving APIs (spec §2.9): delayed parameter initialisation, model_creation, activation
 checkpointing, register_parameter.
 
-* ``delay_param_initialization`` under sharded data parallel enters ``deepspeed.zero.Init``:
-  parameters are created already sharded, never whole on one rank. Without sdp it changes nothing
-  (parameters are created normally; the engine places them at wrap time) - our documented choice.
+* ``delay_param_initialization`` enters the job engine's module-init context: under sharded data
+  parallel DeepSpeed's ``zero.Init`` (runtime/engines/deepspeed/zero3.py), so parameters are created
+  already sharded, never whole on one rank. Without sdp it changes nothing (parameters are created
+  normally; the engine places them at wrap time) - our documented choice.
 * ``set_activation_checkpointing`` re-runs the module's forward during backward
   (torch.utils.checkpoint, non-reentrant, which also works under ZeRO-3). With
   ``offload_activations`` the tensors a checkpointed module saves go to CPU memory
@@ -24,97 +25,14 @@ from smp_adapter.runtime.state import require_initialized, state
 
 @contextlib.contextmanager
 def delay_param_initialization(enabled: bool = True):
-    s = require_initialized("delay_param_initialization")
-    if not enabled or s.dims.zero_stage != 3:
+    require_initialized("delay_param_initialization")
+    if not enabled:
         yield
         return
-    # zero.Init patches torch.Tensor.__new__; torch._dynamo refuses to load under that patch, and
-    # libraries (transformers) import it lazily while building models - so load it first.
-    import torch._dynamo  # noqa: F401
+    from smp_adapter.runtime.engines import job_engine
 
-    from smp_adapter.runtime.engines.deepspeed.groups import zero_init_context
-    from smp_adapter.translate.deepspeed import to_deepspeed_config
-
-    try:
-        with zero_init_context(_param_dtype()):
-            _announce_zero3_to_transformers(to_deepspeed_config(s.dims, backend=s.backend))
-            yield
-    finally:
-        # Only while creating: afterwards a plain HF model built on one rank (e.g. to save a full
-        # checkpoint) must not think it is sharded, or its collectives would wait for other ranks.
-        state.hf_deepspeed_config = None
-
-
-def _announce_zero3_to_transformers(ds_config: dict) -> None:
-    """Tell transformers that parameters are ZeRO-3 shards, so ``from_pretrained`` inside the
-    context gathers each shard while loading checkpoint weights (its DeepSpeed integration).
-    transformers keeps only a weak reference: the object lives in ``state`` while we create."""
-    try:
-        from transformers.integrations import HfDeepSpeedConfig
-    except ImportError:
-        return
-    state.hf_deepspeed_config = HfDeepSpeedConfig(dict(ds_config))
-
-
-def initialize_hf_weights_if_random(module: nn.Module) -> None:
-    """A Hugging Face model built from a config under zero.Init got PyTorch's default init (its own
-    ``_init_weights`` ran on empty shards). Re-run the model's init with gathered shards, as
-    transformers does for its own ZeRO-3 path. Models loaded with from_pretrained keep their weights."""
-    config = getattr(module, "config", None)
-    if config is None or not hasattr(module, "_initialize_weights") or getattr(config, "_name_or_path", ""):
-        return
-    if not any(hasattr(p, "ds_id") for p in module.parameters()):
-        return
-    from transformers.integrations.deepspeed import initialize_weights_zero3
-
-    with _zero_group_rank_as_rank():
-        initialize_weights_zero3(module)
-    module.tie_weights()
-
-
-@contextlib.contextmanager
-def _zero_group_rank_as_rank():
-    """transformers initialises a gathered ZeRO-3 module on ``deepspeed.comm.get_rank() == 0`` and
-    broadcasts from the ZeRO group's first rank. With tensor parallelism the ZeRO group is the RDP
-    group, and every group but the one holding global rank 0 would broadcast uninitialised memory
-    (seen as NaN losses at tp 2 x sdp 2 with delayed init). While it runs, the argument-free
-    ``get_rank()`` answers the rank inside the ZeRO group, so each group's first rank initialises."""
-    import deepspeed.comm as ds_comm
-    import torch.distributed as dist
-
-    zero_group = state.groups.rdp
-    if zero_group is None or dist.get_world_size(zero_group) == state.world_size:
+    with job_engine().module_init_context(_param_dtype()):
         yield
-        return
-    original = ds_comm.get_rank
-
-    def rank_in_zero_group(group=None):  # DeepSpeed's own calls pass group= and keep their answer
-        return dist.get_rank(group=zero_group) if group is None else original(group=group)
-
-    ds_comm.get_rank = rank_in_zero_group
-    try:
-        yield
-    finally:
-        ds_comm.get_rank = original
-
-
-def partition_for_zero3(module: nn.Module) -> None:
-    """Sharded data parallel: make every parameter a ZeRO-3 shard now, when DistributedModel wraps
-    the module, as smp v1 did (its sharded data parallel was DeepSpeed). Scripts read
-    ``p.ds_tensor.ds_numel`` right after wrapping, before any optimizer exists. Parameters already
-    partitioned (created under delayed initialisation) are left alone; new ones (tensor-parallel
-    slices built from gathered shards) join them. Floating parameters are cast to the job's dtype
-    first, because DeepSpeed casts only parameters it partitions itself."""
-    from smp_adapter.runtime.engines.deepspeed.groups import partition_module
-
-    whole = [p for p in module.parameters() if not hasattr(p, "ds_id")]
-    if not whole:
-        return
-    dtype = _param_dtype()
-    for p in whole:
-        if p.is_floating_point() and p.dtype != dtype:
-            p.data = p.data.to(dtype)
-    partition_module(module)
 
 
 def _param_dtype():
@@ -235,8 +153,7 @@ def _checkpoint_forward(module: nn.Module, preserve_rng_state: bool, followers: 
 
 def register_parameter(module: nn.Module, parameter: nn.Parameter) -> None:
     """A parameter a module uses but does not own: ZeRO-3 must gather it for that module too."""
-    s = require_initialized("register_parameter")
-    if s.dims.zero_stage == 3:
-        import deepspeed
+    require_initialized("register_parameter")
+    from smp_adapter.runtime.engines import job_engine
 
-        deepspeed.zero.register_external_parameter(module, parameter)
+    job_engine().register_external_parameter(module, parameter)

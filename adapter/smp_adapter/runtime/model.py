@@ -44,15 +44,15 @@ class DistributedModel(nn.Module):
         self._post_partition_hooks: list = []
         self._post_step_hooks: list = []
         self._distributed_modules: list[str] = []
-        if _is_zero3_partitioned(module):
-            from smp_adapter.runtime.memory import initialize_hf_weights_if_random
+        from smp_adapter.runtime.engines import create_engine, job_engine
 
-            initialize_hf_weights_if_random(module)
-        else:
-            module.to(s.device)
+        engine = job_engine()  # the class smp.init chose from the layout
+        engine.place_module(module, s.device)
         # Every replica starts from dp rank 0's weights (users seed with dp_rank); done before the
-        # tensor-parallel split, so each TP rank's shard is a slice of the same matrix.
-        _sync_initial_state(module)
+        # tensor-parallel split, so each TP rank's shard is a slice of the same matrix. The engine's
+        # shards (created under delayed initialisation) are the same on every replica already.
+        if not engine.holds_shards(module):
+            _sync_initial_state(module)
         if _created_for_tensor_parallelism(module):
             # smp v1's distributed-transformer names (transformer.seq_layers, .attention, .output),
             # which scripts walk for set_partition / set_activation_checkpointing
@@ -61,9 +61,7 @@ class DistributedModel(nn.Module):
             add_smp_layout(module)
         before = dict(module.named_modules())
         if s.dims.tp > 1:
-            self._distributed_modules = _apply_tensor_parallelism(module)
-        from smp_adapter.runtime.engines import create_engine
-
+            self._distributed_modules = _apply_tensor_parallelism(module, engine.gathered)
         #: the engine that executes this model (runtime/engines); chosen once, here
         self.runtime_engine = create_engine(self, s.dims, {n: before[n] for n in self._distributed_modules})
         s.model = self
@@ -212,10 +210,10 @@ def _scalar_loss(tensors, grad_tensors):
     return tensors
 
 
-def _apply_tensor_parallelism(module):
+def _apply_tensor_parallelism(module, gathered):
     from smp_adapter.parallel.tensor import apply_tensor_parallelism, current_tp_context
 
-    return apply_tensor_parallelism(module, current_tp_context())
+    return apply_tensor_parallelism(module, current_tp_context(), gathered=gathered)
 
 
 def _is_split(param) -> bool:
@@ -234,10 +232,6 @@ def _created_for_tensor_parallelism(module) -> bool:
 
     mark = get_mark(module)
     return mark is not None and mark.enabled
-
-
-def _is_zero3_partitioned(module) -> bool:
-    return any(hasattr(p, "ds_id") for p in module.parameters())
 
 
 def _cast_floats(obj, dtype):
@@ -259,7 +253,7 @@ def _sync_initial_state(module) -> None:
     import torch.distributed as dist
 
     s = state
-    if s.world_size == 1 or _is_zero3_partitioned(module):
+    if s.world_size == 1:
         return
     from smp_adapter.runtime.comm import get_dp_group
 

@@ -55,6 +55,8 @@ class State:
         self.initialized = False
         self._cfg = None
         self.dims = None  # ParallelDims
+        self.engine = None  # the Engine class smp.init chose from the layout (runtime/engines)
+        self.engine_config = None  # that engine's one config for the job (DeepSpeed's dict), built by smp.init
         self.rank = 0
         self.world_size = 1
         self.local_rank = 0

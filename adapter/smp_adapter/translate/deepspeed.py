@@ -13,6 +13,7 @@ Batch arithmetic: per optimizer step each data-parallel rank runs `microbatches`
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -119,6 +120,19 @@ def to_deepspeed_config(dims: ParallelDims, per_rank_batch: int | None = None,
                                           "contiguous_memory_optimization": False}
     if dims.pp > 1:
         ds["pipeline"] = {"stages": dims.pp, "activation_checkpoint_interval": 0}
+    return ds
+
+
+def with_engine_arguments(config: dict[str, Any], dims: ParallelDims, loss_scale: LossScaleArgs | None,
+                          backward_passes_per_step: int) -> dict[str, Any]:
+    """``config`` (``to_deepspeed_config(dims, ...)`` with the defaults) with what DistributedModel's and
+    DistributedOptimizer's arguments decide: equal to ``to_deepspeed_config(dims, ..., loss_scale=...,
+    backward_passes_per_step=...)``, without rebuilding the rest. A new dict; ``config`` is unchanged."""
+    cfg = dims.cfg
+    ds = copy.deepcopy(config)
+    ds["gradient_accumulation_steps"] = cfg.microbatches * backward_passes_per_step
+    if cfg.fp16:
+        ds["fp16"] = fp16_section(loss_scale or LossScaleArgs())
     return ds
 
 

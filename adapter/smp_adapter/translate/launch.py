@@ -110,14 +110,17 @@ def to_launch_plan(job: JobSpec, cfg: SMPConfig | None, script: str, script_args
                    launcher: str = "deepspeed", nprocs_per_node: int | None = None, hostfile: str | None = None,
                    master_addr: str | None = None, master_port: int | None = None, cpu: bool = False,
                    nnodes: int | None = None, hosts: Sequence[str] | None = None,
-                   python: str = "python", node_rank: int | None = None) -> LaunchPlan:
+                   python: str = "python", node_rank: int | None = None,
+                   dims: ParallelDims | None = None) -> LaunchPlan:
     """The command that starts ``script`` as this job. Raises SMPConfigError when the world
-    size does not fit the degrees (ParallelDims.from_config) or an argument is invalid."""
+    size does not fit the degrees (ParallelDims.from_config) or an argument is invalid. ``dims``:
+    the layout the caller already placed on this world (a translate bundle places it once)."""
     cfg = job.config() if cfg is None else cfg
     if launcher not in LAUNCHERS:
         raise_if_any([ConfigProblem("launcher", "is not a known launcher", f"Available: {', '.join(LAUNCHERS)}", launcher)])
     nnodes, nprocs = resolve_processes(job, cfg, nprocs_per_node, nnodes)
-    ParallelDims.from_config(cfg, nnodes * nprocs)  # the degrees must fit this world
+    if dims is None or dims.cfg != cfg or dims.world_size != nnodes * nprocs:
+        ParallelDims.from_config(cfg, nnodes * nprocs)  # the degrees must fit this world
     port = master_port if master_port is not None else (cfg.ddp_port or DEFAULT_MASTER_PORT)
     if not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536:
         raise_if_any([ConfigProblem("master_port", "must be a TCP port (1-65535)", "e.g. 29500", port)])

@@ -1,15 +1,18 @@
-"""The engines that carry out a DistributedModel, and the one place that chooses between them.
+"""The engines that carry out a job, and the one place that turns the layout's choice into a class.
 
-    layout (ParallelDims) --engine_name_for--> "deepspeed" | "pipeline" --create_engine--> Engine
+    layout (ParallelDims.engine) --smp.init: engine_class--> Engine class (state.engine)
+        --DistributedModel: create_engine--> Engine instance (model.runtime_engine)
 
-* ``deepspeed``: pipeline_parallel_degree 1. A DeepSpeed engine (ZeRO 0/1/3, hpZ, fp16/bf16)
-  over the whole module, tensor-parallel layers inside it (runtime/engines/deepspeed/engine.py).
-* ``pipeline``: pipeline_parallel_degree > 1. torch.distributed.pipelining stages
-  (runtime/engines/pipeline/), with smp's reductions, mixed precision and optimizer-state sharding
-  (runtime/engines/pipeline/engine.py).
+* ``deepspeed`` (deepspeed/): pipeline_parallel_degree 1. A DeepSpeed engine (ZeRO 0/1/3, hpZ,
+  fp16/bf16) over the whole module, tensor-parallel layers inside it; everything that imports
+  DeepSpeed lives in that folder.
+* ``pipeline`` (pipeline/): pipeline_parallel_degree > 1. torch.distributed.pipelining stages, with
+  smp's reductions, mixed precision and optimizer-state sharding.
 
-Engines are imported only when chosen (DeepSpeed and torch.export are heavy imports). The interface
-is ``Engine`` in base.py.
+The engine is chosen when smp.init runs, before any model exists: what must happen before the model
+is built (starting the process group, the module-init context of delayed initialisation, external
+parameters) goes through the chosen class's hooks (``Engine`` in base.py). Engines are imported only
+when chosen (DeepSpeed and torch.export are heavy imports).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from __future__ import annotations
 import importlib
 
 from smp_adapter.errors import SMPUsageError
+from smp_adapter.runtime.state import state
 
 # name -> "module:class", imported lazily
 ENGINES = {
@@ -26,8 +30,8 @@ ENGINES = {
 
 
 def engine_name_for(dims) -> str:
-    """The engine a layout needs: the only branch on the pipeline degree outside the engines."""
-    return "pipeline" if dims.pp > 1 else "deepspeed"
+    """The engine a layout needs (``ParallelDims.engine``, the one home of that rule)."""
+    return dims.engine
 
 
 def engine_class(name: str):
@@ -38,6 +42,14 @@ def engine_class(name: str):
     return getattr(importlib.import_module(module), cls)
 
 
+def job_engine():
+    """The Engine class of this job: the one smp.init chose (state.engine), or, for a state set up by
+    hand without smp.init, the one its layout names."""
+    if state.engine is None:
+        state.engine = engine_class(engine_name_for(state.dims))
+    return state.engine
+
+
 def create_engine(model, dims, tp_originals: dict):
-    """The engine for ``model`` under ``dims`` (called once, by DistributedModel)."""
-    return engine_class(engine_name_for(dims))(model, tp_originals)
+    """The engine for ``model`` (called once, by DistributedModel): an instance of the job's class."""
+    return job_engine()(model, tp_originals)

@@ -3,15 +3,20 @@
 
 An engine owns *how* a wrapped model is executed; the smp objects own *what* the user asked for.
 The smp objects call only these methods and never ask which engine they hold. One engine per
-DistributedModel, chosen once from the layout (``engines.create_engine``).
+job, chosen from the layout when smp.init runs (``ParallelDims.engine``, ``engines.job_engine``).
 
-Lifecycle: created by ``DistributedModel`` after tensor-parallel splitting; ``attach_optimizer`` when
+Lifecycle, as Lightning Fabric's strategies: before any model exists the chosen *class* starts the
+process group (``start_process_group``) and gives the module-init context of delayed initialisation
+(``module_init_context``, ``register_external_parameter``); ``DistributedModel`` asks it to place the
+module (``place_module``) and to gather parameters it shards (``gathered``, ``holds_shards``), then
+creates the instance after tensor-parallel splitting; ``attach_optimizer`` when
 ``DistributedOptimizer`` is created; then per step ``run_step`` (microbatches), ``forward`` /
 ``backward`` from inside or outside the step function, ``optimizer_step``.
 """
 
 from __future__ import annotations
 
+import contextlib
 from abc import ABC, abstractmethod
 from pathlib import Path
 
@@ -23,6 +28,52 @@ from smp_adapter.errors import SMPCheckpointError, UnsupportedFeatureError
 class Engine(ABC):
     #: registry name (``engines.ENGINES``)
     name: str = ""
+
+    # -- before the model exists: hooks of the class smp.init chose ---------------------------------
+    @classmethod
+    def build_job_config(cls, dims, backend: str | None):
+        """The engine's one config for the job (smp.init keeps it in ``state.engine_config``), or None."""
+        return None
+
+    @classmethod
+    def start_process_group(cls, backend: str, rank: int, world_size: int, timeout, use_cuda: bool) -> None:
+        import torch.distributed as dist
+
+        dist.init_process_group(backend=backend, rank=rank, world_size=world_size, timeout=timeout)
+
+    @classmethod
+    def forget_process_group(cls) -> None:
+        """After the process group is destroyed (smp.shutdown): drop what the engine cached about it."""
+
+    @classmethod
+    def module_init_context(cls, dtype):
+        """The context parameters are created in under delayed parameter initialisation."""
+        return contextlib.nullcontext()
+
+    @classmethod
+    def register_external_parameter(cls, module, parameter) -> None:
+        """``smp.register_parameter``: ``module`` uses ``parameter`` without owning it."""
+
+    @classmethod
+    def is_own_parameter(cls, param) -> bool:
+        """Whether ``param`` is one of the engine's own shards (not a whole tensor)."""
+        return False
+
+    @classmethod
+    def holds_shards(cls, module) -> bool:
+        return any(cls.is_own_parameter(p) for p in module.parameters())
+
+    @classmethod
+    def gathered(cls, params, modifier_rank=None):
+        """A context inside which the engine's shards among ``params`` hold their whole values
+        (collective: every rank passes the same parameters). ``modifier_rank``: whose writes are kept."""
+        return contextlib.nullcontext()
+
+    @classmethod
+    def place_module(cls, module, device) -> None:
+        """DistributedModel: put a freshly created module where the engine wants it before the
+        tensor-parallel split (whole tensors on the job's device)."""
+        module.to(device)
 
     def __init__(self, model, tp_originals: dict):
         """``model``: the DistributedModel (public members only); ``tp_originals``: qualified name ->
@@ -69,11 +120,13 @@ class Engine(ABC):
         """This rank's part of a full-layout state dict (and the engine's marks)."""
         return sd
 
+    def local_tensors(self) -> dict:
+        """Copies of this rank's tensors of the module, by name (before ``local_state_dict``)."""
+        return {k: v.detach().clone().cpu() for k, v in self.model.module.state_dict().items()}
+
     def load_local_state_dict(self, sd: dict, strict: bool):
         """Load a partial state dict (layout already checked): every entry is this rank's."""
-        from smp_adapter.runtime.checkpoint import load_whole_local_state_dict
-
-        return load_whole_local_state_dict(self.model.module, sd, strict)
+        return self.model.module.load_state_dict(sd, strict=strict)
 
     # -- optimizer -------------------------------------------------------------------------------
     @abstractmethod

@@ -32,6 +32,64 @@ from smp_adapter.runtime.state import state
 class DeepSpeedEngine(Engine):
     name = "deepspeed"
 
+    # -- before the model exists (Engine's class hooks; ZeRO-3 details in zero3.py) ----------------
+    @classmethod
+    def build_job_config(cls, dims, backend):
+        from smp_adapter.runtime.engines.deepspeed.config import build_job_config
+
+        return build_job_config(dims, backend)
+
+    @classmethod
+    def start_process_group(cls, backend, rank, world_size, timeout, use_cuda) -> None:
+        from smp_adapter.runtime.engines.deepspeed import process_group
+
+        process_group.start(backend, rank, world_size, timeout, use_cuda)
+
+    @classmethod
+    def forget_process_group(cls) -> None:
+        from smp_adapter.runtime.engines.deepspeed import process_group
+
+        process_group.forget_cached_groups()
+
+    @classmethod
+    def module_init_context(cls, dtype):
+        """zero.Init under sharded data parallel; without it parameters are created normally and
+        placed at wrap time (our documented choice)."""
+        if state.dims.zero_stage != 3:
+            return super().module_init_context(dtype)
+        from smp_adapter.runtime.engines.deepspeed import zero3
+
+        return zero3.module_init_context(dtype)
+
+    @classmethod
+    def register_external_parameter(cls, module, parameter) -> None:
+        if state.dims.zero_stage == 3:
+            from smp_adapter.runtime.engines.deepspeed import zero3
+
+            zero3.register_external_parameter(module, parameter)
+
+    @classmethod
+    def is_own_parameter(cls, param) -> bool:
+        from smp_adapter.runtime.engines.deepspeed.zero3 import is_zero3_parameter
+
+        return is_zero3_parameter(param)
+
+    @classmethod
+    def gathered(cls, params, modifier_rank=None):
+        from smp_adapter.runtime.engines.deepspeed import zero3
+
+        return zero3.gathered(params, modifier_rank)
+
+    @classmethod
+    def place_module(cls, module, device) -> None:
+        """Parameters created under zero.Init stay shards where DeepSpeed put them; a Hugging Face
+        model built from a config there gets its own weight init now, with gathered shards."""
+        if not cls.holds_shards(module):
+            return super().place_module(module, device)
+        from smp_adapter.runtime.engines.deepspeed.zero3 import initialize_hf_weights_if_random
+
+        initialize_hf_weights_if_random(module)
+
     def __init__(self, model, tp_originals: dict):
         super().__init__(model, tp_originals)
         self._ds = None  # deepspeed.DeepSpeedEngine, built lazily (module docstring)
@@ -44,9 +102,11 @@ class DeepSpeedEngine(Engine):
         self._manual_reduction = state.dims.tp > 1 and not state.cfg.prescaled_batch
         self._floating_buffers = [b for b in model.module.buffers() if b.is_floating_point()]
         if state.dims.zero_stage == 3:
-            from smp_adapter.runtime.memory import partition_for_zero3
+            from smp_adapter.runtime.engines.base import model_dtype
+            from smp_adapter.runtime.engines.deepspeed.zero3 import partition_for_zero3
 
-            partition_for_zero3(model.module)  # scripts read p.ds_tensor right after wrapping
+            # scripts read p.ds_tensor right after wrapping; shards in the job's dtype
+            partition_for_zero3(model.module, model_dtype(state.cfg) or torch.get_default_dtype())
 
     # -- DeepSpeed's engine ----------------------------------------------------------------------
     @property
@@ -67,12 +127,10 @@ class DeepSpeedEngine(Engine):
     def _build(self, optimizer, loss_scale):
         import deepspeed
 
+        from smp_adapter.runtime.engines.deepspeed.config import engine_config
         from smp_adapter.runtime.engines.deepspeed.groups import adopt_smp_hpz_group, mpu_or_none
-        from smp_adapter.translate.deepspeed import to_deepspeed_config
 
-        config = to_deepspeed_config(state.dims, loss_scale=loss_scale,
-                                     backward_passes_per_step=self.model.backward_passes_per_step,
-                                     backend=state.backend)
+        config = engine_config(loss_scale, self.model.backward_passes_per_step)
         module = self.model.module
         params = [p for p in module.parameters() if p.requires_grad] if optimizer is None else None
         adopt_smp_hpz_group()
@@ -132,6 +190,21 @@ class DeepSpeedEngine(Engine):
             tp_gradient_sync(self.model.module.parameters(), current_tp_context())
         engine.set_gradient_accumulation_boundary(True)
         engine.allreduce_gradients()
+
+    # -- partial model state dicts: ZeRO-3 shards, else whole tensors ---------------------------
+    def local_tensors(self) -> dict:
+        from smp_adapter.runtime.engines.deepspeed import zero3
+
+        module = self.model.module
+        return zero3.local_tensors(module) if self.holds_shards(module) else super().local_tensors()
+
+    def load_local_state_dict(self, sd: dict, strict: bool):
+        from smp_adapter.runtime.engines.deepspeed import zero3
+
+        if not self.holds_shards(self.model.module):
+            return super().load_local_state_dict(sd, strict)
+        zero3.load_local_shards(self.model.module, sd)
+        return None
 
     def local_named_parameters(self):
         return self.model.module.named_parameters()  # pp = 1: every module is on this rank

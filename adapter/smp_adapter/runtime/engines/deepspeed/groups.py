@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+from smp_adapter.runtime.engines.deepspeed.config import job_config
 from smp_adapter.runtime.state import state
 
 
@@ -92,7 +93,7 @@ def zero_init_context(dtype):
             f"delayed parameter initialization under sharded data parallel creates parameters in float32, "
             f"float16 or bfloat16 (what DeepSpeed's ZeRO-3 holds), not {dtype}; create the model with torch's "
             "default dtype float32 and choose half precision with the fp16/bf16 options")
-    init = deepspeed.zero.Init(config_dict_or_path=_job_config(), dtype=None, remote_device=None, enabled=True,
+    init = deepspeed.zero.Init(config_dict_or_path=job_config(), dtype=None, remote_device=None, enabled=True,
                                **_zero_init_groups())
     init.dtype = dtype
     return init
@@ -104,13 +105,7 @@ def partition_module(module) -> None:
     the parameters first, and DeepSpeed does not cast them here."""
     import deepspeed
 
-    deepspeed.zero.Init(module=module, config_dict_or_path=_job_config(), dtype=None, **_zero_init_groups())
-
-
-def _job_config() -> dict:
-    from smp_adapter.translate.deepspeed import to_deepspeed_config
-
-    return to_deepspeed_config(state.dims, backend=state.backend)
+    deepspeed.zero.Init(module=module, config_dict_or_path=job_config(), dtype=None, **_zero_init_groups())
 
 
 def _zero_init_groups() -> dict:

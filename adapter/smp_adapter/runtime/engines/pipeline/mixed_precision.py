@@ -26,7 +26,9 @@ import torch.distributed as dist
 
 class PipelineMixedPrecision:
     def __init__(self, dtype: torch.dtype, loss_scale_args):
-        from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+        from smp_adapter.runtime.engines.deepspeed.parts import loss_scalers
+
+        DynamicLossScaler, LossScaler = loss_scalers()
 
         self.dtype = dtype
         a = loss_scale_args

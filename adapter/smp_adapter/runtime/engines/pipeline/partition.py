@@ -116,7 +116,7 @@ def auto_units(module: nn.Module, prof: Profile, pp: int) -> list[str]:
 
 def auto_split(module: nn.Module, prof: Profile, pp: int, memory_weight: float) -> list[list[str]]:
     """Units of each stage, balanced with DeepSpeed's linear-partition solver."""
-    from deepspeed.runtime.utils import partition_balanced
+    from smp_adapter.runtime.engines.deepspeed.parts import partition_balanced
 
     units = auto_units(module, prof, pp)
     if len(units) < pp:

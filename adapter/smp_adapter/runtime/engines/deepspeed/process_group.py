@@ -1,0 +1,43 @@
+"""torch.distributed started through DeepSpeed's communication layer, and DeepSpeed's cached groups
+cleared when it ends. Both engines start the process group this way (the pipeline engine reuses
+DeepSpeed's loss scalers and partition solver, parts.py), so a job starts the same at every pp."""
+
+from __future__ import annotations
+
+
+def start(backend: str, rank: int, world_size: int, timeout, use_cuda: bool) -> None:
+    import deepspeed
+
+    if not use_cuda:
+        _skip_shm_allreduce()
+    deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False,
+                               timeout=timeout, rank=rank, world_size=world_size)
+
+
+def _skip_shm_allreduce() -> None:
+    """On CPU DeepSpeed's comm backend creates a ~64 MiB /dev/shm buffer per rank and job for its
+    inference all-reduce kernel, and never unlinks it: every job leaks it, until /dev/shm (RAM) is
+    full. smp training never calls that kernel (collectives go through torch.distributed/gloo), so
+    the backend is built without it."""
+    import importlib
+
+    # importlib, not `import deepspeed.comm.torch as m`: deepspeed.comm's `torch` attribute is the
+    # torch package itself, which that statement would return
+    ds_torch_comm = importlib.import_module("deepspeed.comm.torch")
+    ds_torch_comm.build_shm_op = lambda: None
+
+
+def forget_cached_groups() -> None:
+    """DeepSpeed caches process groups in module globals; after the process group is destroyed a
+    later smp.init must not reuse them."""
+    import sys
+
+    groups = sys.modules.get("deepspeed.utils.groups")
+    if groups is None:
+        return
+    for name, value in list(vars(groups).items()):
+        if name.startswith("_") and ("GROUP" in name or name.startswith("_MPU_")):
+            if isinstance(value, dict):
+                value.clear()
+            elif not callable(value):
+                setattr(groups, name, None)

@@ -1,0 +1,150 @@
+"""ZeRO-3 parameters (sharded data parallel): the one home of "is this a ZeRO-3 shard" and of what
+the rest of the runtime needs done to shards, reached through the DeepSpeed engine's hooks
+(engine.py) and never by branching on the ZeRO stage elsewhere.
+
+* at creation: ``zero.Init`` under delayed parameter initialisation (``module_init_context``);
+* at wrap time: every parameter partitioned (``partition_for_zero3``), Hugging Face weights
+  initialised with gathered shards (``initialize_hf_weights_if_random``);
+* for reading whole weights (saves, tensor-parallel splits, loads): ``gathered``;
+* for partial state dicts: the local shards (``local_tensors`` / ``load_local_shards``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from smp_adapter.runtime.state import state
+
+
+def is_zero3_parameter(p) -> bool:
+    """A ZeRO-3 shard (partitioned by zero.Init or by the engine): DeepSpeed gives it a ``ds_id``."""
+    return hasattr(p, "ds_id")
+
+
+def holds_zero3_parameters(module) -> bool:
+    return any(is_zero3_parameter(p) for p in module.parameters())
+
+
+def gathered(params, modifier_rank=None):
+    """Whole values of the ZeRO-3 shards among ``params`` inside the block (collective over the ZeRO
+    group: every rank passes the same parameters in the same order). ``modifier_rank``: the rank whose
+    writes are kept and re-partitioned on exit (None: read only)."""
+    shards = list({id(p): p for p in params if is_zero3_parameter(p)}.values())
+    if not shards:
+        return contextlib.nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(shards, modifier_rank=modifier_rank)
+
+
+@contextlib.contextmanager
+def module_init_context(dtype):
+    """Delayed initialisation under sharded data parallel: parameters are created already sharded
+    (``zero.Init`` with the job's config and groups, groups.zero_init_context)."""
+    # zero.Init patches torch.Tensor.__new__; torch._dynamo refuses to load under that patch, and
+    # libraries (transformers) import it lazily while building models - so load it first.
+    import torch._dynamo  # noqa: F401
+
+    from smp_adapter.runtime.engines.deepspeed.groups import zero_init_context
+
+    try:
+        with zero_init_context(dtype):
+            _announce_zero3_to_transformers(state.engine_config)
+            yield
+    finally:
+        # Only while creating: afterwards a plain HF model built on one rank (e.g. to save a full
+        # checkpoint) must not think it is sharded, or its collectives would wait for other ranks.
+        state.hf_deepspeed_config = None
+
+
+def _announce_zero3_to_transformers(ds_config: dict) -> None:
+    """Tell transformers that parameters are ZeRO-3 shards, so ``from_pretrained`` inside the
+    context gathers each shard while loading checkpoint weights (its DeepSpeed integration).
+    transformers keeps only a weak reference: the object lives in ``state`` while we create."""
+    try:
+        from transformers.integrations import HfDeepSpeedConfig
+    except ImportError:
+        return
+    state.hf_deepspeed_config = HfDeepSpeedConfig(dict(ds_config))
+
+
+def register_external_parameter(module, parameter) -> None:
+    """A parameter a module uses but does not own: ZeRO-3 must gather it for that module too."""
+    import deepspeed
+
+    deepspeed.zero.register_external_parameter(module, parameter)
+
+
+def initialize_hf_weights_if_random(module) -> None:
+    """A Hugging Face model built from a config under zero.Init got PyTorch's default init (its own
+    ``_init_weights`` ran on empty shards). Re-run the model's init with gathered shards, as
+    transformers does for its own ZeRO-3 path. Models loaded with from_pretrained keep their weights."""
+    config = getattr(module, "config", None)
+    if config is None or not hasattr(module, "_initialize_weights") or getattr(config, "_name_or_path", ""):
+        return
+    if not holds_zero3_parameters(module):
+        return
+    from transformers.integrations.deepspeed import initialize_weights_zero3
+
+    with _zero_group_rank_as_rank():
+        initialize_weights_zero3(module)
+    module.tie_weights()
+
+
+@contextlib.contextmanager
+def _zero_group_rank_as_rank():
+    """transformers initialises a gathered ZeRO-3 module on ``deepspeed.comm.get_rank() == 0`` and
+    broadcasts from the ZeRO group's first rank. With tensor parallelism the ZeRO group is the RDP
+    group, and every group but the one holding global rank 0 would broadcast uninitialised memory
+    (seen as NaN losses at tp 2 x sdp 2 with delayed init). While it runs, the argument-free
+    ``get_rank()`` answers the rank inside the ZeRO group, so each group's first rank initialises."""
+    import deepspeed.comm as ds_comm
+    import torch.distributed as dist
+
+    zero_group = state.groups.rdp
+    if zero_group is None or dist.get_world_size(zero_group) == state.world_size:
+        yield
+        return
+    original = ds_comm.get_rank
+
+    def rank_in_zero_group(group=None):  # DeepSpeed's own calls pass group= and keep their answer
+        return dist.get_rank(group=zero_group) if group is None else original(group=group)
+
+    ds_comm.get_rank = rank_in_zero_group
+    try:
+        yield
+    finally:
+        ds_comm.get_rank = original
+
+
+def partition_for_zero3(module, dtype) -> None:
+    """Sharded data parallel: make every parameter a ZeRO-3 shard now, when DistributedModel wraps
+    the module, as smp v1 did (its sharded data parallel was DeepSpeed). Scripts read
+    ``p.ds_tensor.ds_numel`` right after wrapping, before any optimizer exists. Parameters already
+    partitioned (created under delayed initialisation) are left alone; new ones (tensor-parallel
+    slices built from gathered shards) join them. Floating parameters are cast to the job's dtype
+    first, because DeepSpeed casts only parameters it partitions itself."""
+    from smp_adapter.runtime.engines.deepspeed.groups import partition_module
+
+    whole = [p for p in module.parameters() if not is_zero3_parameter(p)]
+    if not whole:
+        return
+    for p in whole:
+        if p.is_floating_point() and p.dtype != dtype:
+            p.data = p.data.to(dtype)
+    partition_module(module)
+
+
+def local_tensors(module) -> dict:
+    """This rank's shards of a ZeRO-3 module (copies), with its buffers."""
+    sd = {n: p.ds_tensor.detach().clone().cpu() for n, p in module.named_parameters()}
+    sd.update({n: b.detach().clone().cpu() for n, b in module.named_buffers()})
+    return sd
+
+
+def load_local_shards(module, sd: dict) -> None:
+    with torch.no_grad():
+        for n, p in module.named_parameters():
+            p.ds_tensor.copy_(sd[n])
