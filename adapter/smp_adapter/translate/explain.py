@@ -89,8 +89,14 @@ def _map_key(key: str, cfg: SMPConfig, dims: ParallelDims, ds: Mapping[str, Any]
     if row is not None and row.policy is Policy.REJECTED:  # only the default value gets this far
         return "-", "-", "ignored", f"default value accepted; {row.note}"
     if key in ("pipeline_parallel_degree", "partitions"):
-        note = "alias of pipeline_parallel_degree (pre-v1.6 name)" if key == "partitions" else ""
-        return f"megatron pipeline_model_parallel_size; {_ds('pipeline_parallel_degree')}", dims.pp, "exact", note
+        notes = ["alias of pipeline_parallel_degree (pre-v1.6 name)"] if key == "partitions" else []
+        if dims.engine == "pipeline":  # the engine that runs the job (ParallelDims.engine), as smp.init chooses it
+            notes.append("run by smp-adapter's pipeline engine on torch.distributed.pipelining, not by DeepSpeed's "
+                         "PipelineEngine (the DeepSpeed config's pipeline.stages is for reference only)")
+            return ("pipeline engine: torch.distributed.pipelining stages; megatron pipeline_model_parallel_size",
+                    dims.pp, "exact", "; ".join(notes))
+        return f"megatron pipeline_model_parallel_size; {_ds('pipeline_parallel_degree')}", dims.pp, "exact", \
+            "; ".join(notes)
     if key == "tensor_parallel_degree":
         return "megatron tensor_model_parallel_size", dims.tp, "exact", "Megatron-core parallel layers for marked modules"
     if key == "microbatches":
