@@ -62,7 +62,7 @@ def adopt_smp_hpz_group() -> None:
     assemble weights from different shards. DeepSpeed has no public argument for the group its
     ZeRO-3 optimizer uses: it reads the module global below and builds its own only while it is
     None, so the group is put there before any zero.Init or deepspeed.initialize. shutdown()
-    clears it with DeepSpeed's other cached groups (runtime/init.py)."""
+    clears it with DeepSpeed's other cached groups (process_group.py)."""
     if state.dims.hpz_partition_size == 1:
         return
     from deepspeed.utils import groups as ds_groups
