@@ -82,9 +82,11 @@ def sdk_hyperparameters(distribution: dict, program: str, submit_dir: str, insta
                         user_hyperparameters: dict) -> dict[str, str]:
     """hyperparameters.json as the SageMaker Python SDK writes it for a PyTorch estimator with
     ``distribution={"smdistributed": {"modelparallel": ...}, "mpi": ...}``: every value JSON-encoded
-    into a string, the mpi dict as sagemaker_mpi_*, the smp parameters as ``mp_parameters``."""
+    into a string, the mpi dict as sagemaker_mpi_*, the smp parameters as ``mp_parameters``; the
+    estimator's own hyperparameters first (the SDK adds the distribution's after them)."""
     mpi = distribution["mpi"]
     hp = {
+        **user_hyperparameters,
         "sagemaker_program": program,
         "sagemaker_submit_directory": submit_dir,
         "sagemaker_container_log_level": 20,
@@ -96,7 +98,6 @@ def sdk_hyperparameters(distribution: dict, program: str, submit_dir: str, insta
         "mp_parameters": distribution["smdistributed"]["modelparallel"]["parameters"],
         "sagemaker_distributed_dataparallel_enabled": False,
         "sagemaker_instance_type": instance_type,
-        **user_hyperparameters,
     }
     return {k: json.dumps(v) for k, v in hp.items()}
 
