@@ -5,7 +5,7 @@ INPUT is a JSON/YAML file or inline JSON holding plain smp options, a SageMaker 
 config, the Megatron-core settings with the equivalent Megatron-LM arguments, and the deepspeed,
 torchrun and mpirun launch commands with their environment; ``--explain`` adds the mapping table.
 For a distribution dict it also prints the mpirun line SageMaker's training toolkit builds for it
-(what runs inside a SageMaker job or a container started like one, docs/launch.md).
+(what runs inside a SageMaker job or a container started like one, docs/launch.md); text output only.
 ``--format json`` prints the same as one JSON document (the format of configs/golden/*.json).
 """
 
@@ -155,9 +155,6 @@ def run(args: argparse.Namespace) -> int:
     bundle = translation_bundle(job, world_size=args.world_size, instance_count=args.instance_count,
                                 processes_per_host=args.processes_per_host, batch_size=args.batch_size,
                                 script=args.script, master_port=args.master_port, cpu=args.cpu)
-    toolkit = sagemaker_toolkit_section(job, bundle, args.script, args.instance_type)
-    if toolkit:
-        bundle["sagemaker_toolkit"] = toolkit
     for warning in bundle["warnings"]:
         print(f"smp-adapter: warning: {warning}", file=sys.stderr)
     table = None
@@ -165,8 +162,9 @@ def run(args: argparse.Namespace) -> int:
         table = format_table([ExplainRow(**row) for row in bundle["explain"]])
     if args.format == "json":
         print(json.dumps(bundle, indent=2))
-    else:
-        print(_text(bundle, table))
+    else:  # the toolkit's line is text only: --format json and --out keep the golden bundle's content
+        toolkit = sagemaker_toolkit_section(job, bundle, args.script, args.instance_type)
+        print(_text({**bundle, "sagemaker_toolkit": toolkit} if toolkit else bundle, table))
     if args.out:
         for path in _write_outputs(args.out, bundle, table):
             print(f"wrote {path}", file=sys.stderr)
