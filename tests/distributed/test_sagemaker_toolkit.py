@@ -39,7 +39,8 @@ SEED_001_OPTIONS = "--mca btl_vader_single_copy_mechanism none"
 SDP2 = {"ddp": True, "sharded_data_parallel_degree": 2}
 PP2 = {"pipeline_parallel_degree": 2, "microbatches": 2, "ddp": True}
 
-pytestmark = pytest.mark.skipif(namespaces_unavailable() is not None, reason=str(namespaces_unavailable()))
+_UNAVAILABLE = namespaces_unavailable()
+pytestmark = pytest.mark.skipif(_UNAVAILABLE is not None, reason=f"the toolkit's container setting {_UNAVAILABLE}")
 
 
 def distribution(parameters: dict, custom_mpi_options: str = EFA_OPTIONS) -> dict:
