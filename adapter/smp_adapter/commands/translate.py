@@ -4,6 +4,8 @@ INPUT is a JSON/YAML file or inline JSON holding plain smp options, a SageMaker 
 (optionally with instance_count), or a file with an ``smp_options:`` section. Prints the DeepSpeed
 config, the Megatron-core settings with the equivalent Megatron-LM arguments, and the deepspeed,
 torchrun and mpirun launch commands with their environment; ``--explain`` adds the mapping table.
+For a distribution dict it also prints the mpirun line SageMaker's training toolkit builds for it
+(what runs inside a SageMaker job or a container started like one, docs/launch.md); text output only.
 ``--format json`` prints the same as one JSON document (the format of configs/golden/*.json).
 """
 
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 from pathlib import Path
 from typing import Any
@@ -23,6 +26,7 @@ from smp_adapter.translate.deepspeed import to_deepspeed_config
 from smp_adapter.translate.explain import ExplainRow, explain, format_table
 from smp_adapter.translate.launch import DEFAULT_MASTER_PORT, LAUNCHERS, LaunchPlan, resolve_processes, to_launch_plan
 from smp_adapter.translate.megatron import to_megatron_plan
+from smp_adapter.translate.sagemaker_toolkit import TOOLKIT, toolkit_command
 
 NAME = "translate"
 
@@ -46,6 +50,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--master-port", type=int, metavar="P",
                    help=f"rendezvous port (default: ddp_port, else {DEFAULT_MASTER_PORT})")
     p.add_argument("--cpu", action="store_true", help="launch commands for CPU processes (DS_ACCELERATOR=cpu, gloo)")
+    p.add_argument("--instance-type", default="ml.p3.16xlarge", metavar="TYPE",
+                   help="SageMaker instance type for the toolkit's mpirun line (EFA flags; default: ml.p3.16xlarge)")
     p.add_argument("--explain", action="store_true", help="print the smp -> engine mapping table")
     p.add_argument("--out", metavar="DIR", help="write deepspeed_config.json, megatron.json, launch.json (+ explain.txt)")
     p.add_argument("--format", choices=("text", "json"), default="text", help="output format (default: text)")
@@ -99,6 +105,17 @@ def _megatron_text(mg: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def sagemaker_toolkit_section(job: JobSpec, bundle: dict[str, Any], script: str,
+                              instance_type: str = "ml.p3.16xlarge") -> dict[str, Any] | None:
+    """The toolkit's mpirun line for a distribution dict (None for plain options: SageMaker needs the
+    dict). Shown beside the launch commands; not part of the golden bundle."""
+    if job.source != "distribution":
+        return None
+    cmd = toolkit_command(job, script, bundle["nprocs_per_node"],
+                          hosts=[f"algo-{i + 1}" for i in range(bundle["nnodes"])], instance_type=instance_type)
+    return {"toolkit": TOOLKIT, "command": list(cmd.command), "notes": list(cmd.notes)}
+
+
 def _text(bundle: dict[str, Any], table: str | None) -> str:
     parts = [f"# world size {bundle['world_size']} = {bundle['nnodes']} node(s) x {bundle['nprocs_per_node']} processes, "
              f"per-rank batch {bundle['per_rank_batch']}",
@@ -107,6 +124,11 @@ def _text(bundle: dict[str, Any], table: str | None) -> str:
     for name, plan in bundle["launch"].items():
         parts += ["", f"Launch with {name}:", "  " + _shell(plan)]
         parts += [f"  note: {note}" for note in plan["notes"]]
+    toolkit = bundle.get("sagemaker_toolkit")
+    if toolkit:
+        parts += ["", f"SageMaker training toolkit ({toolkit['toolkit']}) runs, on the first host:",
+                  "  " + " ".join(shlex.quote(a) for a in toolkit["command"])]
+        parts += [f"  note: {note}" for note in toolkit["notes"]]
     if table is not None:
         parts += ["", "Mapping (smp -> engines):", table]
     return "\n".join(parts)
@@ -140,8 +162,9 @@ def run(args: argparse.Namespace) -> int:
         table = format_table([ExplainRow(**row) for row in bundle["explain"]])
     if args.format == "json":
         print(json.dumps(bundle, indent=2))
-    else:
-        print(_text(bundle, table))
+    else:  # the toolkit's line is text only: --format json and --out keep the golden bundle's content
+        toolkit = sagemaker_toolkit_section(job, bundle, args.script, args.instance_type)
+        print(_text({**bundle, "sagemaker_toolkit": toolkit} if toolkit else bundle, table))
     if args.out:
         for path in _write_outputs(args.out, bundle, table):
             print(f"wrote {path}", file=sys.stderr)

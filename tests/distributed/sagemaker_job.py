@@ -1,0 +1,169 @@
+"""A SageMaker training job on this machine, for SageMaker's own training toolkit to run unchanged.
+
+* ``toolkit_env()``: an environment holding the toolkit, made once and cached: a virtual
+  environment layered over the one running the tests (its packages stay visible, so torch,
+  DeepSpeed and smp-adapter are the project's own), into which ``docker/install.sh`` (the script the
+  Dockerfile runs) installs Open MPI 4, mpi4py, sagemaker-training and sagemaker-pytorch-training.
+* ``write_job()``: /opt/ml as SageMaker lays it out for one host (hyperparameters.json written the
+  way the SageMaker Python SDK writes an estimator's ``distribution``, resourceconfig.json,
+  inputdataconfig.json, the code and a ``train`` channel) in a temporary directory.
+* ``run_toolkit()``: the toolkit's ``train`` entry point, as SageMaker's PyTorch images start it
+  (SAGEMAKER_TRAINING_MODULE=sagemaker_pytorch_container.training:main), with SAGEMAKER_BASE_DIR
+  pointing at that directory.
+
+Container pieces the toolkit takes for granted are given to it in private Linux namespaces (root
+only, as a container runtime would): its gethostname shim, LD_PRELOADed into every rank, reads the
+hard-coded /opt/ml/input/config/resourceconfig.json, so the job directory is also mounted at /opt/ml;
+it starts /usr/sbin/sshd even for one host (it is used only to reach other hosts), so a stand-in
+that just waits is put there; ``algo-1`` resolves through /etc/hosts; and a network namespace of
+its own keeps SageMaker's fixed MASTER_PORT 7777 (and sshd's 22) from meeting other jobs. A PID
+namespace ends everything the job left behind (the toolkit never stops its sshd) when it exits.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+INSTALL_SCRIPT = ROOT / "docker/install.sh"
+# SageMaker's PyTorch training images set this; the toolkit's `train` imports it and calls main()
+TRAINING_MODULE = "sagemaker_pytorch_container.training:main"
+
+
+def namespaces_unavailable() -> str | None:
+    """Why the private namespaces cannot be made here (None when they can)."""
+    if os.geteuid() != 0:
+        return "needs root for private mount/network namespaces (as a container runtime has)"
+    for tool in ("unshare", "mount", "ip"):
+        if shutil.which(tool) is None:
+            return f"needs the {tool} command (util-linux / iproute2)"
+    probe = subprocess.run(["unshare", "--mount", "--net", "--pid", "--fork", "true"], capture_output=True, text=True)
+    if probe.returncode != 0:
+        return f"cannot create namespaces here ({probe.stderr.strip()[:200]})"
+    return None
+
+
+def toolkit_env() -> Path:
+    """The cached environment with the toolkit (made on first use, under a lock so that parallel
+    test workers make it once). Keyed by the install script and the interpreter, so editing
+    docker/install.sh makes a new one."""
+    key = hashlib.sha256(INSTALL_SCRIPT.read_bytes() + sys.executable.encode() + sys.version.encode()).hexdigest()[:12]
+    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "smp-adapter"
+    cache.mkdir(parents=True, exist_ok=True)
+    venv = cache / f"sagemaker-toolkit-{key}"
+    with open(cache / f"sagemaker-toolkit-{key}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (venv / "ready").exists():
+            return venv
+        shutil.rmtree(venv, ignore_errors=True)
+        # the base interpreter, not the test venv's python: `venv` refuses to nest otherwise cleanly
+        subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+        site = Path(subprocess.check_output([str(venv / "bin/python"), "-c",
+                                             "import sysconfig; print(sysconfig.get_paths()['purelib'])"], text=True).strip())
+        # the test environment's packages, after the toolkit's own (site.addsitedir also reads its .pth files)
+        (site / "_smp_adapter_test_env.pth").write_text(f"import site; site.addsitedir({sysconfig.get_paths()['purelib']!r})\n")
+        env = {**os.environ, "PYTHON": str(venv / "bin/python"), "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
+        proc = subprocess.run(["bash", str(INSTALL_SCRIPT)], env=env, capture_output=True, text=True, timeout=900)
+        if proc.returncode != 0:
+            raise RuntimeError(f"docker/install.sh failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+        (venv / "ready").write_text(proc.stdout[-2000:])
+    return venv
+
+
+def sdk_hyperparameters(distribution: dict, program: str, submit_dir: str, instance_type: str,
+                        user_hyperparameters: dict) -> dict[str, str]:
+    """hyperparameters.json as the SageMaker Python SDK writes it for a PyTorch estimator with
+    ``distribution={"smdistributed": {"modelparallel": ...}, "mpi": ...}``: every value JSON-encoded
+    into a string, the mpi dict as sagemaker_mpi_*, the smp parameters as ``mp_parameters``; the
+    estimator's own hyperparameters first (the SDK adds the distribution's after them)."""
+    mpi = distribution["mpi"]
+    hp = {
+        **user_hyperparameters,
+        "sagemaker_program": program,
+        "sagemaker_submit_directory": submit_dir,
+        "sagemaker_container_log_level": 20,
+        "sagemaker_job_name": "smp-adapter-toolkit-test",
+        "sagemaker_region": "us-west-2",
+        "sagemaker_mpi_enabled": mpi["enabled"],
+        "sagemaker_mpi_num_of_processes_per_host": mpi["processes_per_host"],
+        "sagemaker_mpi_custom_mpi_options": mpi.get("custom_mpi_options", ""),
+        "mp_parameters": distribution["smdistributed"]["modelparallel"]["parameters"],
+        "sagemaker_distributed_dataparallel_enabled": False,
+        "sagemaker_instance_type": instance_type,
+    }
+    return {k: json.dumps(v) for k, v in hp.items()}
+
+
+def write_job(base: Path, distribution: dict, script: Path, hyperparameters: dict, train_data: dict,
+              instance_type: str = "ml.p3.16xlarge") -> Path:
+    """Lay out /opt/ml for host algo-1 of a one-host job under ``base``; returns ``base``."""
+    config = base / "input/config"
+    config.mkdir(parents=True)
+    code = base / "code"
+    code.mkdir()
+    shutil.copy(script, code / script.name)
+    train = base / "input/data/train"
+    train.mkdir(parents=True)
+    import torch  # the channel's file, as a user's S3 prefix would hold it
+
+    torch.save(train_data, train / "data.pt")
+    (config / "hyperparameters.json").write_text(json.dumps(
+        sdk_hyperparameters(distribution, script.name, str(code), instance_type, hyperparameters)))
+    (config / "resourceconfig.json").write_text(json.dumps({
+        "current_host": "algo-1", "hosts": ["algo-1"], "current_group_name": "homogeneousCluster",
+        "current_instance_type": instance_type,
+        "instance_groups": [{"instance_group_name": "homogeneousCluster", "instance_type": instance_type,
+                             "hosts": ["algo-1"]}],
+        "network_interface_name": "lo"}))  # SageMaker's is eth0; the job's own network namespace has lo
+    (config / "inputdataconfig.json").write_text(json.dumps({
+        "train": {"TrainingInputMode": "File", "S3DistributionType": "FullyReplicated", "RecordWrapperType": "None"}}))
+    for d in ("model", "output/data"):
+        (base / d).mkdir(parents=True, exist_ok=True)
+    return base
+
+
+_CONTAINER = r"""
+set -e
+ip link set lo up
+mount -t overlay smp-opt -o "lowerdir=/opt,upperdir=$NS/opt.up,workdir=$NS/opt.work" /opt
+mkdir -p /opt/ml
+mount --bind "$SAGEMAKER_BASE_DIR" /opt/ml
+mount -t overlay smp-sbin -o "lowerdir=/usr/sbin,upperdir=$NS/sbin.up,workdir=$NS/sbin.work" /usr/sbin
+mount --bind "$NS/hosts" /etc/hosts
+exec "$@"
+"""
+
+
+def run_toolkit(base: Path, venv: Path, timeout: float = 300, env: dict | None = None) -> subprocess.CompletedProcess:
+    """``train`` for the job under ``base``, in its private namespaces; stdout and stderr together."""
+    ns = base.parent / (base.name + ".ns")
+    for d in ("opt.up", "opt.work", "sbin.up", "sbin.work"):
+        (ns / d).mkdir(parents=True, exist_ok=True)
+    sshd = ns / "sbin.up/sshd"
+    sshd.write_text("#!/bin/sh\n# stand-in: one host needs no ssh; the toolkit only starts sshd\nexec sleep 86400\n")
+    sshd.chmod(0o755)
+    (ns / "hosts").write_text("127.0.0.1 localhost algo-1\n")
+    bin_dir = str(venv / "bin")
+    run_env = {k: v for k, v in os.environ.items() if not k.startswith(("SM_", "OMPI_", "PMIX_", "RANK", "LOCAL_", "WORLD_"))}
+    run_env.update({
+        "SAGEMAKER_BASE_DIR": str(base), "SAGEMAKER_TRAINING_MODULE": TRAINING_MODULE, "NS": str(ns),
+        "PATH": os.pathsep.join([bin_dir, run_env.get("PATH", "")]),
+        "PYTHONPATH": os.pathsep.join(p for p in [str(ROOT / "adapter"), run_env.get("PYTHONPATH", "")] if p),
+        # what a CPU image would set in its environment (ENV lines of a Dockerfile)
+        "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "PYTHONUNBUFFERED": "1",
+        **(env or {}),
+    })
+    run_env.pop("MASTER_ADDR", None)
+    run_env.pop("MASTER_PORT", None)
+    cmd = ["unshare", "--mount", "--propagation", "private", "--net", "--pid", "--fork", "--kill-child",
+           "sh", "-c", _CONTAINER, "container", str(venv / "bin/train")]
+    return subprocess.run(cmd, env=run_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          timeout=timeout)
