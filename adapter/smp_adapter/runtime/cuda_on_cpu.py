@@ -24,8 +24,8 @@ How:
   ``current_device`` returns the index last set. Memory queries report this process's resident memory
   (``memory_allocated`` / ``memory_reserved``: now; ``max_*``: peak since start), ``mem_get_info`` the
   machine's free and total RAM, device properties name the CPU with the machine's RAM.
-* float16 ``scaled_dot_product_attention`` runs torch's math kernel on CPUs without AVX512, where
-  torch's CPU flash kernel for float16 raises (see ``_FP16_FLASH_NEEDS_MATH``).
+* ``scaled_dot_product_attention`` runs torch's math kernel on CPUs without AVX512, where torch's
+  CPU flash kernel for float16 raises (see ``_FP16_FLASH_NEEDS_MATH``).
 * ``torch.cuda.amp.autocast`` / ``torch.autocast("cuda")`` become CPU autocast (bfloat16 unless a
   dtype is given); ``torch.cuda.amp.GradScaler`` is torch's CPU GradScaler; ``torch.cuda.Event``
   measures wall-clock time; streams are placeholders; ``torch.cuda.FloatTensor`` & co. are the CPU types.
@@ -139,28 +139,13 @@ def _load_to_cpu(load):
 # "pack_vnni2 is only supported when avx512 is supported" elsewhere (ATEN_CPU_CAPABILITY=avx2/default,
 # or CPUs without AVX512 such as AMD EPYC before Zen 4) for sequences of 32 tokens and more. A GPU
 # script's fp16 attention then fails on such CPU ranks; its math kernel computes the same attention.
-# Wrapped only on such CPUs: the functional, and the aten op a traced pipeline stage calls (both choose
-# a kernel by sdpa_kernel).
+# On such CPUs the shim turns torch's flash kernel off for the process (what sdpa_kernel(MATH) does
+# for a block): the functional, the aten op a traced pipeline stage calls and any name bound to them
+# all choose by that switch; attention of every dtype then runs the math kernel there.
 _FP16_FLASH_NEEDS_MATH = torch.backends.cpu.get_cpu_capability() != "AVX512"
 
 
-def _fp16_attention_by_math(attention):
-    def call(*args, **kwargs):
-        query = args[0] if args else kwargs.get("query")
-        if getattr(query, "dtype", None) != torch.float16:
-            return attention(*args, **kwargs)
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-
-        with sdpa_kernel(SDPBackend.MATH):
-            return attention(*args, **kwargs)
-
-    call.__name__, call.__doc__, call.__wrapped__ = "scaled_dot_product_attention", attention.__doc__, attention
-    return call
-
-
 def _wrap_device_arguments() -> None:
-    import torch.nn.functional as F
-
     for name in _FACTORIES:
         setattr(torch, name, _device_to_cpu(getattr(torch, name)))
     for name in _TENSOR_FACTORIES:
@@ -175,9 +160,7 @@ def _wrap_device_arguments() -> None:
         if zero_init is not None and hasattr(zero_init, f"_orig_torch_{name}"):
             setattr(zero_init, f"_orig_torch_{name}", getattr(torch, name))
     if _FP16_FLASH_NEEDS_MATH:
-        F.scaled_dot_product_attention = _fp16_attention_by_math(F.scaled_dot_product_attention)
-        packet = torch.ops.aten.scaled_dot_product_attention
-        packet.default = _fp16_attention_by_math(packet.default)
+        torch.backends.cuda.enable_flash_sdp(False)
 
 
 def _as_transferred(t: torch.Tensor) -> torch.Tensor:
