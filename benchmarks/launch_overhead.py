@@ -100,18 +100,22 @@ def measure(size: str, args, work: Path) -> dict:
     native_config = work / f"{size}_native_config.json"
     native_config.write_text(json.dumps(native_deepspeed_config(options, NPROC, style=args.native)))
     rounds = []
+    variants = args.variants
+    pairs = [(a, b) for a, b in PAIRS if a in variants and b in variants]
     for r in range(args.rounds):
-        order = VARIANTS[r % 3:] + VARIANTS[:r % 3]
+        n = len(variants)
+        order = variants[r % n:] + variants[:r % n]
         jobs = {v: run_job(v, size, args, work, native_config) for v in order}
-        medians = {v: jobs[v]["median_s"] for v in VARIANTS}
-        ratios = {f"{a}/{b}": medians[a] / medians[b] for a, b in PAIRS}
-        loss_diff = max(abs(x - y) / abs(y) for x, y in zip(jobs["smp"]["losses"], jobs["native"]["losses"]))
+        medians = {v: jobs[v]["median_s"] for v in variants}
+        ratios = {f"{a}/{b}": medians[a] / medians[b] for a, b in pairs}
+        loss_diff = (max(abs(x - y) / abs(y) for x, y in zip(jobs["smp"]["losses"], jobs["native"]["losses"]))
+                     if {"smp", "native"} <= set(variants) else float("nan"))
         rounds.append({"order": order, "median_s": medians, "ratios": ratios, "smp_native_loss_rel_diff": loss_diff})
         print(f"  {size} round {r + 1} ({' '.join(order)}): "
-              + "  ".join(f"{v} {medians[v] * 1e3:.1f} ms" for v in VARIANTS) + "  |  "
+              + "  ".join(f"{v} {medians[v] * 1e3:.1f} ms" for v in variants) + "  |  "
               + "  ".join(f"{k} {x:.3f}" for k, x in ratios.items()) + f"  | loss rel diff {loss_diff:.1e}", flush=True)
     summary = {}
-    for a, b in PAIRS:
+    for a, b in pairs:
         key = f"{a}/{b}"
         paired = [x["ratios"][key] for x in rounds]
         of_medians = (statistics.median(x["median_s"][a] for x in rounds)
@@ -124,6 +128,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sizes", default="tiny,gpt2", help=f"comma-separated subset of {','.join(SIZES)}")
     p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--variants", default=",".join(VARIANTS),
+                   help=f"comma-separated subset of {','.join(VARIANTS)} (e.g. smp,smp_off: the shim's cost alone)")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--native", choices=("translated", "defaults"), default="translated")
@@ -133,6 +139,9 @@ def main() -> None:
     p.add_argument("--json", default=None, help="also write the raw figures here")
     args = p.parse_args()
     args.adapter = args.adapter.resolve()
+    args.variants = tuple(args.variants.split(","))
+    if not set(args.variants) <= set(VARIANTS) or len(args.variants) < 2:
+        raise SystemExit(f"--variants: two or more of {', '.join(VARIANTS)}")
     results = {}
     with tempfile.TemporaryDirectory(prefix="launch_overhead_") as tmp:
         for size in args.sizes.split(","):
