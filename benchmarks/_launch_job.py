@@ -1,7 +1,7 @@
 """One job of benchmarks/launch_overhead.py, started the way users start it: ``--role smp`` through
 ``smp-adapter launch`` (an smp v1 script; its options come from the launcher's SM_HP_MP_PARAMETERS),
 ``--role native`` through torchrun (a hand-written DeepSpeed loop). Each rank writes the wall time of
-every step (after a barrier) to OUT/<role>_rank<R>.json.
+every step (after a barrier) and this process's CPU time in it to OUT/<role>_rank<R>.json.
 
 The smp side is written for GPUs, as smp scripts are: ``torch.cuda.set_device`` and batches moved to
 ``torch.device("cuda")`` where torch.cuda says a GPU exists, which on a CPU machine is the case
@@ -75,15 +75,17 @@ def main() -> None:
                 losses.append(loss.detach())
             return torch.stack(losses).mean().item()
 
-    times, losses = [], []
+    times, cpu_times, losses = [], [], []
     for i in range(args.warmup + args.steps):
         x = batch(i, rank).to(device)
         dist.barrier()
-        t0 = time.perf_counter()
+        c0, t0 = time.process_time(), time.perf_counter()
         losses.append(step(x))
         if i >= args.warmup:
             times.append(time.perf_counter() - t0)
-    Path(args.out, f"{args.role}_rank{rank}.json").write_text(json.dumps({"times": times, "losses": losses}))
+            cpu_times.append(time.process_time() - c0)
+    Path(args.out, f"{args.role}_rank{rank}.json").write_text(json.dumps({"times": times, "cpu_times": cpu_times,
+                                                                                 "losses": losses}))
     dist.barrier()
 
 
