@@ -27,7 +27,7 @@ step, less sensitive to the scheduling of a shared machine).
 
     PYTHONPATH=adapter .venv/bin/python benchmarks/launch_overhead.py                    # both sizes, 5 rounds
     PYTHONPATH=adapter .venv/bin/python benchmarks/launch_overhead.py --sizes gpt2 --rounds 3
-    PYTHONPATH=adapter .venv/bin/python benchmarks/launch_overhead.py --adapter /path/to/other/adapter  # another version
+    PYTHONPATH=adapter .venv/bin/python benchmarks/launch_overhead.py --adapter /path/to/other/adapter  # another
 """
 
 from __future__ import annotations
