@@ -8,11 +8,15 @@ own ``assert torch.cuda.is_available()``. ``smp-adapter launch`` on a machine wi
 the CPU. Never installed when a real CUDA device exists.
 
 How:
-* device arguments: a ``TorchFunctionMode`` rewrites ``"cuda"`` / ``"cuda:1"`` / ``torch.device("cuda", i)``
-  given to any torch function or tensor method (``.to``, factories such as ``torch.zeros(..., device=)``)
-  to ``"cpu"``, and makes ``Tensor.cuda()`` return the tensor. It applies to every caller, because
-  libraries act on the script's devices too (transformers' Trainer moves the model to
-  ``torch.device("cuda", smp.local_rank())`` on its SageMaker-MP path).
+* device arguments: the torch calls that can take a device are wrapped one by one (factories such
+  as ``torch.zeros(..., device=)``, ``Tensor.new_*``, ``Tensor.to``, ``Tensor.cuda`` and so
+  ``Module.to`` / ``Module.cuda``, ``torch.load(map_location=)``): ``"cuda"`` / ``"cuda:1"`` /
+  ``torch.device("cuda", i)`` there means the CPU. Every caller gets this, because libraries act on
+  the script's devices too (transformers' Trainer moves the model to
+  ``torch.device("cuda", smp.local_rank())`` on its SageMaker-MP path). Every other torch call runs
+  untouched: the step's forward, backward and optimizer cost what they cost without the shim. (It
+  was a ``TorchFunctionMode`` over every torch call until it measured ~6% of a GPT-2 step on CPU
+  ranks; even an empty mode costs ~10% of a small model's step.)
 * capability queries (``is_available``, ``device_count``, ``is_bf16_supported``) answer "one GPU per
   rank" only to the script's own code: calls from torch, DeepSpeed, Megatron-core, transformers,
   accelerate and smp-adapter get the real answer, so they keep choosing their CPU paths.
@@ -20,17 +24,18 @@ How:
   ``current_device`` returns the index last set. Memory queries report this process's resident memory
   (``memory_allocated`` / ``memory_reserved``: now; ``max_*``: peak since start), ``mem_get_info`` the
   machine's free and total RAM, device properties name the CPU with the machine's RAM.
-* float16 ``scaled_dot_product_attention`` runs torch's math kernel on CPUs without AVX512, where
-  torch's CPU flash kernel for float16 raises (see ``_FP16_FLASH_NEEDS_MATH``).
+* ``scaled_dot_product_attention`` runs torch's math kernel on CPUs without AVX512, where torch's
+  CPU flash kernel for float16 raises (see ``_FP16_FLASH_NEEDS_MATH``).
 * ``torch.cuda.amp.autocast`` / ``torch.autocast("cuda")`` become CPU autocast (bfloat16 unless a
   dtype is given); ``torch.cuda.amp.GradScaler`` is torch's CPU GradScaler; ``torch.cuda.Event``
   measures wall-clock time; streams are placeholders; ``torch.cuda.FloatTensor`` & co. are the CPU types.
 
 Limits: tensors report ``is_cuda == False`` and ``device.type == "cpu"``; code that branches on
-those takes its CPU path. The mode lives in the thread that imported smp (CPU autograd runs there
-too). Each torch call pays a Python-level check. Measured on the 2-core CI machine (AdamW step of a
-4-layer MLP, batch 32, one thread, 3 alternated runs): width 64 0.47 -> 0.85 ms (+0.38 ms, about 6 us
-per torch call), width 1024 within run-to-run noise (25-39 ms). A smoke-test tool, not for timing.
+those takes its CPU path. ``torch.device("cuda", i)`` itself stays a CUDA device (it is read as the
+CPU where it is used), so ``torch.Generator(device=torch.device("cuda"))`` fails as on a CPU
+machine. Names bound before smp was imported (``from torch import zeros``) keep torch's own. Cost:
+a Python-level check in the wrapped calls only (~0.3 us each); nothing elsewhere
+(benchmarks/launch_overhead.py: mode on against off within noise).
 """
 
 from __future__ import annotations
@@ -43,7 +48,6 @@ import time
 from types import SimpleNamespace
 
 import torch
-from torch.overrides import TorchFunctionMode
 
 ENV = "SMP_ADAPTER_CUDA_ON_CPU"
 # callers that must keep seeing the real machine
@@ -58,10 +62,6 @@ def _from_library(depth: int = 2) -> bool:
     return name.split(".", 1)[0] in _LIBRARIES
 
 
-def _is_device(device) -> bool:
-    return isinstance(device, torch.device) or (isinstance(device, str) and (device == "cpu" or _is_cuda(device)))
-
-
 def _is_cuda(device) -> bool:
     if isinstance(device, torch.device):
         return device.type == "cuda"
@@ -70,42 +70,97 @@ def _is_cuda(device) -> bool:
     return False
 
 
+_CPU = torch.device("cpu")
+
+# The calls that take a device, wrapped one by one (nothing else pays anything): every torch function
+# and Tensor method whose aten schema has a ``device`` argument (torch 2.13; tests/unit/test_cuda_on_cpu.py
+# lists the schemas again and fails on one that is neither here nor in _NOT_WRAPPED), plus asarray and
+# new_tensor (Python-level factories) and torch.fft's frequency grids. ``device`` is keyword-only in each.
+_FACTORIES = ("arange", "as_tensor", "asarray", "bartlett_window", "blackman_window", "empty", "empty_like",
+              "empty_permuted", "empty_quantized", "empty_strided", "eye", "from_file", "full", "full_like",
+              "hamming_window", "hann_window", "kaiser_window", "linspace", "logspace", "normal", "ones", "ones_like",
+              "rand", "rand_like", "randint", "randint_like", "randn", "randn_like", "randperm", "range",
+              "scalar_tensor", "sparse_bsc_tensor", "sparse_bsr_tensor", "sparse_compressed_tensor",
+              "sparse_coo_tensor", "sparse_csc_tensor", "sparse_csr_tensor", "tensor", "tril_indices", "triu_indices",
+              "zeros", "zeros_like")
+_TENSOR_FACTORIES = ("new_empty", "new_empty_strided", "new_full", "new_ones", "new_tensor", "new_zeros")
+_FFT_FACTORIES = ("fftfreq", "rfftfreq")
+# a class (replacing it would break isinstance checks on torch's own generators); pinning is a host
+# operation, torch's own CPU answer is kept
+_NOT_WRAPPED = ("Generator", "pin_memory", "is_pinned")
+
+
+def _device_to_cpu(factory):
+    """``factory`` with a CUDA ``device=`` read as the CPU (TorchScript still compiles it as the aten op)."""
+    def call(*args, **kwargs):
+        device = kwargs.get("device")
+        if device is not None and _is_cuda(device):
+            kwargs["device"] = _CPU
+        return factory(*args, **kwargs)
+
+    call.__name__ = call.__qualname__ = getattr(factory, "__name__", "factory")
+    call.__doc__ = factory.__doc__
+    call.__wrapped__ = factory
+    op = torch.jit._builtins._find_builtin(factory)
+    if op is not None:
+        torch.jit._builtins._register_builtin(call, op)
+    return call
+
+
+_TO = torch.Tensor.to
+
+
+def _to(self, *args, **kwargs):
+    """``Tensor.to``: a CUDA destination (first argument or ``device=``) is the CPU, as a copy to a GPU."""
+    if args and _is_cuda(args[0]):
+        args = (_CPU, *args[1:])
+    elif "device" in kwargs and _is_cuda(kwargs["device"]):
+        kwargs["device"] = _CPU
+    else:
+        return _TO(self, *args, **kwargs)
+    out = _TO(self, *args, **kwargs)
+    return _as_transferred(out) if out is self else out
+
+
+def _cuda(self, device=None, non_blocking=False, memory_format=torch.preserve_format):
+    return _as_transferred(self)
+
+
+def _load_to_cpu(load):
+    """``torch.load(..., map_location="cuda:1" / torch.device("cuda", i))`` loads onto the CPU."""
+    def call(f, map_location=None, *args, **kwargs):
+        return load(f, _CPU if _is_cuda(map_location) else map_location, *args, **kwargs)
+
+    call.__name__, call.__doc__, call.__wrapped__ = "load", load.__doc__, load
+    return call
+
+
 # torch 2.13's CPU flash-attention kernel for float16 packs with AVX512 instructions and raises
 # "pack_vnni2 is only supported when avx512 is supported" elsewhere (ATEN_CPU_CAPABILITY=avx2/default,
 # or CPUs without AVX512 such as AMD EPYC before Zen 4) for sequences of 32 tokens and more. A GPU
 # script's fp16 attention then fails on such CPU ranks; its math kernel computes the same attention.
-# (the functional, and the aten op a traced pipeline stage calls; both choose a kernel by sdpa_kernel)
-_SDPA = (torch.nn.functional.scaled_dot_product_attention, torch.ops.aten.scaled_dot_product_attention.default)
+# On such CPUs the shim turns torch's flash kernel off for the process (what sdpa_kernel(MATH) does
+# for a block): the functional, the aten op a traced pipeline stage calls and any name bound to them
+# all choose by that switch; attention of every dtype then runs the math kernel there.
 _FP16_FLASH_NEEDS_MATH = torch.backends.cpu.get_cpu_capability() != "AVX512"
 
 
-class _CudaToCpu(TorchFunctionMode):
-    """Rewrites CUDA device arguments of every torch call to the CPU."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is torch.Tensor.cuda:
-            return _as_transferred(args[0])
-        # a move to a device: here every device is the CPU (torch.device("cuda", i) already says "cpu:i")
-        transfer = func is torch.Tensor.to and any(_is_device(a) for a in (*args[1:], kwargs.get("device")))
-        if transfer:  # "cpu:i" is not the tensor's "cpu" to torch, which would copy every time: one CPU
-            args = tuple(torch.device("cpu") if _is_device(a) else a for a in args)
-            if kwargs.get("device") is not None:
-                kwargs = {**kwargs, "device": torch.device("cpu")}
-        if any(_is_cuda(a) for a in args):
-            args = tuple("cpu" if _is_cuda(a) else a for a in args)
-        device = kwargs.get("device")
-        if device is not None and _is_cuda(device):
-            kwargs = {**kwargs, "device": "cpu"}
-        if _FP16_FLASH_NEEDS_MATH and func in _SDPA:
-            query = args[0] if args else kwargs.get("query")
-            if getattr(query, "dtype", None) == torch.float16:
-                from torch.nn.attention import SDPBackend, sdpa_kernel
-
-                with sdpa_kernel(SDPBackend.MATH):
-                    return func(*args, **kwargs)
-        out = func(*args, **kwargs)
-        return _as_transferred(out) if transfer and out is args[0] else out
+def _wrap_device_arguments() -> None:
+    for name in _FACTORIES:
+        setattr(torch, name, _device_to_cpu(getattr(torch, name)))
+    for name in _TENSOR_FACTORIES:
+        setattr(torch.Tensor, name, _device_to_cpu(getattr(torch.Tensor, name)))
+    for name in _FFT_FACTORIES:
+        setattr(torch.fft, name, _device_to_cpu(getattr(torch.fft, name)))
+    torch.Tensor.to, torch.Tensor.cuda = _to, _cuda
+    torch.load = _load_to_cpu(torch.load)
+    # zero.Init puts back the factories it saw when DeepSpeed was imported: where that came first, ours
+    zero_init = sys.modules.get("deepspeed.runtime.zero.partition_parameters")
+    for name in ("tensor", "empty", "zeros", "ones", "full", "arange", "eye", "randn"):
+        if zero_init is not None and hasattr(zero_init, f"_orig_torch_{name}"):
+            setattr(zero_init, f"_orig_torch_{name}", getattr(torch, name))
+    if _FP16_FLASH_NEEDS_MATH:
+        torch.backends.cuda.enable_flash_sdp(False)
 
 
 def _as_transferred(t: torch.Tensor) -> torch.Tensor:
@@ -263,7 +318,7 @@ def install() -> bool:
     cuda.amp.autocast = _autocast_class(torch.amp.autocast_mode.autocast)
     cuda.amp.GradScaler = _CpuGradScaler
     torch.autocast = torch.amp.autocast = _autocast_class(torch.amp.autocast_mode.autocast)
-    _CudaToCpu().__enter__()  # stays on the mode stack for the life of the process
+    _wrap_device_arguments()
     _installed = True
     return True
 
