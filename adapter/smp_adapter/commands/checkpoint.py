@@ -23,7 +23,7 @@ from smp_adapter.commands import checkpoint_reshard
 from smp_adapter.errors import SMPCheckpointError
 from smp_adapter.runtime import checkpoint_digests as digests
 
-MANIFEST = "smp_manifest.json"
+MANIFEST = digests.MANIFEST
 
 
 def add_parser(subparsers):

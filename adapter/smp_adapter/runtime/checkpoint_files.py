@@ -17,12 +17,11 @@ import pickle
 import torch
 
 from smp_adapter.errors import SMPCheckpointError
-from smp_adapter.runtime.checkpoint_digests import note_written
+from smp_adapter.runtime.checkpoint_digests import MANIFEST, note_written  # noqa: F401 - MANIFEST: its one home
 from smp_adapter.runtime.state import state
 
 PARTIAL_MARK = "_smp_is_partial"
 LAYOUT_MARK = "_smp_layout"
-MANIFEST = "smp_manifest.json"
 ENGINE_FILES = "engine_files"  # manifest key; false: no engine files, resume from the universal pieces
 
 
