@@ -89,3 +89,28 @@ def test_noting_saves_restores_the_checkpoint_engine(tmp_path):
     with pytest.raises(SMPCheckpointError, match="unknown checkpoint digest algorithm 'md4': it was written by a "
                                                  "newer smp-adapter"):
         digests.hasher("md4")
+
+
+def test_smp_load_refuses_a_damaged_smp_save_file(tmp_path, monkeypatch):
+    """smp.save writes <file>.smp_digest beside the file; smp.load checks it before reading."""
+    import smdistributed.modelparallel.torch as smp
+    from smp_adapter.runtime.init import shutdown
+
+    for key in ("SM_HP_MP_PARAMETERS", "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT", "OMPI_COMM_WORLD_RANK"):
+        monkeypatch.delenv(key, raising=False)  # one process, as tests/unit/test_runtime_single_process.py
+    shutdown()
+    smp.init({})
+    try:
+        smp.save({"w": torch.arange(100.0)}, str(tmp_path / "ckpt.pt"), partial=True)
+        path = tmp_path / "ckpt.pt_0_0"
+        assert torch.equal(smp.load(str(tmp_path / "ckpt.pt"))["w"], torch.arange(100.0))
+        with open(path, "r+b") as f:
+            f.truncate(path.stat().st_size - 1)
+        with pytest.raises(SMPCheckpointError) as refused:
+            smp.load(str(tmp_path / "ckpt.pt"))
+        assert str(refused.value).startswith(f"{tmp_path} is damaged; refusing to load it (1 problem):\n  {path}: size ")
+        monkeypatch.setenv(digests.SKIP_ENV, "1")  # unchecked: torch's own error, still naming the file
+        with pytest.raises(SMPCheckpointError, match=f"{path} is not a loadable checkpoint"):
+            smp.load(str(tmp_path / "ckpt.pt"))
+    finally:
+        shutdown()

@@ -330,3 +330,37 @@ def require_intact_everywhere(folder: Path, action: str, rank: int, world_size: 
     if problems:
         raise refusal(folder, problems, action)
     return manifest
+
+
+# -- smp.save / smp.load: one file, its digest beside it -------------------------------------------
+SIDECAR = ".smp_digest"  # <file>.smp_digest: {"digest_algorithm", "size", "digest"}
+
+
+def write_sidecar(path: str) -> None:
+    """The digest of a file smp.save has just written, beside it (replaced atomically)."""
+    algorithm = default_algorithm()
+    record = {ALGORITHM: algorithm, **digest_file(path, algorithm)}
+    tmp = f"{path}{SIDECAR}.tmp.{os.getpid()}"
+    Path(tmp).write_text(json.dumps(record))
+    os.replace(tmp, f"{path}{SIDECAR}")
+
+
+def check_sidecar(path: str) -> None:
+    """Before smp.load reads ``path``: refuse it when its recorded digest (if any) does not hold. A
+    file without one (saved by torch.save, or before digests existed) is read as it is. Not
+    collective: smp.load is not; the rank that refuses raises, and the launcher ends the job."""
+    sidecar = Path(f"{path}{SIDECAR}")
+    if skipped() or not sidecar.is_file():
+        return
+    folder, name = Path(path).parent, Path(path).name
+    try:
+        record = json.loads(sidecar.read_text())
+        manifest = {ALGORITHM: record[ALGORITHM], FILES: {name: {"size": record["size"], "digest": record["digest"]}}}
+    except (ValueError, KeyError, TypeError):
+        raise refusal(folder, [Problem(sidecar.name, "not a valid digest record: damaged or edited")], "load it")
+    try:
+        problems = check_files(folder, manifest, [name])
+    except SMPCheckpointError as exc:
+        problems = [Problem(sidecar.name, str(exc))]
+    if problems:
+        raise refusal(folder, problems, "load it")
