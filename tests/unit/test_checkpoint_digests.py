@@ -46,7 +46,7 @@ def test_verify_names_each_problem(tmp_path):
     _, problems = digests.verify(tmp_path)
     assert [str(p) for p in problems] == [
         "ds/model.pt: content differs from the save (blake2b digest): damaged bytes",
-        "ds/unclaimed.py: size 1 bytes, 43 at the save: cut short or overwritten",
+        "ds/unclaimed.py: size 1 bytes, 42 at the save: cut short or overwritten",
         "user_content.pt: missing (recorded at the save, not in the folder now)",
         "later.txt: not recorded in the manifest (added after the save)"]
 
@@ -73,7 +73,7 @@ def test_an_edited_manifest_is_refused_and_the_opt_out_lets_it_through(tmp_path,
 def test_files_are_split_among_ranks_by_size_the_same_on_every_rank():
     files = {f"f{i}": {"size": size} for i, size in enumerate([100, 60, 50, 10, 0])}
     split = digests.shares(files, 2)
-    assert split == [["f0", "f4"], ["f1", "f2", "f3"]]
+    assert split == [["f0", "f3", "f4"], ["f1", "f2"]]  # loads 110 and 110 bytes
     assert sorted(sum(split, [])) == sorted(files) and digests.shares(dict(reversed(files.items())), 2) == split
 
 

@@ -280,11 +280,13 @@ def refusal(folder: Path, problems, action: str) -> SMPCheckpointError:
         f"{folder}`; to use it anyway, accepting wrong values, set {SKIP_ENV}=1")
 
 
-def _legacy_or_skipped(folder: Path, manifest: dict | None, rank: int) -> bool:
+def _unchecked(folder: Path, manifest: dict, problems: list, rank: int) -> bool:
+    """Whether the files are used without checking: the user's opt-out, or a checkpoint saved before
+    digests existed (an intact manifest without them); one warning each."""
     if skipped():
         _warn_once(f"{SKIP_ENV}=1: checkpoint files are used without checking their digests", rank)
         return True
-    if manifest is not None and not has_digests(manifest):
+    if not problems and not has_digests(manifest):
         _warn_once(f"{folder} records no file digests (saved by an smp-adapter before they were added): it is "
                    "used unchecked; a new save records them", rank)
         return True
@@ -294,16 +296,13 @@ def _legacy_or_skipped(folder: Path, manifest: dict | None, rank: int) -> bool:
 def require_intact(folder: Path, action: str) -> dict:
     """One process: the manifest, once every file checked out (else the error naming each problem)."""
     folder = Path(folder)
-    if skipped():
-        _legacy_or_skipped(folder, None, 0)
-        manifest, problems = read_manifest(folder)
-        if manifest is not None:
-            return manifest
-        raise refusal(folder, problems, action)
-    manifest, problems = verify(folder)
+    manifest, problems = read_manifest(folder)
+    if manifest is not None and _unchecked(folder, manifest, problems, 0):
+        return manifest
+    if not problems:
+        manifest, problems = verify(folder)
     if problems:
         raise refusal(folder, problems, action)
-    _legacy_or_skipped(folder, manifest, 0)
     return manifest
 
 
@@ -312,15 +311,15 @@ def require_intact_everywhere(folder: Path, action: str, rank: int, world_size: 
     and one all_gather gives every rank every problem, so all ranks return or all raise the same error."""
     folder = Path(folder)
     manifest, problems = read_manifest(folder)
-    if manifest is not None and not problems and not _legacy_or_skipped(folder, manifest, rank):
+    if manifest is not None and _unchecked(folder, manifest, problems, rank):
+        problems = []
+    elif not problems:
         try:
             problems = check_files(folder, manifest, shares(manifest[FILES], world_size)[rank])
             if rank == 0:
                 problems += extra_files(folder, manifest)
         except SMPCheckpointError as exc:
             problems = [Problem(MANIFEST, str(exc))]
-    if skipped() and manifest is not None:
-        problems = []
     if world_size > 1:
         import torch.distributed as dist
 
