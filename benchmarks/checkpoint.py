@@ -21,6 +21,15 @@ with the pieces within 1.1x of DeepSpeed-only, resume memory per rank within 1.2
     PYTHONPATH=adapter .venv/bin/python benchmarks/checkpoint.py [--modes zero3 zero1 pp2] [--repeats 3]
 
 pp2 (two pipeline stages): "DS only" is then the pipeline engine's own stage files.
+
+--digests (issue 30): each mode's job saves alternately without and with the file digests
+(runtime/checkpoint_digests.py), --repeats times each; a second job resumes the checkpoint in the
+same layout alternately without (SMP_ADAPTER_SKIP_CHECKPOINT_VERIFY=1) and with the check, after one
+untimed resume (--cold: the checkpoint's pages dropped from the page cache before each resume, so it
+is read from the disk as after a copy). Medians, slowest rank. Targets: both within 1.05x.
+--hash-speed: MB/s of the candidate hashes.
+
+    PYTHONPATH=adapter .venv/bin/python benchmarks/checkpoint.py --digests --modes zero3 zero0 pp2 --repeats 7
 """
 
 from __future__ import annotations
@@ -108,6 +117,149 @@ def resume_worker(args) -> None:
                   "anon_growth": anon_peak - anon_before, "world": smp.size()})
 
 
+# -- digests (runtime/checkpoint_digests.py): save and resume with and without them, alternating -----
+def _digests_at_save(on: bool) -> None:
+    """Off: the save records no digests (what it wrote before they existed); the gather that replaces
+    the barrier still runs, with nothing in it."""
+    from smp_adapter.runtime import checkpoint_digests as digests
+
+    if not hasattr(digests, "_bench_originals"):
+        digests._bench_originals = (digests.digest_written, digests.complete)
+    written, complete = digests._bench_originals
+    digests.digest_written = written if on else (lambda *a: {})
+    digests.complete = complete if on else (lambda *a: {})
+
+
+def _timed(module, name: str, spent: list) -> None:
+    """Wrap ``module.name`` so that its seconds add up in ``spent[0]``: the digest work itself, a
+    figure the disk's write-back does not blur as it blurs the ratio of whole saves."""
+    original = getattr(module, name)
+
+    def timed(*a, **k):
+        start = time.perf_counter()
+        try:
+            return original(*a, **k)
+        finally:
+            spent[0] += time.perf_counter() - start
+
+    setattr(module, name, timed)
+
+
+def digest_save_worker(args) -> None:
+    smp, model, optimizer, train_step = _job(json.loads(args.options), _size(args))
+    for step in range(2):
+        optimizer.zero_grad()
+        train_step(model, batch(step, smp.dp_rank(), vocab=args.vocab))
+        optimizer.step()
+    from smp_adapter.runtime import checkpoint_digests as digests
+
+    _digests_at_save(True)
+    spent = [0.0]
+    for name in ("digest_written", "complete"):
+        _timed(digests, name, spent)
+    digests._bench_originals = (digests.digest_written, digests.complete)
+    times, work = {"off": [], "on": []}, []
+    for i in range(args.repeats):
+        for mode in ("off", "on") if i % 2 == 0 else ("on", "off"):
+            _digests_at_save(mode == "on")
+            smp.barrier()
+            spent[0], start = 0.0, time.perf_counter()
+            smp.save_checkpoint(args.ckpt, tag=f"d{mode}", partial=True, user_content={"step": 2})
+            times[mode].append(_slowest(smp, time.perf_counter() - start))
+            if mode == "on":
+                work.append(_slowest(smp, spent[0]))
+    write_result({"times": times, "digest_work": work})
+
+
+def digest_resume_worker(args) -> None:
+    """The same-layout resume of the checkpoint with digests, checked (on) or not (off: the user's
+    opt-out), alternating; the first resume (cold pages) is left out."""
+    from smp_adapter.runtime.checkpoint_digests import SKIP_ENV
+
+    from smp_adapter.runtime import checkpoint_dirs
+
+    smp, model, optimizer, _ = _job(json.loads(args.options), _size(args))
+    spent, work = [0.0], []
+    _timed(checkpoint_dirs.digests, "check_files", spent)  # the reading and hashing of a rank's share
+    smp.resume_from_checkpoint(args.ckpt, tag="don")
+    files = [p for p in (Path(args.ckpt) / "don_partial").rglob("*") if p.is_file()]
+    times = {"off": [], "on": []}
+    for i in range(args.repeats):
+        for mode in ("off", "on") if i % 2 == 0 else ("on", "off"):
+            os.environ[SKIP_ENV] = "1" if mode == "off" else "0"
+            if args.cold:  # the checkpoint's pages out of the page cache: read from the disk, as after a copy
+                smp.barrier()
+                for path in files:
+                    fd = os.open(path, os.O_RDONLY)
+                    os.fsync(fd)
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                    os.close(fd)
+            smp.barrier()
+            spent[0], start = 0.0, time.perf_counter()
+            smp.resume_from_checkpoint(args.ckpt, tag="don")
+            times[mode].append(_slowest(smp, time.perf_counter() - start))
+            if mode == "on":
+                work.append(_slowest(smp, spent[0]))
+    write_result({"times": times, "digest_work": work})
+
+
+def hash_speed() -> None:
+    """MB/s of each candidate hash over 64 MiB in memory, one core (best of 3)."""
+    import hashlib
+
+    data = memoryview(os.urandom(64 << 20))
+    candidates = {"blake2b": lambda: hashlib.blake2b(digest_size=16)}
+    try:
+        import xxhash
+
+        candidates.update({"xxh3_128": xxhash.xxh3_128, "xxh3_64": xxhash.xxh3_64})
+    except ImportError:
+        print("xxhash: not installed")
+    try:
+        import blake3
+
+        candidates["blake3"] = blake3.blake3
+    except ImportError:
+        print("blake3: not installed")
+    for name, make in candidates.items():
+        best = float("inf")
+        for _ in range(3):
+            start, h = time.perf_counter(), make()
+            for i in range(0, len(data), 8 << 20):
+                h.update(data[i:i + (8 << 20)])
+            h.digest()
+            best = min(best, time.perf_counter() - start)
+        print(f"hash {name:9} {len(data) / best / 1e6:8.0f} MB/s")
+
+
+def digests_main(args, me: Path, size: list) -> None:
+    print(f"{'mode':8} {'checkpoint':>10} {'save off':>9} {'save on':>8} {'ratio':>6} {'digesting':>9} | "
+          f"{'resume off':>10} {'resume on':>9} {'ratio':>6} {'checking':>8}   (medians of {args.repeats}, slowest rank)")
+    figures = {}
+    for mode in args.modes:
+        options, nprocs, _ = MODES[mode]
+        with tempfile.TemporaryDirectory() as tmp:
+            tmp = Path(tmp)
+            saves = run_ranks(me, nprocs, ["--digest-save-worker", "--options", json.dumps(options), "--ckpt",
+                                           tmp / "ckpt", "--repeats", args.repeats, *size], tmp / "save")
+            folder = tmp / "ckpt" / "don_partial"
+            mb = sum(p.stat().st_size for p in folder.rglob("*") if p.is_file()) / 1e6
+            resumes = run_ranks(me, nprocs, ["--digest-resume-worker", "--options", json.dumps(options), "--ckpt",
+                                             tmp / "ckpt", "--repeats", args.repeats, *size,
+                                             *(["--cold"] if args.cold else [])], tmp / "resume")
+        save = {k: statistics.median(saves[0]["times"][k]) for k in ("off", "on")}
+        resume = {k: statistics.median(resumes[0]["times"][k]) for k in ("off", "on")}
+        save["digesting"] = statistics.median(saves[0]["digest_work"])
+        resume["checking"] = statistics.median(resumes[0]["digest_work"])
+        print(f"{mode:8} {mb:8.0f}MB {save['off']:8.3f}s {save['on']:7.3f}s {save['on'] / save['off']:6.2f} "
+              f"{save['digesting']:8.3f}s | {resume['off']:9.3f}s {resume['on']:8.3f}s "
+              f"{resume['on'] / resume['off']:6.2f} {resume['checking']:7.3f}s")
+        figures[mode] = {"checkpoint_mb": mb, "save_s": save, "resume_s": resume,
+                         "save_all": saves[0]["times"], "resume_all": resumes[0]["times"]}
+    if args.json:
+        Path(args.json).write_text(json.dumps(figures, indent=1))
+
+
 def _status_bytes(field: str) -> int:
     with open("/proc/self/status") as f:
         for line in f:
@@ -146,6 +298,13 @@ def main() -> None:
     p.add_argument("--n-layer", type=int, default=4)
     p.add_argument("--vocab", type=int, default=8192)
     p.add_argument("--json", default=None, help="also write the figures here")
+    p.add_argument("--digests", action="store_true",
+                   help="instead: save and same-layout resume with and without the file digests (issue 30)")
+    p.add_argument("--hash-speed", action="store_true", help="instead: MB/s of the candidate hashes")
+    p.add_argument("--cold", action="store_true",
+                   help="--digests: drop the checkpoint's pages from the page cache before each resume")
+    p.add_argument("--digest-save-worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--digest-resume-worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--save-worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--resume-worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--options", help=argparse.SUPPRESS)
@@ -156,8 +315,16 @@ def main() -> None:
         return save_worker(args)
     if args.resume_worker:
         return resume_worker(args)
+    if args.digest_save_worker:
+        return digest_save_worker(args)
+    if args.digest_resume_worker:
+        return digest_resume_worker(args)
+    if args.hash_speed:
+        return hash_speed()
     me = Path(__file__).resolve()
     size = ["--n-embd", args.n_embd, "--n-layer", args.n_layer, "--vocab", args.vocab]
+    if args.digests:
+        return digests_main(args, me, size)
     params = sum(t.numel() for t in build_model(**_size(args)).parameters())
     checkpoint_bytes = params * 4 * 3  # fp32 params + two Adam moments
     print(f"model: {params / 1e6:.2f} M parameters; fp32 params + Adam moments = {checkpoint_bytes / 2**20:.1f} MiB")

@@ -177,7 +177,8 @@ def test_checkpoint_round_trip_and_bad_files(fresh, tmp_path):
     manifest_file = tmp_path / "t1_partial" / "smp_manifest.json"
     manifest = json.loads(manifest_file.read_text())
     manifest["layout"]["pp"] = 2
-    del manifest["universal"]
+    for key in ("universal", "files", "digest_algorithm", "manifest_digest"):  # older: no pieces, no digests
+        del manifest[key]
     manifest_file.write_text(json.dumps(manifest))
     with pytest.raises(SMPCheckpointError, match=r"was saved with another parallel layout \(pp: saved 2 vs now 1\) "
                                                  r"and without layout-independent pieces .*: resume it with the saved "
@@ -249,7 +250,8 @@ def test_smp_1_10_save_names_and_optimizer_backcompat(fresh, tmp_path):
     smp.save({"optimizer": optimizer.save_optimizer_backcompat(gather_if_shard=False)}, str(tmp_path / "b.pt"),
              partial=True, v3=True)
     smp.save({}, str(tmp_path / "c.pt"), partial=True)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.pt_0_0", "b.pt_0_0_0", "c.pt_0_0"]
+    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.endswith(".smp_digest")) == [
+        "a.pt_0_0", "b.pt_0_0_0", "c.pt_0_0"]
     assert whole["state"][0]["exp_avg"].device.type == "cpu"
     before = {k: v["exp_avg"].clone() for k, v in optimizer.state_dict()["state"].items()}
     optimizer.step()  # moves the moments; loading the saved state puts them back
@@ -304,7 +306,9 @@ def test_partial_checkpoint_index_points_into_deepspeeds_files_unless_switched_o
     manifest_file = tmp_path / "without_partial" / "smp_manifest.json"
     manifest = json.loads(manifest_file.read_text())
     manifest["layout"]["tp"] = 2
-    manifest_file.write_text(json.dumps(manifest))
+    from smp_adapter.runtime.checkpoint_digests import write_manifest
+
+    write_manifest(manifest_file.parent, manifest)  # as a tp 2 job would have written it: sealed
     with pytest.raises(SMPCheckpointError, match=r"saved with another parallel layout \(tp: saved 2 vs now 1\) and "
                                                  r"without layout-independent pieces "
                                                  r"\(SMP_ADAPTER_LAYOUT_INDEPENDENT_CHECKPOINTS=0, or an older "

@@ -8,18 +8,22 @@ directory, or the directory ``save_checkpoint`` wrote into (its ``newest`` tag i
   parameter at a time; loads with ``from_pretrained``. Tied parameters are written once, as
   ``save_pretrained`` does;
 * reshard --to OPTIONS --world-size N: the checkpoint rewritten for that layout
-  (commands/checkpoint_reshard.py).
+  (commands/checkpoint_reshard.py);
+* verify: every file checked against the digests recorded at the save (runtime/checkpoint_digests.py),
+  one line per problem; export and reshard make the same check first and refuse a damaged checkpoint.
 """
 
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 from smp_adapter.commands import checkpoint_reshard
 from smp_adapter.errors import SMPCheckpointError
+from smp_adapter.runtime import checkpoint_digests as digests
 
-MANIFEST = "smp_manifest.json"
+MANIFEST = digests.MANIFEST
 
 
 def add_parser(subparsers):
@@ -34,13 +38,20 @@ def add_parser(subparsers):
     export.add_argument("--to", choices=("hf",), required=True, help="hf: Hugging Face save_pretrained layout")
     export.add_argument("out", metavar="OUT")
     checkpoint_reshard.add_parser(sub)
+    verify = sub.add_parser("verify", help="check every file against the digests the manifest recorded at the save")
+    verify.add_argument("dir", metavar="DIR")
     return p
 
 
-def _folder(path: str) -> tuple[Path, dict]:
+def _find(path: str) -> Path:
     folder = Path(path)
     if not (folder / MANIFEST).exists() and (folder / "newest").exists():
         folder = folder / f"{(folder / 'newest').read_text().strip()}_partial"
+    return folder
+
+
+def _folder(path: str) -> tuple[Path, dict]:
+    folder = _find(path)
     if not (folder / MANIFEST).is_file():
         raise SMPCheckpointError(f"{path} is not a complete smp-adapter partial checkpoint (no {MANIFEST}): give the "
                                  "<tag>_partial directory, or the directory save_checkpoint wrote into")
@@ -65,11 +76,39 @@ def _summary(folder: Path, manifest: dict) -> dict:
                 p.stat().st_size for p in (folder / "universal").glob("*.safetensors")),
             "optimizer_state": (universal or {}).get("state_keys"), "step": (universal or {}).get("step"),
             "model_class": (universal or {}).get("model_class"),
-            "hf_config": bool((universal or {}).get("hf_config")), "resume": resume}
+            "hf_config": bool((universal or {}).get("hf_config")), "resume": resume,
+            "digests": (f"{manifest[digests.ALGORITHM]}, {len(manifest[digests.FILES])} files (check them: "
+                        "smp-adapter checkpoint verify)" if digests.has_digests(manifest) else "none recorded")}
+
+
+def _verify(path: str) -> int:
+    """One line per problem (the file, what is wrong); exit 0 only when every file holds."""
+    folder = _find(path)
+    if not folder.is_dir():
+        raise SMPCheckpointError(f"{path} is not a directory: give a <tag>_partial directory, or the directory "
+                                 "save_checkpoint wrote into")
+    manifest, problems = digests.verify(folder)
+    for problem in problems:
+        print(f"{folder / problem.file}: {problem.what}")
+    if problems:
+        print(f"{folder}: {len(problems)} problem{'s' if len(problems) > 1 else ''}: do not resume or export it; "
+              "use an older tag, or copy it again from its source", file=sys.stderr)
+        return 1
+    if not digests.has_digests(manifest):
+        print(f"{folder}: records no file digests (saved before smp-adapter recorded them): nothing to check "
+              "it against", file=sys.stderr)
+        return 1
+    print(f"{folder}: {len(manifest[digests.FILES])} files and the manifest match their "
+          f"{manifest[digests.ALGORITHM]} digests")
+    return 0
 
 
 def run(args) -> int:
+    if args.action == "verify":
+        return _verify(args.dir)
     folder, manifest = _folder(args.dir)
+    if args.action in ("export", "reshard"):  # every file checked before anything is read
+        manifest = digests.require_intact(folder, f"{args.action} it")
     if args.action == "inspect":
         info = _summary(folder, manifest)
         if args.json:

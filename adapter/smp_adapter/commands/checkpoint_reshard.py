@@ -18,7 +18,6 @@ tensors at a time (about the model / target tp).
 
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 
@@ -44,7 +43,8 @@ def target_dims(options: str, world_size: int):
 def reshard(folder: Path, manifest: dict, dims, out: Path) -> Path:
     """Write the resharded checkpoint; return its ``<tag>_partial`` directory."""
     from smp_adapter.parallel.layers import ShardLayout
-    from smp_adapter.runtime.checkpoint_files import ENGINE_FILES, MANIFEST, layout_record
+    from smp_adapter.runtime import checkpoint_digests as digests
+    from smp_adapter.runtime.checkpoint_files import ENGINE_FILES, layout_record
     from smp_adapter.runtime.universal_format import FOLDER, NO_PIECES, IndexFile, Pieces
 
     universal = manifest.get("universal")
@@ -83,7 +83,7 @@ def reshard(folder: Path, manifest: dict, dims, out: Path) -> Path:
         shutil.copy2(folder / "user_content.pt", staging / "user_content.pt")
     record = {"tag": tag, "layout": layout_record(dims), "format": manifest.get("format"), "universal": universal,
               ENGINE_FILES: False, "resharded_from": manifest.get("layout")}
-    (staging / MANIFEST).write_text(json.dumps(record, indent=1))
+    digests.write_manifest(staging, {**record, **digests.complete(staging, {}, digests.default_algorithm())})
     staging.rename(final)  # complete or absent, as save_checkpoint's folders
     (out / "newest").write_text(tag)
     return final

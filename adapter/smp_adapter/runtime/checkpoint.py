@@ -23,6 +23,7 @@ from __future__ import annotations
 import os
 
 from smp_adapter.errors import SMPCheckpointError, SMPUsageError
+from smp_adapter.runtime.checkpoint_digests import check_sidecar, write_sidecar
 from smp_adapter.runtime.checkpoint_files import (LAYOUT_MARK, PARTIAL_MARK, atomic_torch_save, check_layout,
                                                   current_layout, safe_torch_load)
 from smp_adapter.runtime.state import require_initialized, state
@@ -100,6 +101,7 @@ def save(obj, f, partial: bool = True, pickle_module=None, pickle_protocol: int 
         raise SMPUsageError("smp.save needs a file path (str), not a file object, as in smp v1")
     path = _partial_name(str(f), v3) if partial else str(f)
     atomic_torch_save(obj, path, pickle_protocol)
+    write_sidecar(path)  # <path>.smp_digest: smp.load checks the file against it
 
 
 def load(f, map_location=None, pickle_module=None, pickle_load_args=None, partial: bool = True,
@@ -118,6 +120,7 @@ def load(f, map_location=None, pickle_module=None, pickle_load_args=None, partia
                                      "Was it saved with smp.save(..., partial=True) by this layout? For a full "
                                      "checkpoint pass partial=False")
         f = found[0]
+    check_sidecar(f)  # a file smp.save wrote: refused when damaged, naming it
     return safe_torch_load(f, map_location, weights_only)
 
 

@@ -4,7 +4,6 @@ the engine's (runtime/engines: DeepSpeed's own format, or one file per pipeline 
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 from pathlib import Path
@@ -12,6 +11,7 @@ from pathlib import Path
 import torch
 
 from smp_adapter.errors import SMPCheckpointError, SMPUsageError
+from smp_adapter.runtime import checkpoint_digests as digests
 from smp_adapter.runtime import checkpoint_files as ckpt
 from smp_adapter.runtime.state import require_initialized, state
 
@@ -72,17 +72,22 @@ def _save_partial(path: Path, tag: str, model, optimizer, user_content) -> None:
     if optimizer is None or not model.runtime_engine.ready_for_checkpoint:
         raise SMPUsageError("partial checkpoints need the optimizer: create smp.DistributedOptimizer before "
                             "smp.save_checkpoint(..., partial=True), or save a full checkpoint with partial=False")
-    engine_record = model.runtime_engine.save_partial(staging, optimizer) or {}
-    rng = {"cpu": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        rng["cuda"] = torch.cuda.get_rng_state()
-    ckpt.atomic_torch_save(rng, str(staging / f"rng_rank{s.rank}.pt"))
-    _barrier()  # every rank's files are in staging
-    if s.rank == 0:
-        if user_content is not None:
+    algorithm = digests.default_algorithm()
+    with digests.written_files() as written:
+        engine_record = model.runtime_engine.save_partial(staging, optimizer) or {}
+        rng = {"cpu": torch.get_rng_state()}
+        if torch.cuda.is_available():
+            rng["cuda"] = torch.cuda.get_rng_state()
+        ckpt.atomic_torch_save(rng, str(staging / f"rng_rank{s.rank}.pt"))
+        if s.rank == 0 and user_content is not None:
             ckpt.atomic_torch_save(user_content, str(staging / "user_content.pt"))
-        manifest = {"tag": tag, "layout": ckpt.current_layout(), "format": "smp-adapter/1", **engine_record}
-        (staging / ckpt.MANIFEST).write_text(json.dumps(manifest, indent=1))
+    # each rank digests what it wrote (still in the page cache); the gather is also the barrier after
+    # which every rank's files are in staging
+    recorded = digests.gather(digests.digest_written(staging, written, algorithm), s.world_size)
+    if s.rank == 0:
+        manifest = {"tag": tag, "layout": ckpt.current_layout(), "format": "smp-adapter/1", **engine_record,
+                    **digests.complete(staging, recorded, algorithm)}
+        digests.write_manifest(staging, manifest)
         if final.exists():
             old = path / f".{tag}_partial.old"
             os.replace(final, old)
@@ -130,10 +135,11 @@ def resume_from_checkpoint(path, tag=None, partial: bool = True, strict: bool = 
     if not manifest_file.exists():
         raise SMPCheckpointError(f"{folder} is not a complete smp-adapter partial checkpoint (no {ckpt.MANIFEST}); "
                                  "it may be from an interrupted save: resume from an earlier tag")
-    manifest = json.loads(manifest_file.read_text())
     if s.optimizer is None or not model.runtime_engine.ready_for_checkpoint:
         raise SMPUsageError("resume a partial checkpoint after creating smp.DistributedOptimizer (the optimizer "
                             "state is restored into it)")
+    # every file checked before any is used; one collective, so all ranks refuse together
+    manifest = digests.require_intact_everywhere(folder, "resume from it", s.rank, s.world_size)
     difference = ckpt.layout_difference(manifest.get("layout", {}))
     if difference is None and manifest.get(ckpt.ENGINE_FILES, True):
         model.runtime_engine.load_partial(folder, s.optimizer, strict, load_optimizer and load_sharded_optimizer_state)

@@ -1,7 +1,8 @@
 """Checkpoint file primitives shared by every checkpoint writer (a leaf: imports nothing of ours
-but ``state`` and the errors).
+but ``state``, the errors and the digests' leaf).
 
-* ``atomic_torch_save``: write to a temporary name, then rename, so a crash never leaves a torn file;
+* ``atomic_torch_save``: write to a temporary name, then rename, so a crash never leaves a torn file
+  (and note the file for the checkpoint's digests);
 * ``safe_torch_load``: ``torch.load(weights_only=True)``, letting through the plain-data objects client
   scripts store (transformers configs, argparse.Namespace), with a clear error for anything else;
 * the marks a partial state dict carries (``PARTIAL_MARK``, ``LAYOUT_MARK``) and the layout check
@@ -16,11 +17,11 @@ import pickle
 import torch
 
 from smp_adapter.errors import SMPCheckpointError
+from smp_adapter.runtime.checkpoint_digests import MANIFEST, note_written  # noqa: F401 - MANIFEST: its one home
 from smp_adapter.runtime.state import state
 
 PARTIAL_MARK = "_smp_is_partial"
 LAYOUT_MARK = "_smp_layout"
-MANIFEST = "smp_manifest.json"
 ENGINE_FILES = "engine_files"  # manifest key; false: no engine files, resume from the universal pieces
 
 
@@ -54,6 +55,7 @@ def atomic_torch_save(obj, path: str, pickle_protocol: int = 2) -> None:
     tmp = f"{path}.tmp.{os.getpid()}"
     torch.save(obj, tmp, pickle_protocol=pickle_protocol)
     os.replace(tmp, path)
+    note_written(path)  # inside a partial checkpoint's save: this rank digests it (checkpoint_digests.py)
 
 
 # Checkpoints the AWS templates write hold more than tensors: a transformers config in user_content

@@ -115,7 +115,14 @@ class OpenedFiles:
                 raise SMPCheckpointError(f"{path} is missing: the checkpoint was copied incompletely; copy the "
                                          "whole <tag>_partial folder")
             try:  # the engine's own files: the same trust as DeepSpeed's loader, which unpickles them too
-                self._open[file] = torch.load(path, map_location="cpu", mmap=True, weights_only=False)
-            except RuntimeError:  # a file in torch's legacy (non-zip) format cannot be mapped
-                self._open[file] = torch.load(path, map_location="cpu", weights_only=False)
+                try:
+                    self._open[file] = torch.load(path, map_location="cpu", mmap=True, weights_only=False)
+                except RuntimeError:  # a file in torch's legacy (non-zip) format cannot be mapped
+                    self._open[file] = torch.load(path, map_location="cpu", weights_only=False)
+            except (OSError, RuntimeError) as exc:  # cut short: torch's "[Errno 22]" names no file
+                from smp_adapter.errors import SMPCheckpointError
+
+                raise SMPCheckpointError(f"{path} cannot be read ({type(exc).__name__}: {str(exc)[:200]}): it is "
+                                         "damaged or cut short; run `smp-adapter checkpoint verify` on the "
+                                         "checkpoint, or use an older tag") from None
         return self._open[file]

@@ -38,6 +38,7 @@ import torch.distributed as dist
 
 from smp_adapter.errors import SMPCheckpointError
 from smp_adapter.parallel.layers import LAYOUT_ATTR, ShardLayout
+from smp_adapter.runtime.checkpoint_digests import note_written
 from smp_adapter.runtime.state import state
 
 FOLDER = "universal"
@@ -104,6 +105,7 @@ class IndexFile:
         from safetensors.torch import save_file
 
         save_file(self.tensors, str(path), metadata={"index": json.dumps(self.index)})
+        note_written(path)
 
 
 def write_index(staging: Path, pieces, buffers, module, optimizer, keys, step, saved=None, scaler=None) -> dict:

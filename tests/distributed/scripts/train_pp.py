@@ -113,7 +113,7 @@ for step in range(args.first_step, args.first_step + args.steps):
     # mean over the data-parallel readers = the loss of the global batch
     losses.append(sum(smp.allgather(float(loss), smp.WORLD)) / smp.size())
     if step + 1 == args.save_at:
-        smp.save_checkpoint(args.ckpt_dir, tag=f"step{step + 1}", partial=True)
+        smp.save_checkpoint(args.ckpt_dir, tag=f"step{step + 1}", partial=True, user_content={"step": step + 1})
         if args.final_state:  # what the checkpoint holds (gathered over the stages)
             saved_state = {k: v.tolist() for k, v in model.state_dict().items()}
 

@@ -293,11 +293,14 @@ class DeepSpeedEngine(Engine):
         from smp_adapter.runtime.engines.deepspeed import universal_checkpoint
         from smp_adapter.runtime.checkpoint_refs import SavedTensors
 
-        if not universal_format.enabled():
-            self._ds.save_checkpoint(str(staging), tag="ds", save_latest=False)
-            return {}
-        with SavedTensors(self._ds, Path(staging)) as saved:  # the index points into these files
-            self._ds.save_checkpoint(str(staging), tag="ds", save_latest=False)
+        from smp_adapter.runtime.checkpoint_digests import noting_saves
+
+        with noting_saves(self._ds.checkpoint_engine):  # this rank digests the files DeepSpeed wrote for it
+            if not universal_format.enabled():
+                self._ds.save_checkpoint(str(staging), tag="ds", save_latest=False)
+                return {}
+            with SavedTensors(self._ds, Path(staging)) as saved:  # the index points into these files
+                self._ds.save_checkpoint(str(staging), tag="ds", save_latest=False)
         return {"universal": universal_checkpoint.save(self._ds, self.model.module, Path(staging), saved)}
 
     def load_universal(self, folder, universal: dict) -> None:
@@ -306,9 +309,13 @@ class DeepSpeedEngine(Engine):
         universal_checkpoint.load(self._ds, self.model.module, Path(folder), universal)
 
     def load_partial(self, folder, optimizer, strict: bool, load_optimizer: bool) -> None:
-        loaded, _ = self._ds.load_checkpoint(str(folder), tag="ds", load_module_strict=strict,
-                                             load_optimizer_states=load_optimizer,
-                                             load_lr_scheduler_states=load_optimizer)
+        try:
+            loaded, _ = self._ds.load_checkpoint(str(folder), tag="ds", load_module_strict=strict,
+                                                 load_optimizer_states=load_optimizer,
+                                                 load_lr_scheduler_states=load_optimizer)
+        except OSError as exc:  # torch's reader on a file cut short: "[Errno 22] Invalid argument", no file named
+            raise SMPCheckpointError(f"DeepSpeed could not read {folder}/ds ({exc}): a file is damaged or cut short; "
+                                     f"run `smp-adapter checkpoint verify {folder}`, or resume an older tag") from None
         if loaded is None:
             raise SMPCheckpointError(f"DeepSpeed could not load {folder}/ds: the checkpoint is incomplete")
 
