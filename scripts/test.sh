@@ -41,6 +41,10 @@ print(f"== {sys.argv[1]}: python {sys.version.split()[0]}, " + ", ".join(f"{n} {
 EOF
 }
 
+workers=${SMP_TEST_WORKERS:-2}
+DIST_ARGS=()  # the distributed tier's pytest workers (see 1b)
+[ "$workers" -gt 1 ] && DIST_ARGS=(-n "$workers" --dist loadfile)
+
 run_matrix() {
   local status=0 file env py started part
   for file in constraints/*.txt; do
@@ -55,7 +59,7 @@ run_matrix() {
     "$py" "${PYTEST_ARGS[@]}" tests/unit
     check $? "matrix $file: tests/unit"; part=$?
     [ "$part" -eq 0 ] || status=1
-    "$py" "${PYTEST_ARGS[@]}" "${MATRIX_TESTS[@]}"
+    "$py" "${PYTEST_ARGS[@]}" "${MATRIX_TESTS[@]}" "${DIST_ARGS[@]}"
     check $? "matrix $file: ${MATRIX_TESTS[*]}"; part=$?
     [ "$part" -eq 0 ] || status=1
     echo "== matrix $(basename "$file" .txt): $((SECONDS - started)) s (setup included)"
@@ -79,12 +83,7 @@ fi
 versions "default stack" .venv/bin/python
 .venv/bin/python "${PYTEST_ARGS[@]}" tests/unit tests/gpu
 check $? "tests/unit tests/gpu"; unit=$?
-workers=${SMP_TEST_WORKERS:-2}
-if [ "$workers" -gt 1 ]; then
-  .venv/bin/python "${PYTEST_ARGS[@]}" tests/distributed -n "$workers" --dist loadfile
-else
-  .venv/bin/python "${PYTEST_ARGS[@]}" tests/distributed
-fi
+.venv/bin/python "${PYTEST_ARGS[@]}" tests/distributed "${DIST_ARGS[@]}"
 check $? "tests/distributed"; distributed=$?
 matrix=0
 if [ "${SMP_TEST_MATRIX:-1}" != 0 ]; then
