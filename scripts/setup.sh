@@ -51,5 +51,8 @@ else
   # the cached environment's dependencies are current: point its editable install at this clone
   "$env/bin/python" -m pip install -q --no-deps -e . >/dev/null
 fi
-"$env/bin/python" -c "$KEY_PACKAGES" >/dev/null
+if ! "$env/bin/python" -c "$KEY_PACKAGES" >/dev/null 2>&1; then
+  echo "setup.sh: $env cannot import its packages ($KEY_PACKAGES); remove it and run again" >&2
+  exit 1
+fi
 echo "$env"
