@@ -65,11 +65,37 @@ def initialize_hf_weights_if_random(module: nn.Module) -> None:
         return
     if not any(hasattr(p, "ds_id") for p in module.parameters()):
         return
-    from transformers.integrations.deepspeed import initialize_weights_zero3
+    try:
+        from transformers.integrations.deepspeed import initialize_weights_zero3
+    except ImportError:  # transformers 4.x has no ZeRO-3 variant
+        initialize_weights_zero3 = _initialize_weights_zero3_v4
 
     with _zero_group_rank_as_rank():
         initialize_weights_zero3(module)
     module.tie_weights()
+
+
+def _initialize_weights_zero3_v4(model: nn.Module) -> None:
+    """transformers 5's ``initialize_weights_zero3`` for 4.x models: each module's parameters (and its
+    direct children's, which ``_init_weights`` may touch) gathered, initialised on rank 0, scattered
+    back. ``_init_weights`` is called directly: 4.x's ``_initialize_weights`` skips modules its
+    post_init already flagged (it ran on the empty shards)."""
+    import deepspeed
+    from transformers import PreTrainedModel
+
+    def walk(m: nn.Module, owner) -> None:
+        for child in m.children():
+            walk(child, child if isinstance(child, PreTrainedModel) else owner)
+        params = list(m.parameters(recurse=False))
+        for child in m.children():
+            if not isinstance(child, PreTrainedModel):
+                params.extend(child.parameters(recurse=False))
+        if params:
+            with deepspeed.zero.GatheredParameters(params, modifier_rank=0):
+                if deepspeed.comm.get_rank() == 0:
+                    owner._init_weights(m)
+
+    walk(model, model)
 
 
 @contextlib.contextmanager
@@ -207,17 +233,25 @@ def _checkpoint_forward(module: nn.Module, preserve_rng_state: bool, followers: 
     if getattr(module, "_smp_checkpointed", False):
         return
     original = module.forward
+    # transformers 4.x blocks return a tuple (hidden_states, present, ...) whose first element the
+    # model's loop feeds to the next block: length of the leader's last output, 0 for a tensor
+    out_len = [0]
+
+    def follower_identity(x, *a, **k):
+        return (x,) + (None,) * (out_len[0] - 1) if out_len[0] else x
+
     for f in followers:  # run inside the leader's segment; their own forward is then the identity
         f._smp_original_forward = f.forward
-        f.forward = lambda x, *a, **k: x
+        f.forward = follower_identity
         f._smp_checkpointed = True
 
     def segment(*args, **kwargs):
         out = original(*args, **kwargs)
+        out_len[0] = len(out) if isinstance(out, tuple) else 0
         # a follower gets the previous output in place of the first argument and the leader's other
         # arguments: Hugging Face blocks all take (hidden_states, mask, ..., **kwargs) from one loop
         for f in followers:
-            out = f._smp_original_forward(out, *args[1:], **kwargs)
+            out = f._smp_original_forward(out[0] if isinstance(out, tuple) else out, *args[1:], **kwargs)
         return out
 
     def checkpointed_forward(*args, **kwargs):
