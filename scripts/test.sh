@@ -1,19 +1,28 @@
 #!/usr/bin/env bash
-# Sets up .venv (scripts/setup.sh) and runs the whole test suite on CPU (this is .ci/run).
+# Sets up .venv (scripts/setup.sh) and runs the test suite on CPU (this is .ci/run).
 #
-# With no arguments, two pytest runs:
-#   1. tests/unit and tests/gpu, one process: the hostile-input cases hold 1-2 s wall-clock budgets,
-#      which another test's ranks on the same two cores could break;
-#   2. tests/distributed on two pytest workers (pytest-xdist, a test file per worker at a time, so a
-#      module's cached sources are built once): its ranks spend much of their time waiting on each
-#      other (gloo, pipeline stages, launcher start-up), and one worker left ~40 % of the two cores
-#      idle. SMP_TEST_WORKERS=1 runs it in one process.
-# With arguments, one pytest run over them (e.g. a single file while developing).
+# With no arguments:
+#   1. the default stack (.venv: the newest versions pyproject.toml allows), the whole suite:
+#      a. tests/unit and tests/gpu, one process: the hostile-input cases hold 1-2 s wall-clock budgets,
+#         which another test's ranks on the same two cores could break;
+#      b. tests/distributed on two pytest workers (pytest-xdist, a test file per worker at a time, so a
+#         module's cached sources are built once): its ranks spend much of their time waiting on each
+#         other (gloo, pipeline stages, launcher start-up), and one worker left ~40 % of the two cores
+#         idle. SMP_TEST_WORKERS=1 runs it in one process.
+#   2. the support matrix (--matrix below); SMP_TEST_MATRIX=0 leaves it out.
+# --matrix: only the support matrix: for each constraints/*.txt (the other points of the README's
+#   "Supported versions" table), an environment made by `scripts/setup.sh FILE` (cached outside the
+#   clone) runs the unit tier and the tests of the code that depends on those versions most: the
+#   Hugging Face tensor-parallel mapping, sharded data parallel over Hugging Face layers and the
+#   AWS-template-style GPT scripts ($MATRIX_TESTS).
+# With other arguments, one pytest run over them in .venv (e.g. a single file while developing).
+# Every part prints the versions it ran with.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh || exit 1
 export DS_ACCELERATOR=cpu OMP_NUM_THREADS=1
-PYTEST=(.venv/bin/python -m pytest -q -p no:cacheprovider --durations=15)
+PYTEST_ARGS=(-m pytest -q -p no:cacheprovider --durations=15)
+MATRIX_TESTS=(tests/distributed/test_tensor_parallel.py tests/distributed/test_tp_runtime.py
+              tests/distributed/test_aws_style_gpt.py)
 
 check() {  # pytest exits 5 when it collected no tests: a failure here
   if [ "$1" -eq 5 ]; then
@@ -23,19 +32,63 @@ check() {  # pytest exits 5 when it collected no tests: a failure here
   return "$1"
 }
 
+versions() {  # "$1: torch 2.13.0+cpu, transformers ..." from the environment's installed distributions
+  "$2" - "$1" <<'EOF'
+import sys
+from importlib.metadata import version
+names = ("torch", "transformers", "deepspeed", "megatron-core", "accelerate", "tokenizers")
+print(f"== {sys.argv[1]}: python {sys.version.split()[0]}, " + ", ".join(f"{n} {version(n)}" for n in names))
+EOF
+}
+
+workers=${SMP_TEST_WORKERS:-2}
+DIST_ARGS=()  # the distributed tier's pytest workers (see 1b)
+[ "$workers" -gt 1 ] && DIST_ARGS=(-n "$workers" --dist loadfile)
+
+run_matrix() {
+  local status=0 file env py started part
+  for file in constraints/*.txt; do
+    started=$SECONDS
+    if ! env=$(bash scripts/setup.sh "$file"); then
+      echo "matrix $file: setup failed" >&2
+      status=1
+      continue
+    fi
+    py="$env/bin/python"
+    versions "matrix $(basename "$file" .txt)" "$py"
+    "$py" "${PYTEST_ARGS[@]}" tests/unit
+    check $? "matrix $file: tests/unit"; part=$?
+    [ "$part" -eq 0 ] || status=1
+    "$py" "${PYTEST_ARGS[@]}" "${MATRIX_TESTS[@]}" "${DIST_ARGS[@]}"
+    check $? "matrix $file: ${MATRIX_TESTS[*]}"; part=$?
+    [ "$part" -eq 0 ] || status=1
+    echo "== matrix $(basename "$file" .txt): $((SECONDS - started)) s (setup included)"
+  done
+  return "$status"
+}
+
+if [ "${1:-}" = "--matrix" ]; then
+  run_matrix
+  matrix=$?
+  echo "support matrix exit $matrix"
+  exit "$matrix"
+fi
+
+bash scripts/setup.sh || exit 1
 if [ "$#" -gt 0 ]; then
-  "${PYTEST[@]}" "$@"
+  .venv/bin/python "${PYTEST_ARGS[@]}" "$@"
   check $? "$*"
   exit $?
 fi
-"${PYTEST[@]}" tests/unit tests/gpu
+versions "default stack" .venv/bin/python
+.venv/bin/python "${PYTEST_ARGS[@]}" tests/unit tests/gpu
 check $? "tests/unit tests/gpu"; unit=$?
-workers=${SMP_TEST_WORKERS:-2}
-if [ "$workers" -gt 1 ]; then
-  "${PYTEST[@]}" tests/distributed -n "$workers" --dist loadfile
-else
-  "${PYTEST[@]}" tests/distributed
-fi
+.venv/bin/python "${PYTEST_ARGS[@]}" tests/distributed "${DIST_ARGS[@]}"
 check $? "tests/distributed"; distributed=$?
-echo "unit tier exit $unit, distributed tier exit $distributed"
-[ "$unit" -eq 0 ] && [ "$distributed" -eq 0 ]
+matrix=0
+if [ "${SMP_TEST_MATRIX:-1}" != 0 ]; then
+  run_matrix
+  matrix=$?
+fi
+echo "default stack: unit tier exit $unit, distributed tier exit $distributed; support matrix exit $matrix"
+[ "$unit" -eq 0 ] && [ "$distributed" -eq 0 ] && [ "$matrix" -eq 0 ]

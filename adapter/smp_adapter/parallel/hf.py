@@ -32,16 +32,60 @@ from smp_adapter.parallel.nn import DistributedEmbedding
 from smp_adapter.parallel.layers import column_from_dense, dense_sizes, row_from_dense, vocab_from_embedding, vocab_head_from_linear
 
 
+# Kinds of head-derived sizes a unit's attributes hold (divided by the tensor-parallel degree).
+HEADS, KV_HEADS, WIDTH = "heads", "kv_heads", "width"
+
+
 @dataclass(frozen=True)
 class UnitSpec:
     columns: tuple  # ((dotted path, fused parts), ...) relative to the unit
     rows: tuple  # (dotted path, ...)
     region: str = ""  # module whose forward inputs enter the TP region ("" = the unit)
-    head_attrs: tuple = ()  # attributes holding head counts / head-derived sizes, divided by tp
+    # ((attribute path, kind), ...): attributes holding head counts / head-derived widths, divided by
+    # tp when they hold the config's full size of that kind (see _local_sizes)
+    head_attrs: tuple = ()
     heads: tuple = ()  # ((label, count), ...) that must divide by tp
     head_embeddings: tuple = ()  # nn.Embedding paths whose embedding dim indexes heads (T5)
     local_kwargs: tuple = ()  # forward kwargs already local to the rank (not gathered)
     descend: bool = False  # also visit the unit's children afterwards (BERT layer -> attention)
+    sizes: Optional["HeadSizes"] = None  # the model's head sizes, from its config (attention units)
+
+
+@dataclass(frozen=True)
+class HeadSizes:
+    """An attention's full sizes, read from the model's config.
+
+    The config's names are stable across transformers releases (``attribute_map`` maps GPT-2's
+    ``n_head``, GPT-Neo's and T5's ``num_heads``, T5's ``d_model`` to ``num_attention_heads`` /
+    ``hidden_size``); the module attributes holding them are not (GPT2SdpaAttention in 4.41-4.47
+    reads ``embed_dim`` in its forward, 5.x does not; Llama < 4.46 reads ``hidden_size``).
+    """
+
+    heads: int
+    kv_heads: int
+    head_dim: int
+
+    @property
+    def width(self) -> int:  # the q (and attention output) width: heads x head_dim
+        return self.heads * self.head_dim
+
+    def of(self, kind: str) -> int:
+        return {HEADS: self.heads, KV_HEADS: self.kv_heads, WIDTH: self.width}[kind]
+
+    def checks(self) -> tuple:
+        both = (("num_attention_heads", self.heads),)
+        return both + ((("num_key_value_heads", self.kv_heads),) if self.kv_heads != self.heads else ())
+
+
+def head_sizes(cfg) -> HeadSizes:
+    """The attention sizes of a Hugging Face config; AttributeError when it has none."""
+    heads = getattr(cfg, "num_attention_heads", None)
+    if not isinstance(heads, int) or heads <= 0:
+        raise AttributeError("the model's config has no num_attention_heads")
+    kv = getattr(cfg, "num_key_value_heads", None) or heads
+    # explicit head_dim (Llama family from 4.46, Qwen3), T5's d_kv, else hidden_size / heads
+    head_dim = getattr(cfg, "head_dim", None) or getattr(cfg, "d_kv", None) or cfg.hidden_size // heads
+    return HeadSizes(heads, kv, head_dim)
 
 
 def _get(root: nn.Module, path: str):
@@ -53,73 +97,74 @@ def _get(root: nn.Module, path: str):
     return obj
 
 
-def _cfg(m, *names):
-    cfg = getattr(m, "config", None)
-    for n in names:
-        v = getattr(cfg, n, None)
-        if v is not None:
-            return v
-    return None
+# Each builder takes (unit, sizes): sizes from the enclosing model's config. The attribute lists are
+# the union over the supported transformers releases: an attribute a release does not have is
+# skipped, one holding another value than the config's full size is not that size in that release.
 
 
-def _gpt2_attention(m):
+def _gpt2_attention(m, s):
     if getattr(m, "is_cross_attention", False):
         cols = (("q_attn", 1), ("c_attn", 2))
     else:
         cols = (("c_attn", 3),)
-    return UnitSpec(cols, ("c_proj",), head_attrs=("num_heads", "split_size"), heads=(("num_heads", m.num_heads),))
+    # embed_dim: GPT2SdpaAttention (4.41-4.47) views its output as (batch, seq, embed_dim)
+    return UnitSpec(cols, ("c_proj",), head_attrs=(("num_heads", HEADS), ("split_size", WIDTH), ("embed_dim", WIDTH)),
+                    heads=s.checks(), sizes=s)
 
 
-def _llama_attention(m):
-    heads = _cfg(m, "num_attention_heads")
-    kv = _cfg(m, "num_key_value_heads") or heads
-    attrs = tuple(a for a in ("num_heads", "num_key_value_heads") if isinstance(getattr(m, a, None), int))
+def _llama_attention(m, s):
+    # hidden_size: < 4.46 reshapes the attention output to (batch, seq, hidden_size) (= heads x head_dim)
+    attrs = (("num_heads", HEADS), ("num_key_value_heads", KV_HEADS), ("hidden_size", WIDTH))
     return UnitSpec((("q_proj", 1), ("k_proj", 1), ("v_proj", 1)), ("o_proj",), head_attrs=attrs,
-                    heads=(("num_attention_heads", heads), ("num_key_value_heads", kv)))
+                    heads=s.checks(), sizes=s)
 
 
-def _gated_mlp(m):
+def _gated_mlp(m, s):
     return UnitSpec((("gate_proj", 1), ("up_proj", 1)), ("down_proj",))
 
 
-def _neox_attention(m):
-    # query_key_value is laid out per head ([heads, 3, head_size]): a contiguous chunk = whole heads
-    return UnitSpec((("query_key_value", 1),), ("dense",), heads=(("num_attention_heads", _cfg(m, "num_attention_heads")),))
+def _neox_attention(m, s):
+    # query_key_value is laid out per head ([heads, 3, head_size]): a contiguous chunk = whole heads.
+    # 4.x views it with num_attention_heads; 4.41-4.47's SDPA path views its output with hidden_size
+    return UnitSpec((("query_key_value", 1),), ("dense",),
+                    head_attrs=(("num_attention_heads", HEADS), ("hidden_size", WIDTH)), heads=s.checks(), sizes=s)
 
 
-def _gptj_attention(m):
+def _gptj_attention(m, s):
     return UnitSpec((("q_proj", 1), ("k_proj", 1), ("v_proj", 1)), ("out_proj",),
-                    head_attrs=("num_attention_heads",), heads=(("num_attention_heads", m.num_attention_heads),))
+                    head_attrs=(("num_attention_heads", HEADS), ("embed_dim", WIDTH)), heads=s.checks(), sizes=s)
 
 
-def _gptneo_attention(m):
+def _gptneo_attention(m, s):
     return UnitSpec((("q_proj", 1), ("k_proj", 1), ("v_proj", 1)), ("out_proj",),
-                    head_attrs=("num_heads",), heads=(("num_heads", m.num_heads),))
+                    head_attrs=(("num_heads", HEADS), ("embed_dim", WIDTH)), heads=s.checks(), sizes=s)
 
 
-def _bert_attention(m):
-    return UnitSpec((("self.query", 1), ("self.key", 1), ("self.value", 1)), ("output.dense",), region="self",
-                    head_attrs=("self.num_attention_heads", "self.all_head_size"),
-                    heads=(("num_attention_heads", m.self.num_attention_heads),))
+def _bert_attention(m, s, inner="self"):
+    return UnitSpec(((f"{inner}.query", 1), (f"{inner}.key", 1), (f"{inner}.value", 1)), ("output.dense",),
+                    region=inner, head_attrs=((f"{inner}.num_attention_heads", HEADS), (f"{inner}.all_head_size", WIDTH)),
+                    heads=s.checks(), sizes=s)
 
 
-def _bert_layer(m):
+def _bert_layer(m, s):
     return UnitSpec((("intermediate.dense", 1),), ("output.dense",), region="intermediate", descend=True)
 
 
-def _vit_attention(m):
+def _vit_attention(m, s):
+    if _get(m, "attention.query") is not None:  # transformers 4.x: BERT's layout under other names
+        return _bert_attention(m, s, inner="attention")
     return UnitSpec((("q_proj", 1), ("k_proj", 1), ("v_proj", 1)), ("o_proj",),
-                    head_attrs=("num_attention_heads",), heads=(("num_attention_heads", m.num_attention_heads),))
+                    head_attrs=(("num_attention_heads", HEADS),), heads=s.checks(), sizes=s)
 
 
-def _t5_attention(m):
+def _t5_attention(m, s):
     emb = ("relative_attention_bias",) if getattr(m, "has_relative_attention_bias", False) else ()
-    return UnitSpec((("q", 1), ("k", 1), ("v", 1)), ("o",), head_attrs=("n_heads", "inner_dim"),
-                    heads=(("num_heads", m.n_heads),), head_embeddings=emb, local_kwargs=("position_bias",))
+    return UnitSpec((("q", 1), ("k", 1), ("v", 1)), ("o",), head_attrs=(("n_heads", HEADS), ("inner_dim", WIDTH)),
+                    heads=s.checks(), head_embeddings=emb, local_kwargs=("position_bias",), sizes=s)
 
 
 def _mlp(col, row):
-    return lambda m: UnitSpec(((col, 1),), (row,))
+    return lambda m, s: UnitSpec(((col, 1),), (row,))
 
 
 UNITS: dict[str, Callable] = {
@@ -136,23 +181,28 @@ UNITS: dict[str, Callable] = {
     "RobertaAttention": _bert_attention,
     "RobertaLayer": _bert_layer,
     "ViTAttention": _vit_attention,
-    "ViTMLP": _mlp("fc1", "fc2"),
+    "ViTMLP": _mlp("fc1", "fc2"),  # transformers 5.x
+    "ViTLayer": _bert_layer,  # transformers 4.x: the MLP is the layer's intermediate.dense / output.dense
     "T5Attention": _t5_attention,
     "T5DenseActDense": _mlp("wi", "wo"),
-    "T5DenseGatedActDense": lambda m: UnitSpec((("wi_0", 1), ("wi_1", 1)), ("wo",)),
+    "T5DenseGatedActDense": lambda m, s: UnitSpec((("wi_0", 1), ("wi_1", 1)), ("wo",)),
 }
 for _fam in ("Llama", "Mistral", "Qwen2", "Qwen3"):
     UNITS[f"{_fam}Attention"] = _llama_attention
     UNITS[f"{_fam}MLP"] = _gated_mlp
 
 
-def unit_spec_for(module: nn.Module) -> Optional[UnitSpec]:
-    """The unit spec of a supported Hugging Face module (own class or a base class), else None."""
+def unit_spec_for(module: nn.Module, config=None) -> Optional[UnitSpec]:
+    """The unit spec of a supported Hugging Face module (own class or a base class), else None.
+
+    ``config``: the enclosing Hugging Face model's config (modules of transformers 4.x mostly keep
+    none of their own); the module's own ``config`` when not given.
+    """
     for cls in type(module).__mro__:
         build = UNITS.get(cls.__name__)
         if build is not None:
             try:
-                spec = build(module)
+                spec = build(module, head_sizes(config if config is not None else module.config))
             except AttributeError:
                 return None
             paths = [p for p, _ in spec.columns] + list(spec.rows) + ([spec.region] if spec.region else [])
@@ -160,6 +210,16 @@ def unit_spec_for(module: nn.Module) -> Optional[UnitSpec]:
                 return spec
             return None
     return None
+
+
+def configs_by_module(root: nn.Module) -> dict:
+    """id(module) -> config of the innermost Hugging Face model containing it (for unit_spec_for)."""
+    found = {}
+    for m in root.modules():  # pre-order: an inner model's config overrides its outer model's
+        if is_hf_model(m):
+            for sub in m.modules():
+                found[id(sub)] = m.config
+    return found
 
 
 def is_hf_model(module: nn.Module) -> bool:
@@ -246,15 +306,20 @@ def split_unit(walk, unit: nn.Module, qname: str, spec: UnitSpec) -> None:
                                        _skip_allgather=True, _skip_scatter_and_merge=True)
         new.weight.requires_grad_(old.weight.requires_grad)
         walk.replace(old, new.to(old.weight.device))
-    for attr in spec.head_attrs:
-        owner_path, _, name = attr.rpartition(".")
-        owner = _get(unit, owner_path)
-        value = getattr(owner, name, None)
-        if isinstance(value, int):
-            setattr(owner, name, value // ctx.size)
+    _local_sizes(unit, spec, ctx.size)
     region = _get(unit, spec.region)
     region.register_forward_pre_hook(RegionEntry(ctx, spec.local_kwargs), with_kwargs=True)
     walk.names.append(qname)
+
+
+def _local_sizes(unit: nn.Module, spec: UnitSpec, tp: int) -> None:
+    """Divide the unit's head-derived attributes that hold the config's full size by ``tp``."""
+    for attr, kind in spec.head_attrs:
+        owner_path, _, name = attr.rpartition(".")
+        owner = _get(unit, owner_path)
+        value = getattr(owner, name, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value == spec.sizes.of(kind):
+            setattr(owner, name, value // tp)
 
 
 def _qualified(model: nn.Module, target: nn.Module, prefix: str) -> str:

@@ -46,6 +46,7 @@ class _Walk:
     def __init__(self, root: nn.Module, ctx: TPContext, gathered):
         self.root, self.ctx, self.names, self.gathered = root, ctx, [], gathered
         self.settled: set = set()  # ids of modules already decided (left whole, with a warning)
+        self.configs = hf.configs_by_module(root)  # Hugging Face units read their sizes from these
         # distinct module objects owning each parameter directly: >1 means shared weights
         self.owners: dict[int, list] = {}
         seen = set()
@@ -116,7 +117,7 @@ class _Walk:
         reg = marking.registration_for(module)
         if reg is not None:
             return self._registered(module, qname, mark, reg)
-        spec = hf.unit_spec_for(module)
+        spec = hf.unit_spec_for(module, self.configs.get(id(module)))
         if spec is not None:
             hf.split_unit(self, module, qname, spec)
             return "descend" if spec.descend else "done"

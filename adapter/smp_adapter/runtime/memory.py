@@ -125,17 +125,25 @@ def _checkpoint_forward(module: nn.Module, preserve_rng_state: bool, followers: 
     if getattr(module, "_smp_checkpointed", False):
         return
     original = module.forward
+    # transformers 4.x blocks return a tuple (hidden_states, present, ...) whose first element the
+    # model's loop feeds to the next block: length of the leader's last output, 0 for a tensor
+    out_len = [0]
+
+    def follower_identity(x, *a, **k):
+        return (x,) + (None,) * (out_len[0] - 1) if out_len[0] else x
+
     for f in followers:  # run inside the leader's segment; their own forward is then the identity
         f._smp_original_forward = f.forward
-        f.forward = lambda x, *a, **k: x
+        f.forward = follower_identity
         f._smp_checkpointed = True
 
     def segment(*args, **kwargs):
         out = original(*args, **kwargs)
+        out_len[0] = len(out) if isinstance(out, tuple) else 0
         # a follower gets the previous output in place of the first argument and the leader's other
         # arguments: Hugging Face blocks all take (hidden_states, mask, ..., **kwargs) from one loop
         for f in followers:
-            out = f._smp_original_forward(out, *args[1:], **kwargs)
+            out = f._smp_original_forward(out[0] if isinstance(out, tuple) else out, *args[1:], **kwargs)
         return out
 
     def checkpointed_forward(*args, **kwargs):

@@ -7,6 +7,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 from smp_adapter.runtime.engines.deepspeed.config import job_config
 from smp_adapter.runtime.state import state
 
@@ -96,7 +98,44 @@ def zero_init_context(dtype):
     init = deepspeed.zero.Init(config_dict_or_path=job_config(), dtype=None, remote_device=None, enabled=True,
                                **_zero_init_groups())
     init.dtype = dtype
-    return init
+    return _with_group_root_broadcasts(init)
+
+
+@contextlib.contextmanager
+def _with_group_root_broadcasts(init):
+    """``init`` entered, with DeepSpeed's ``Module.apply`` broadcasts sent from the ZeRO group's root.
+
+    Under zero.Init, DeepSpeed (0.19.8) wraps ``nn.Module.apply``: it gathers each parameter, runs the
+    function, then broadcasts from *global* rank 0 within the parameter's ZeRO group
+    (``partition_parameters.py``: ``dist.broadcast(..., 0, group=param.ds_process_group)``). With
+    tensor parallelism that group is the RDP group, which holds global rank 0 only on TP rank 0, so
+    every other group stops with "Global rank 0 is not part of group". transformers 4.x initialises
+    its weights through ``Module.apply`` (``post_init``), so tp 2 x sdp 2 with delayed initialisation
+    failed there (5.x does not use ``apply``). While the context is open, a broadcast from rank 0 in
+    a group without rank 0 is sent from the group's first rank, as DeepSpeed's own
+    ``_zero_init_param`` does; every other call is DeepSpeed's unchanged."""
+    import torch.distributed as dist
+    from deepspeed.runtime.zero import partition_parameters
+
+    comm = partition_parameters.dist
+
+    class _GroupRootBroadcast:
+        def __getattr__(self, name):
+            return getattr(comm, name)
+
+        def broadcast(self, tensor, src, group=None, *args, **kwargs):
+            if src == 0 and group is not None:
+                ranks = dist.get_process_group_ranks(group)
+                if 0 not in ranks:
+                    src = ranks[0]
+            return comm.broadcast(tensor, src, group, *args, **kwargs)
+
+    partition_parameters.dist = _GroupRootBroadcast()
+    try:
+        with init:
+            yield init
+    finally:
+        partition_parameters.dist = comm
 
 
 def partition_module(module) -> None:

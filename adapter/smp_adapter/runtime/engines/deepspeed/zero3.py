@@ -86,11 +86,37 @@ def initialize_hf_weights_if_random(module) -> None:
         return
     if not holds_zero3_parameters(module):
         return
-    from transformers.integrations.deepspeed import initialize_weights_zero3
+    try:
+        from transformers.integrations.deepspeed import initialize_weights_zero3
+    except ImportError:  # transformers 4.x has no ZeRO-3 variant
+        initialize_weights_zero3 = _initialize_weights_zero3_v4
 
     with _zero_group_rank_as_rank():
         initialize_weights_zero3(module)
     module.tie_weights()
+
+
+def _initialize_weights_zero3_v4(model) -> None:
+    """transformers 5's ``initialize_weights_zero3`` for 4.x models: each module's parameters (and its
+    direct children's, which ``_init_weights`` may touch) gathered, initialised on rank 0, scattered
+    back. ``_init_weights`` is called directly: 4.x's ``_initialize_weights`` skips modules its
+    post_init already flagged (it ran on the empty shards)."""
+    import deepspeed
+    from transformers import PreTrainedModel
+
+    def walk(m, owner) -> None:
+        for child in m.children():
+            walk(child, child if isinstance(child, PreTrainedModel) else owner)
+        params = list(m.parameters(recurse=False))
+        for child in m.children():
+            if not isinstance(child, PreTrainedModel):
+                params.extend(child.parameters(recurse=False))
+        if params:
+            with deepspeed.zero.GatheredParameters(params, modifier_rank=0):
+                if deepspeed.comm.get_rank() == 0:
+                    owner._init_weights(m)
+
+    walk(model, model)
 
 
 @contextlib.contextmanager
