@@ -32,7 +32,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     hw.add_argument("--intra-node-bandwidth", type=float, metavar="GB/s", help="per GPU, per direction")
     hw.add_argument("--inter-node-bandwidth", type=float, metavar="GB/s", help="per node, per direction")
     hw.add_argument("--gpu-flops", type=float, metavar="TFLOP/s", help="peak dense FLOP/s at the job's precision")
-    p.add_argument("--search", action="store_true", help="rank every valid layout that fits by predicted step time")
+    p.add_argument("--search", action="store_true",
+                   help="rank every valid layout that fits by predicted throughput (samples/s at the given per-rank batch)")
     p.add_argument("--top", type=int, default=5, help="layouts shown by --search (default 5)")
     p.add_argument("--json", action="store_true", help="one JSON object")
     return p
@@ -84,7 +85,7 @@ def run(args) -> int:
     if args.search:
         layouts = valid_layouts(dict(job_spec.options), cluster.world_size, args.batch_size, spec.heads)
         results = [(d, _plan(spec, d, cluster, job)) for d in layouts]
-        fitting = sorted([(d, p) for d, p in results if p.peak_bytes <= cluster.gpu_memory], key=lambda r: r[1].step_time_s)
+        fitting = sorted([(d, p) for d, p in results if p.peak_bytes <= cluster.gpu_memory], key=lambda r: -r[1].samples_per_s)
         if args.json:
             print(json.dumps({"cluster": _cluster_dict(cluster), "valid_layouts": len(results),
                               "fitting": [dict(_layout(d), **_summary(p, cluster)) for d, p in fitting]}, indent=1))
@@ -145,6 +146,7 @@ def _summary(result, cluster) -> dict:
     return {"fits": result.peak_bytes <= cluster.gpu_memory, "peak_memory_bytes": int(result.peak_bytes),
             "memory_breakdown": {k: int(v) for k, v in result.memory.items()},
             "comm_bytes_per_step": comm_by_group(result), "step_time_s": result.step_time_s,
+            "global_batch": result.samples, "samples_per_s": result.samples_per_s,
             "compute_s": result.compute_s, "comm_s": result.comm_s, "bubble_s": result.bubble_s}
 
 
@@ -193,12 +195,14 @@ def _search_text(spec, cluster, job, results, fitting, top) -> str:
             lines.append(f"none fits: the smallest is {_name(best[0])} at {best[1].peak_bytes / GiB:.2f} GiB; use more "
                          "nodes, activation checkpointing, or a smaller batch")
         return "\n".join(lines)
-    lines.append(f"{'rank':<5}{'layout':<38}{'step s':>8}{'compute':>9}{'comm':>8}{'bubble':>8}{'peak GiB':>10}"
-                 f"{'inter-node GB':>15}")
+    lines.append("ranked by samples/s: a layout's global batch is its data-parallel size x the per-rank batch "
+                 "(smp's batch arithmetic), so step times of different layouts cover different numbers of samples")
+    lines.append(f"{'rank':<5}{'layout':<38}{'samples/s':>10}{'batch':>7}{'step s':>8}{'compute':>9}{'comm':>8}"
+                 f"{'bubble':>8}{'peak GiB':>10}{'inter-node GB':>15}")
     for i, (dims, p) in enumerate(fitting[:top], 1):
         inter = sum(t.bytes for t in p.comm if not t.intra_node) / GB
-        lines.append(f"{i:<5}{_name(dims):<38}{p.step_time_s:8.3f}{p.compute_s:9.3f}{p.comm_s:8.3f}{p.bubble_s:8.3f}"
-                     f"{p.peak_bytes / GiB:10.2f}{inter:15.3f}")
+        lines.append(f"{i:<5}{_name(dims):<38}{p.samples_per_s:10.1f}{p.samples:7d}{p.step_time_s:8.3f}{p.compute_s:9.3f}"
+                     f"{p.comm_s:8.3f}{p.bubble_s:8.3f}{p.peak_bytes / GiB:10.2f}{inter:15.3f}")
     lines.append("")
     for i, (dims, p) in enumerate(fitting[:top], 1):
         if i < len(fitting):
@@ -208,9 +212,13 @@ def _search_text(spec, cluster, job, results, fitting, top) -> str:
 
 def _why(p, q, q_dims) -> str:
     """What makes layout p faster than the next one, q: the component that differs most."""
-    diffs = {"communication": q.comm_s - p.comm_s, "compute": q.compute_s - p.compute_s, "pipeline bubble": q.bubble_s - p.bubble_s}
+    per_sample = lambda r, x: x / r.samples  # noqa: E731 - seconds per sample of one component
+    diffs = {"communication": per_sample(q, q.comm_s) - per_sample(p, p.comm_s),
+             "compute": per_sample(q, q.compute_s) - per_sample(p, p.compute_s),
+             "pipeline bubble": per_sample(q, q.bubble_s) - per_sample(p, p.bubble_s)}
     what, gain = max(diffs.items(), key=lambda kv: kv[1])
-    inter_p = sum(t.bytes for t in p.comm if not t.intra_node) / GB
-    inter_q = sum(t.bytes for t in q.comm if not t.intra_node) / GB
-    return (f"{q.step_time_s - p.step_time_s:.3f} s faster than {_name(q_dims)}, mostly {what} ({gain:.3f} s); "
-            f"inter-node traffic {inter_p:.2f} GB vs {inter_q:.2f} GB per step")
+    inter_p = sum(t.bytes for t in p.comm if not t.intra_node) / GB / p.samples
+    inter_q = sum(t.bytes for t in q.comm if not t.intra_node) / GB / q.samples
+    return (f"{p.samples_per_s / q.samples_per_s - 1:.1%} more samples/s than {_name(q_dims)}, mostly less "
+            f"{what} per sample ({gain * 1e3:.2f} ms); inter-node traffic {inter_p * 1e3:.1f} MB vs {inter_q * 1e3:.1f} MB "
+            "per sample")

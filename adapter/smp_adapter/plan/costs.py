@@ -45,6 +45,7 @@ class Plan:
     compute_s: float = 0.0
     comm_s: float = 0.0
     bubble_s: float = 0.0
+    samples: int = 0  # global batch of one step
     notes: list = field(default_factory=list)
 
     @property
@@ -58,6 +59,10 @@ class Plan:
     @property
     def step_time_s(self) -> float:
         return self.compute_s + self.comm_s + self.bubble_s
+
+    @property
+    def samples_per_s(self) -> float:
+        return self.samples / self.step_time_s if self.step_time_s else 0.0
 
 
 def element_bytes(cfg) -> int:
@@ -101,7 +106,7 @@ def layer_activation_bytes(spec, b: int, t: int, a: int) -> int:
 def head_activation_bytes(spec, b: int, t: int, a: int) -> int:
     """Logits and the loss's fp32 log-probabilities (vocabulary split by t), or a classifier's logits."""
     if spec.vocab:
-        return b * spec.seq_len * spec.vocab // t * (a + 4)
+        return b * spec.seq_len * spec.vocab // t * (a + 4)  # logits, fp32 log-probabilities
     return b * (spec.num_labels or 2) * (a + 4)
 
 
@@ -179,33 +184,57 @@ def plan(spec, dims, cluster: Cluster, job: Job) -> Plan:
         add("rdp", "all_reduce", grads, 1, rdp)
         add("rdp", "all_gather", grads, 1, rdp)  # the updated parameter shards
     else:
+        # ZeRO-3: parameters below the persistence threshold stay whole and are gathered once, after
+        # the optimizer step; the others are gathered for every forward and backward (and recompute)
+        kept = sum(n for n in tensors if persistent(n, cfg)) * pb
         gathered = sum(n for n in tensors if not persistent(n, cfg)) * pb
-        passes = 2 + (1 if job.activation_checkpointing else 0)  # forward, backward (+ recompute)
-        if dims.hpz_partition_size > 1:  # forward from the primary partition, backward from the secondary
+        passes = 2 + (1 if job.activation_checkpointing else 0)
+        add("rdp", "all_gather", kept, 1, rdp)
+        if dims.hpz_partition_size > 1:  # forward from the primary partition, backward from hpZ's secondary
             add("rdp", "all_gather", gathered * m, m, rdp)
             add("sdp", "all_gather", gathered * (passes - 1) * m, (passes - 1) * m, sdp)
         else:
             add("rdp", "all_gather", gathered * passes * m, passes * m, rdp)
         add("rdp", "reduce_scatter", grads * m, m, rdp)
-    if t > 1:  # per transformer unit (attention, MLP) and microbatch: gather the TP group's batch on
-        # entry, reduce-scatter the row layer's partial sums; backward the same pair reversed
-        act = a * b * spec.seq_len * spec.hidden * t  # the TP group's batch
+    if t > 1:
+        # smp's tensor parallelism without prescaled_batch: each unit (attention, MLP) gathers the TP
+        # group's batch on entry and reduce-scatters the row layer's partial sums; backward swaps the
+        # pair. A vocabulary-parallel embedding gathers the token ids and reduce-scatters its output;
+        # the vocabulary-parallel head gathers the hidden states and redistributes logits (all_to_all)
+        # for the loss. T = the TP group's activations of one microbatch.
+        T = a * b * spec.seq_len * spec.hidden * t
         units = 2 * layers * m
-        add("tp", "all_gather", 2 * units * act, 2 * units, t)
-        add("tp", "reduce_scatter", 2 * units * act, 2 * units, t)
-    if p > 1:  # activations forward, their gradients backward, per microbatch; stage 0 sends and receives
+        vocab_split = any(split for _, split in spec.outer_tensors) and spec.vocab > 0
+        edges = 2 * m if vocab_split else 0
+        add("tp", "all_gather", (2 * units + edges) * T + (t * b * spec.seq_len * 8 * m if vocab_split else 0),
+            2 * units + edges + (m if vocab_split else 0), t)
+        add("tp", "reduce_scatter", (2 * units + edges) * T, 2 * units + edges, t)
+        if vocab_split:
+            add("tp", "all_to_all", 2 * m * b * spec.seq_len * spec.vocab * a, 2 * m, t)
+    if p > 1:
+        # stage 0 sends each microbatch's activations forward (and a decoder's causal mask, b x s x s
+        # booleans, which Hugging Face models build once and hand to every layer) and receives their
+        # gradients; tied input/output embeddings (GPT-2) have their gradient all-reduced between the
+        # first and last stage
         act = a * b * spec.seq_len * spec.hidden
-        add("pp", "send", act * m, m, p)
+        mask = b * spec.seq_len * spec.seq_len if spec.vocab else 0
+        add("pp", "send", (act + mask) * m, (2 if mask else 1) * m, p)
         add("pp", "recv", act * m, m, p)
+        if spec.tied_embeddings:
+            add("pp", "all_reduce", spec.vocab * spec.hidden // t * pb, 1, p)
 
     # -- time ---------------------------------------------------------------------------------------
     peak = cluster.flops.get(precision(cfg))
     if peak is None:
         raise ValueError(f"{precision(cfg)} is not supported by the GPU of {cluster.name}")
-    tokens = job.batch * spec.seq_len  # per data-parallel rank and step
+    # Each rank passes B samples to smp.step. Without prescaled_batch the TP group gathers its t
+    # batches and each rank computes 1/t of t·B samples: B samples' worth; with prescaled_batch the
+    # group shares one batch: B / t. A pipeline stage holds 1/p of the layers.
+    tokens = job.batch * spec.seq_len / (t if cfg.prescaled_batch else 1)
+    out.samples = dims.global_batch_size(job.batch)
     matmul = 2 * (spec.layers * sum(n for n, s in spec.layer_tensors if s) + (spec.vocab * spec.hidden))
     attention = 4 * spec.layers * spec.seq_len * spec.hidden  # q k^T and attention x v, per token
-    forward = (matmul + attention) * tokens / (t * p)
+    forward = (matmul + attention) * tokens / p
     passes = 4 if job.activation_checkpointing else 3  # forward, backward = 2 x forward, recompute
     out.compute_s = forward * passes / (peak * COMPUTE_EFFICIENCY)
     out.comm_s = sum(collective_seconds(term, cluster) for term in out.comm)

@@ -35,6 +35,7 @@ class ModelSpec:
     outer_tensors: tuple  # embeddings, final norm, heads
     num_labels: int = 0
     kv_hidden: int = 0  # k/v projection width (grouped-query attention); 0: = hidden
+    tied_embeddings: bool = False  # the token head shares the input embedding's weight
 
     @property
     def layer_params(self) -> int:
@@ -116,7 +117,8 @@ def _gpt2(cfg, h, layers, heads, seq_len):
     layer = ((h, False), (h, False), (h * 3 * h, True), (3 * h, True), (h * h, True), (h, False), (h, False), (h, False),
              (h * inner, True), (inner, True), (inner * h, True), (h, False))
     outer = ((vocab * h, True), (positions * h, False), (h, False), (h, False))  # wte (tied lm_head), wpe, ln_f
-    return ModelSpec("gpt2", layers, h, heads, inner, vocab, _seq(seq_len, cfg, "n_positions"), layer, outer)
+    return ModelSpec("gpt2", layers, h, heads, inner, vocab, _seq(seq_len, cfg, "n_positions"), layer, outer,
+                     tied_embeddings=cfg.get("tie_word_embeddings", True))
 
 
 def _llama(cfg, kind, h, layers, heads, seq_len):
@@ -132,7 +134,7 @@ def _llama(cfg, kind, h, layers, heads, seq_len):
         layer += ((q, True), (kv, True), (kv, True))
     outer = ((vocab * h, True), (h, False)) + (() if cfg.get("tie_word_embeddings", False) else ((vocab * h, True),))
     return ModelSpec(kind, layers, h, heads, inter, vocab, _seq(seq_len, cfg, "max_position_embeddings"), layer,
-                     outer, kv_hidden=kv)
+                     outer, kv_hidden=kv, tied_embeddings=bool(cfg.get("tie_word_embeddings", False)))
 
 
 def _encoder_layer(h, inter):
