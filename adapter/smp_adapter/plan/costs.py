@@ -18,6 +18,19 @@ COMPUTE_EFFICIENCY = 0.40  # achieved / peak FLOP/s of a training step (dense tr
 COMM_EFFICIENCY = 0.70  # achieved / link bandwidth of large NCCL collectives (bus bandwidth)
 CUDA_CONTEXT_BYTES = 600 * 2**20  # CUDA context + cuBLAS/NCCL workspaces, measured order on A100/T4 (stated)
 FRAGMENTATION = 0.10  # caching allocator slack on top of live tensors (stated allowance)
+# DeepSpeed's stage3_max_reuse_distance default (elements); smp-adapter's translation does not set it
+ZERO3_MAX_REUSE_DISTANCE = 10**9
+
+
+def zero3_released_fraction(gathered_numel: int, cfg) -> float:
+    """Share of gathered ZeRO-3 parameters DeepSpeed releases between a layer's forward and its
+    backward. It keeps a parameter whose next use lies within max_reuse_distance elements of the
+    trace (and within sdp_max_live_parameters); a layer at depth i of N elements is used again after
+    about 2 (N - i) elements, so the last R / 2 elements of the model stay gathered."""
+    reach = min(ZERO3_MAX_REUSE_DISTANCE, cfg.sdp_max_live_parameters)
+    if gathered_numel <= 0:
+        return 0.0
+    return max(0.0, 1.0 - reach / (2 * gathered_numel))
 
 
 @dataclass(frozen=True)
@@ -143,10 +156,12 @@ def plan(spec, dims, cluster: Cluster, job: Job) -> Plan:
             mem["parameters_hpz_secondary"] = math.ceil(sharded / dims.hpz_partition_size) * pb
         mem["gradients"] = math.ceil(n_rank / rdp) * pb
         mem["optimizer_state"] = math.ceil(n_rank / rdp) * opt_per_param
-        # gathered while a layer runs: the largest layer's non-persistent tensors, plus the next
-        # layer prefetched (bounded by sdp_max_live_parameters)
+        # gathered during the step: what DeepSpeed keeps between forward and backward (see
+        # zero3_released_fraction), at least two layers (the running one and the prefetched one)
         layer_gathered = sum(n // t if s and t > 1 else n for n, s in spec.layer_tensors if not persistent(n, cfg))
-        mem["zero3_gathered_parameters"] = min(2 * layer_gathered, cfg.sdp_max_live_parameters) * pb
+        gathered_numel = n_rank - kept
+        kept_gathered = gathered_numel * (1 - zero3_released_fraction(gathered_numel, cfg))
+        mem["zero3_gathered_parameters"] = int(max(kept_gathered, min(2 * layer_gathered, gathered_numel)) * pb)
         mem["gradient_buckets"] = min(cfg.sdp_reduce_bucket_size, n_rank) * pb
     else:
         mem["parameters"] = n_rank * pb
@@ -185,16 +200,21 @@ def plan(spec, dims, cluster: Cluster, job: Job) -> Plan:
         add("rdp", "all_gather", grads, 1, rdp)  # the updated parameter shards
     else:
         # ZeRO-3: parameters below the persistence threshold stay whole and are gathered once, after
-        # the optimizer step; the others are gathered for every forward and backward (and recompute)
-        kept = sum(n for n in tensors if persistent(n, cfg)) * pb
-        gathered = sum(n for n in tensors if not persistent(n, cfg)) * pb
-        passes = 2 + (1 if job.activation_checkpointing else 0)
-        add("rdp", "all_gather", kept, 1, rdp)
-        if dims.hpz_partition_size > 1:  # forward from the primary partition, backward from hpZ's secondary
-            add("rdp", "all_gather", gathered * m, m, rdp)
-            add("sdp", "all_gather", gathered * (passes - 1) * m, (passes - 1) * m, sdp)
+        # the optimizer step. The others are gathered by the first forward; DeepSpeed keeps what it
+        # will reuse soon (zero3_released_fraction) until the optimizer step, and gathers the released
+        # part again for every later pass (m - 1 forwards, m backwards; a checkpointed layer's
+        # recompute comes right before its backward and shares its gather). Gradients are
+        # reduce-scattered every microbatch.
+        kept_bytes = sum(n for n in tensors if persistent(n, cfg)) * pb
+        gathered_numel = sum(n for n in tensors if not persistent(n, cfg))
+        gathered = gathered_numel * pb
+        again = gathered * zero3_released_fraction(gathered_numel, cfg) * (2 * m - 1)
+        add("rdp", "all_gather", kept_bytes, 1, rdp)
+        if dims.hpz_partition_size > 1:  # the first gather from the primary partition builds hpZ's
+            add("rdp", "all_gather", gathered, 1, rdp)  # node-local copy; later ones read that copy
+            add("sdp", "all_gather", again, 2 * m - 1, sdp)
         else:
-            add("rdp", "all_gather", gathered * passes * m, passes * m, rdp)
+            add("rdp", "all_gather", gathered + again, 2 * m, rdp)
         add("rdp", "reduce_scatter", grads * m, m, rdp)
     if t > 1:
         # smp's tensor parallelism without prescaled_batch: each unit (attention, MLP) gathers the TP
