@@ -53,7 +53,9 @@ def main() -> None:
                     off.append(timed())
     print(f"all_reduce of 4 KiB, {args.calls} calls x {args.rounds} rounds: off {statistics.median(off):.2f} us/call, "
           f"on {statistics.median(on):.2f} us/call, on/off {statistics.median(on) / statistics.median(off):.3f}")
-    smp.shutdown()
+    from smp_adapter.runtime.init import shutdown
+
+    shutdown()
 
 
 if __name__ == "__main__":

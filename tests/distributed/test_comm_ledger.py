@@ -62,11 +62,13 @@ def by_op(ops):
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_ledger_equals_an_independent_count(tmp_path, name):
     results, records = run_layout(tmp_path, name)
+    if LAYOUTS[name][0].get("pipeline_parallel_degree", 1) == 1:  # the initial broadcasts (the pipeline
+        # engine sets its stages up in the first step)
+        assert all(any(r["step"] is None and r["phase"] == "init" for r in rows) for rows in records.values())
     for result in results:
         rank = result["rank"]
         steps = [r for r in records[rank] if r["step"] is not None]
         assert [r["step"] for r in steps] == list(range(STEPS))
-        assert any(r["step"] is None and r["phase"] == "init" for r in records[rank])  # the initial broadcasts
         for step, (record, counted) in enumerate(zip(steps, result["per_step"])):
             ledger = {op: v for op, v in by_op(record["ops"]).items() if op != "barrier"}
             counted = {op: tuple(v) for op, v in counted.items()}

@@ -47,6 +47,8 @@ RULES = {
     "reduce_scatter_tensor": ("reduce_scatter", lambda a, k: _nbytes(_arg(a, k, 1, "input")), lambda a, k: _arg(a, k, 3, "group")),
     "reduce_scatter_single": ("reduce_scatter", lambda a, k: _nbytes(_arg(a, k, 1, "input")), lambda a, k: _arg(a, k, 3, "group")),
     "_reduce_scatter_base": ("reduce_scatter", lambda a, k: _nbytes(_arg(a, k, 1, "input")), lambda a, k: _arg(a, k, 3, "group")),
+    "all_to_all_single": ("all_to_all", lambda a, k: _nbytes(_arg(a, k, 1, "input")), lambda a, k: _arg(a, k, 4, "group")),
+    "all_to_all": ("all_to_all", lambda a, k: _nbytes(_arg(a, k, 1, "input_tensor_list")), lambda a, k: _arg(a, k, 2, "group")),
     "isend": ("send", lambda a, k: _nbytes(_arg(a, k, 0, "tensor")), None),
     "send": ("send", lambda a, k: _nbytes(_arg(a, k, 0, "tensor")), None),
     "irecv": ("recv", lambda a, k: _nbytes(_arg(a, k, 0, "tensor")), None),
