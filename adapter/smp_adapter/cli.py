@@ -15,7 +15,7 @@ import sys
 from smp_adapter import __version__
 from smp_adapter.errors import SMPAdapterError
 
-COMMANDS = ("translate", "launch", "check", "report", "checkpoint")  # add a command: create commands/<name>.py and list it here
+COMMANDS = ("translate", "launch", "check", "report", "checkpoint", "plan")  # add a command: create commands/<name>.py and list it here
 EXIT_USAGE = 2  # same status as argparse usage errors
 
 

@@ -83,7 +83,7 @@ def test_world_size_sources(capsys):
 def test_adding_a_command_is_one_line():
     import importlib
 
-    assert COMMANDS == ("translate", "launch", "check", "report", "checkpoint")
+    assert COMMANDS == ("translate", "launch", "check", "report", "checkpoint", "plan")
     for name in COMMANDS:  # each listed name is a module with the two functions cli.py calls
         module = importlib.import_module(f"smp_adapter.commands.{name}")
         assert callable(module.add_parser) and callable(module.run)

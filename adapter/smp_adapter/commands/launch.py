@@ -73,6 +73,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, metavar="S", help="stop the job after S seconds (exit 124)")
     p.add_argument("--grace", type=float, default=10.0, metavar="S",
                    help="seconds between SIGTERM and SIGKILL once a rank failed (default 10)")
+    p.add_argument("--comm-ledger", metavar="DIR", help="every rank writes DIR/rank<r>.jsonl: its collective and "
+                   "point-to-point traffic per training step (SMP_ADAPTER_COMM_LEDGER; smp-adapter report DIR)")
     p.add_argument("--dry-run", action="store_true", help="print the environment and command, run nothing")
     p.add_argument("script", nargs="?", metavar="SCRIPT",
                    help="training script (with a --recipe naming one, all positional arguments are the script's)")
@@ -257,6 +259,8 @@ def build(args: argparse.Namespace) -> dict[str, Any]:
     if root.name not in ("site-packages", "dist-packages"):  # ranks import smp_adapter without pip install
         sm["PYTHONPATH"] = os.pathsep.join([str(root), *(p for p in paths if p != str(root))])
     sm["PYTHONUNBUFFERED"] = "1"
+    if args.comm_ledger:
+        sm["SMP_ADAPTER_COMM_LEDGER"] = str(Path(args.comm_ledger).resolve())
     if cpu and "OMP_NUM_THREADS" not in os.environ:  # torch's default (all cores per rank) oversubscribes
         sm["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // plan.nprocs_per_node))
     if args.device == "cpu":

@@ -4,6 +4,7 @@ the engine's (runtime/engines: DeepSpeed's own format, or one file per pipeline 
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 from pathlib import Path
@@ -13,6 +14,7 @@ import torch
 from smp_adapter.errors import SMPCheckpointError, SMPUsageError
 from smp_adapter.runtime import checkpoint_digests as digests
 from smp_adapter.runtime import checkpoint_files as ckpt
+from smp_adapter.runtime import comm_ledger
 from smp_adapter.runtime.state import require_initialized, state
 
 
@@ -30,12 +32,22 @@ def _check_tag(tag) -> str:
     return tag
 
 
+def _checkpoint_phase(func):
+    """The communication ledger files a save's or resume's traffic under phase "checkpoint"."""
+    @functools.wraps(func)
+    def run(*args, **kwargs):
+        with comm_ledger.phase("checkpoint"):
+            return func(*args, **kwargs)
+    return run
+
+
 def _write_newest(path: Path, tag: str) -> None:
     tmp = path / f".newest.tmp.{os.getpid()}"
     tmp.write_text(tag + "\n")
     os.replace(tmp, path / "newest")
 
 
+@_checkpoint_phase
 def save_checkpoint(path, tag, partial: bool = True, model=None, optimizer=None, user_content=None,
                     translate_if_full: bool = True, num_kept_partial_checkpoints=None):
     s = require_initialized("save_checkpoint")
@@ -113,6 +125,7 @@ def _newest_tag(path: Path) -> str:
     return newest.read_text().strip()
 
 
+@_checkpoint_phase
 def resume_from_checkpoint(path, tag=None, partial: bool = True, strict: bool = True, load_optimizer: bool = True,
                            load_sharded_optimizer_state: bool = True, translate_function=None):
     """Load a checkpoint written by save_checkpoint; returns its user_content (or None)."""

@@ -16,6 +16,7 @@ from typing import Any, Mapping
 from smp_adapter.config.dims import ParallelDims
 from smp_adapter.config.options import SMPConfig
 from smp_adapter.errors import SMPUsageError
+from smp_adapter.runtime import comm_ledger
 from smp_adapter.runtime.launch_env import LaunchEnv, rendezvous
 from smp_adapter.runtime.state import state
 
@@ -82,6 +83,7 @@ def init(config: Mapping[str, Any] | None = None) -> None:
         torch.cuda.set_device(state.device)
     _build_groups(dims, launch.rank, backend)
     _set_tp_context()
+    comm_ledger.install_if_requested(dims, launch.rank, launch.local_size)  # SMP_ADAPTER_COMM_LEDGER only
     state.initialized = True
     # what smp.init (and DeepSpeed's init_distributed) put into the environment: undone by shutdown()
     state.environ_changes = {k: environ_before.get(k) for k in set(environ_before) | set(os.environ)
@@ -203,6 +205,7 @@ def shutdown() -> None:
     """Tear down what smp.init set up (tests and long-running notebooks)."""
     import torch.distributed as dist
 
+    comm_ledger.close()
     if state.owns_process_group and dist.is_initialized():
         dist.destroy_process_group()
         if state.engine is not None:

@@ -15,6 +15,7 @@ import inspect
 from typing import Any, Callable
 
 from smp_adapter.errors import SMPUsageError
+from smp_adapter.runtime import comm_ledger
 from smp_adapter.runtime.state import require_initialized, state
 
 
@@ -91,6 +92,7 @@ def step(func: Callable | None = None, *, non_split_inputs=None, input_split_axe
         split = {name: _split(value, m, axes.get(name, 0), name) if name not in non_split else [value] * m
                  for name, value in bound.arguments.items()}
         bound_mbs = [inspect.BoundArguments(bound.signature, {n: v[mb] for n, v in split.items()}) for mb in range(m)]
+        comm_ledger.note_step_call(s.model)
         s.in_step = True
         try:
             if s.model is None:  # a step function without a model: the body runs once per microbatch

@@ -1,0 +1,291 @@
+"""The cost formulas of ``smp-adapter plan``, written once: memory of the largest rank, bytes per
+training step per group (the communication ledger's quantity: payload as the caller passes it), and
+the predicted step time. Pure arithmetic over a ModelSpec, a ParallelDims and a Cluster.
+
+Notation (per rank): B = batch per data-parallel rank (per smp.step call), m = microbatches,
+b = B / m samples per microbatch, s = sequence length, h = hidden size, f = intermediate size,
+L = layers, a = activation bytes per element (4 fp32, 2 fp16/bf16), t = tp, p = pp.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from smp_adapter.plan.instances import Cluster
+
+COMPUTE_EFFICIENCY = 0.40  # achieved / peak FLOP/s of a training step (dense transformer, typical MFU)
+COMM_EFFICIENCY = 0.70  # achieved / link bandwidth of large NCCL collectives (bus bandwidth)
+CUDA_CONTEXT_BYTES = 600 * 2**20  # CUDA context + cuBLAS/NCCL workspaces, measured order on A100/T4 (stated)
+FRAGMENTATION = 0.10  # caching allocator slack on top of live tensors (stated allowance)
+# DeepSpeed's stage3_max_reuse_distance default (elements); smp-adapter's translation does not set it
+ZERO3_MAX_REUSE_DISTANCE = 10**9
+
+
+def zero3_released_fraction(gathered_numel: int, cfg) -> float:
+    """Share of gathered ZeRO-3 parameters DeepSpeed releases between a layer's forward and its
+    backward. It keeps a parameter whose next use lies within max_reuse_distance elements of the
+    trace (and within sdp_max_live_parameters); a layer at depth i of N elements is used again after
+    about 2 (N - i) elements, so the last R / 2 elements of the model stay gathered."""
+    reach = min(ZERO3_MAX_REUSE_DISTANCE, cfg.sdp_max_live_parameters)
+    if gathered_numel <= 0:
+        return 0.0
+    return max(0.0, 1.0 - reach / (2 * gathered_numel))
+
+
+@dataclass(frozen=True)
+class Job:
+    batch: int  # per data-parallel rank, per smp.step call
+    activation_checkpointing: bool = False
+    optimizer: str = "adam"  # adam | sgd
+
+
+@dataclass
+class CommTerm:
+    group: str  # smp group kind (rdp, sdp, tp, pp, ...)
+    op: str  # all_reduce, all_gather, reduce_scatter, send, recv, broadcast
+    bytes: float  # per step, as passed by the caller
+    calls: float
+    size: int  # ranks in the group (2 for p2p)
+    intra_node: bool
+    stride: int = 1  # rank distance between neighbours in the group
+
+
+@dataclass
+class Plan:
+    memory: dict = field(default_factory=dict)  # name -> bytes (largest rank)
+    comm: list = field(default_factory=list)  # CommTerm per (group, op)
+    compute_s: float = 0.0
+    comm_s: float = 0.0
+    bubble_s: float = 0.0
+    samples: int = 0  # global batch of one step
+    notes: list = field(default_factory=list)
+
+    @property
+    def tensor_bytes(self) -> int:
+        return sum(v for k, v in self.memory.items() if k not in ("cuda_context", "fragmentation"))
+
+    @property
+    def peak_bytes(self) -> int:
+        return sum(self.memory.values())
+
+    @property
+    def step_time_s(self) -> float:
+        return self.compute_s + self.comm_s + self.bubble_s
+
+    @property
+    def samples_per_s(self) -> float:
+        return self.samples / self.step_time_s if self.step_time_s else 0.0
+
+
+def element_bytes(cfg) -> int:
+    return 2 if (cfg.fp16 or cfg.bf16) else 4
+
+
+def precision(cfg) -> str:
+    return "bf16" if cfg.bf16 else "fp16" if cfg.fp16 else "fp32"
+
+
+# -- parameters per rank ----------------------------------------------------------------------
+def stage_layers(spec, pp: int) -> int:
+    return math.ceil(spec.layers / pp)
+
+
+def rank_tensors(spec, dims) -> list[int]:
+    """numel of each parameter tensor on the largest rank (stage 0 holds the embeddings; with
+    pp > 1 it holds ceil(L / pp) layers), tensor-parallel tensors divided by t."""
+    t = dims.tp
+    per_layer = [n // t if split and t > 1 else n for n, split in spec.layer_tensors]
+    outer = [n // t if split and t > 1 else n for n, split in spec.outer_tensors]
+    return per_layer * stage_layers(spec, dims.pp) + outer
+
+
+def persistent(numel: int, cfg) -> bool:
+    """ZeRO-3 keeps parameters below sdp_param_persistence_threshold elements whole on every rank."""
+    return numel < cfg.sdp_param_persistence_threshold
+
+
+# -- activations ----------------------------------------------------------------------------------
+def layer_activation_bytes(spec, b: int, t: int, a: int) -> int:
+    """Tensors one transformer layer keeps for backward, per microbatch (scaled-dot-product attention:
+    the kernel keeps its output and log-sum-exp, not the s x s scores):
+      layer input, LayerNorm 1 output, q k v, attention output, residual, LayerNorm 2 output: 5 bsh + 3 bsh/t
+      MLP: up-projection output and activation input/output: 2 bsf/t ; log-sum-exp: b x heads/t x s fp32."""
+    s, h, f = spec.seq_len, spec.hidden, spec.intermediate
+    kv = spec.kv_hidden or h
+    return a * b * s * (5 * h + (h + 2 * kv + h) // t + 2 * f // t) + 4 * b * spec.heads // t * s
+
+
+def head_activation_bytes(spec, b: int, t: int, a: int) -> int:
+    """Logits and the loss's fp32 log-probabilities (vocabulary split by t), or a classifier's logits."""
+    if spec.vocab:
+        return b * spec.seq_len * spec.vocab // t * (a + 4)  # logits, fp32 log-probabilities
+    return b * (spec.num_labels or 2) * (a + 4)
+
+
+def in_flight_microbatches(dims) -> int:
+    """Microbatches whose activations stage 0 holds at once: all m under the simple schedule (all
+    forwards, then all backwards), min(m, p) under interleaved (1F1B)."""
+    m, p = dims.cfg.microbatches, dims.pp
+    if p == 1:
+        return 1  # microbatches run one after another, each backward before the next forward
+    return m if dims.cfg.pipeline == "simple" else min(m, p)
+
+
+# -- the plan ---------------------------------------------------------------------------------------
+def plan(spec, dims, cluster: Cluster, job: Job) -> Plan:
+    cfg = dims.cfg
+    out = Plan()
+    pb = element_bytes(cfg)  # parameters and gradients
+    a = pb
+    m = cfg.microbatches
+    b = dims.micro_batch_size(job.batch)
+    t, p, rdp, sdp = dims.tp, dims.pp, dims.rdp, dims.sdp
+    tensors = rank_tensors(spec, dims)
+    n_rank = sum(tensors)
+    mixed = pb == 2
+    opt_per_param = (8 if job.optimizer == "adam" else 0) + (4 if mixed else 0)  # fp32 moments, fp32 masters
+    stage = dims.zero_stage
+    mem = out.memory
+    if stage == 3:  # DeepSpeed partitions over its whole data-parallel group (rdp); hpZ adds a second,
+        # node-local copy sharded over sdp ranks (smp v1's MiCS sharded over sdp only: docs/plan.md)
+        kept = sum(n for n in tensors if persistent(n, cfg))
+        sharded = n_rank - kept
+        mem["parameters"] = (kept + math.ceil(sharded / rdp)) * pb
+        if dims.hpz_partition_size > 1:  # hpZ's secondary copy: a 1/hpz shard within the node group
+            mem["parameters_hpz_secondary"] = math.ceil(sharded / dims.hpz_partition_size) * pb
+        mem["gradients"] = math.ceil(n_rank / rdp) * pb
+        mem["optimizer_state"] = math.ceil(n_rank / rdp) * opt_per_param
+        # gathered during the step: what DeepSpeed keeps between forward and backward (see
+        # zero3_released_fraction), at least two layers (the running one and the prefetched one)
+        layer_gathered = sum(n // t if s and t > 1 else n for n, s in spec.layer_tensors if not persistent(n, cfg))
+        gathered_numel = n_rank - kept
+        kept_gathered = gathered_numel * (1 - zero3_released_fraction(gathered_numel, cfg))
+        mem["zero3_gathered_parameters"] = int(max(kept_gathered, min(2 * layer_gathered, gathered_numel)) * pb)
+        mem["gradient_buckets"] = min(cfg.sdp_reduce_bucket_size, n_rank) * pb
+    else:
+        mem["parameters"] = n_rank * pb
+        mem["gradients"] = n_rank * pb
+        mem["optimizer_state"] = math.ceil(n_rank / (rdp if stage == 1 else 1)) * opt_per_param
+    layers = stage_layers(spec, p)
+    per_layer = layer_activation_bytes(spec, b, t, a)
+    boundary = a * b * spec.seq_len * spec.hidden  # a layer's input, kept when the layer is checkpointed
+    if job.activation_checkpointing:
+        per_mb = layers * boundary + per_layer  # inputs of every layer + one layer recomputed in backward
+    else:
+        per_mb = layers * per_layer
+    mem["activations"] = per_mb * in_flight_microbatches(dims) + head_activation_bytes(spec, b, t, a)
+    mem["cuda_context"] = CUDA_CONTEXT_BYTES if cluster.name != "cpu" else 0
+    mem["fragmentation"] = int(FRAGMENTATION * sum(v for k, v in mem.items() if k != "cuda_context"))
+
+    # -- communication per step --------------------------------------------------------------
+    node = cluster.gpus_per_node
+
+    def spans_nodes(stride: int, size: int) -> bool:  # rank 0's group of this kind (groups are alike)
+        return size > 1 and stride * (size - 1) >= node
+
+    strides = _strides(dims)
+    intra = {kind: not spans_nodes(strides[kind], size) for kind, size in
+             (("tp", t), ("pp", p), ("rdp", rdp), ("sdp", sdp if 1 < sdp < rdp else rdp))}
+
+    def add(group, op, nbytes, calls, size):
+        if size > 1 and nbytes > 0:
+            out.comm.append(CommTerm(group, op, nbytes, calls, size, intra[group], strides[group]))
+
+    grads = n_rank * pb
+    if stage == 0:
+        add("rdp", "all_reduce", grads, 1, rdp)
+    elif stage == 1:
+        add("rdp", "all_reduce", grads, 1, rdp)
+        add("rdp", "all_gather", grads, 1, rdp)  # the updated parameter shards
+    else:
+        # ZeRO-3: parameters below the persistence threshold stay whole and are gathered once, after
+        # the optimizer step. The others are gathered by the first forward; DeepSpeed keeps what it
+        # will reuse soon (zero3_released_fraction) until the optimizer step, and gathers the released
+        # part again for every later pass (m - 1 forwards, m backwards; a checkpointed layer's
+        # recompute comes right before its backward and shares its gather). Gradients are
+        # reduce-scattered every microbatch.
+        kept_bytes = sum(n for n in tensors if persistent(n, cfg)) * pb
+        gathered_numel = sum(n for n in tensors if not persistent(n, cfg))
+        gathered = gathered_numel * pb
+        again = gathered * zero3_released_fraction(gathered_numel, cfg) * (2 * m - 1)
+        add("rdp", "all_gather", kept_bytes, 1, rdp)
+        if dims.hpz_partition_size > 1:  # the first gather from the primary partition builds hpZ's
+            add("rdp", "all_gather", gathered, 1, rdp)  # node-local copy; later ones read that copy
+            add("sdp", "all_gather", again, 2 * m - 1, sdp)
+        else:
+            add("rdp", "all_gather", gathered + again, 2 * m, rdp)
+        add("rdp", "reduce_scatter", grads * m, m, rdp)
+    if t > 1:
+        # smp's tensor parallelism without prescaled_batch: each unit (attention, MLP) gathers the TP
+        # group's batch on entry and reduce-scatters the row layer's partial sums; backward swaps the
+        # pair. A vocabulary-parallel embedding gathers the token ids and reduce-scatters its output;
+        # the vocabulary-parallel head gathers the hidden states and redistributes logits (all_to_all)
+        # for the loss. T = the TP group's activations of one microbatch.
+        T = a * b * spec.seq_len * spec.hidden * t
+        units = 2 * layers * m
+        vocab_split = any(split for _, split in spec.outer_tensors) and spec.vocab > 0
+        edges = 2 * m if vocab_split else 0
+        add("tp", "all_gather", (2 * units + edges) * T + (t * b * spec.seq_len * 8 * m if vocab_split else 0),
+            2 * units + edges + (m if vocab_split else 0), t)
+        add("tp", "reduce_scatter", (2 * units + edges) * T, 2 * units + edges, t)
+        if vocab_split:
+            add("tp", "all_to_all", 2 * m * b * spec.seq_len * spec.vocab * a, 2 * m, t)
+    if p > 1:
+        # stage 0 sends each microbatch's activations forward (and a decoder's causal mask, b x s x s
+        # booleans, which Hugging Face models build once and hand to every layer) and receives their
+        # gradients; tied input/output embeddings (GPT-2) have their gradient all-reduced between the
+        # first and last stage
+        act = a * b * spec.seq_len * spec.hidden
+        mask = b * spec.seq_len * spec.seq_len if spec.vocab else 0
+        add("pp", "send", (act + mask) * m, (2 if mask else 1) * m, p)
+        add("pp", "recv", act * m, m, p)
+        if spec.tied_embeddings:
+            add("pp", "all_reduce", spec.vocab * spec.hidden // t * pb, 1, p)
+
+    # -- time ---------------------------------------------------------------------------------------
+    peak = cluster.flops.get(precision(cfg))
+    if peak is None:
+        raise ValueError(f"{precision(cfg)} is not supported by the GPU of {cluster.name}")
+    # Each rank passes B samples to smp.step. Without prescaled_batch the TP group gathers its t
+    # batches and each rank computes 1/t of t·B samples: B samples' worth; with prescaled_batch the
+    # group shares one batch: B / t. A pipeline stage holds 1/p of the layers.
+    tokens = job.batch * spec.seq_len / (t if cfg.prescaled_batch else 1)
+    out.samples = dims.global_batch_size(job.batch)
+    matmul = 2 * (spec.layers * sum(n for n, s in spec.layer_tensors if s) + (spec.vocab * spec.hidden))
+    attention = 4 * spec.layers * spec.seq_len * spec.hidden  # q k^T and attention x v, per token
+    forward = (matmul + attention) * tokens / p
+    passes = 4 if job.activation_checkpointing else 3  # forward, backward = 2 x forward, recompute
+    out.compute_s = forward * passes / (peak * COMPUTE_EFFICIENCY)
+    out.comm_s = sum(collective_seconds(term, cluster) for term in out.comm)
+    if p > 1:  # 1F1B / GPipe bubble: (p - 1) / m of the compute
+        out.bubble_s = out.compute_s * (p - 1) / m
+    return out
+
+
+def _strides(dims) -> dict:
+    """Rank distance between neighbours of each group kind (smp's placement: right-most letter fastest)."""
+    order = dims.grid.order
+    size = {"D": dims.rdp, "P": dims.pp, "T": dims.tp}
+    stride, step = {}, 1
+    for letter in reversed(order):
+        stride[letter] = step
+        step *= size[letter]
+    return {"tp": stride["T"], "pp": stride["P"], "rdp": stride["D"], "sdp": stride["D"]}
+
+
+def collective_seconds(term: CommTerm, cluster: Cluster) -> float:
+    """Ring algorithms (NCCL's choice for large messages): all_reduce moves 2 (n-1)/n of its bytes
+    over each rank's link, all_gather / reduce_scatter (n-1)/n, send/recv the message. A group
+    spanning nodes runs at the node's network bandwidth shared by the GPUs of the node that take
+    part (one ring per GPU), else at the intra-node link."""
+    n = term.size
+    factor = {"all_reduce": 2 * (n - 1) / n, "all_gather": (n - 1) / n, "reduce_scatter": (n - 1) / n}.get(term.op, 1.0)
+    if term.op == "recv":
+        return 0.0  # a send and its receive are one transfer; counted with the send
+    if term.intra_node:
+        bandwidth = cluster.intra_node_bandwidth
+    else:
+        sharing = cluster.gpus_per_node // max(1, min(n, cluster.gpus_per_node // max(1, term.stride)))
+        bandwidth = min(cluster.intra_node_bandwidth, cluster.inter_node_bandwidth / sharing)
+    return term.bytes * factor / (bandwidth * COMM_EFFICIENCY)

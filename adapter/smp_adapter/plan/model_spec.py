@@ -1,0 +1,186 @@
+"""A model's shape for the plan: parameter counts and the sizes activations scale with, read from a
+Hugging Face config (file, directory or dict) as pure arithmetic over its fields, no torch needed.
+
+Families with their parameter formulas written out: gpt2, llama-style decoders (llama, mistral,
+qwen2, ...: gated MLP, optional grouped KV heads), vit, bert/roberta. Any other config with the
+usual size fields is built on the meta device with transformers (no weights) to count parameters.
+Per-layer parameters are what a transformer layer holds; the rest (embeddings, final norm, head) is
+``outer_params``. ``tp_split_params`` is the part tensor parallelism divides (the layers' matrices).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from smp_adapter.config.problems import ConfigProblem, raise_if_any
+
+LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3", "gemma", "mixtral_dense", "olmo", "phi3")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Tensors are (numel, split) pairs: split = divided by tensor parallelism (layer matrices,
+    vocabulary-parallel embeddings); per-tensor sizes decide ZeRO-3's persistence threshold."""
+
+    family: str
+    layers: int
+    hidden: int
+    heads: int
+    intermediate: int
+    vocab: int  # 0: no token head (classification of images)
+    seq_len: int
+    layer_tensors: tuple  # one transformer layer's parameters
+    outer_tensors: tuple  # embeddings, final norm, heads
+    num_labels: int = 0
+    kv_hidden: int = 0  # k/v projection width (grouped-query attention); 0: = hidden
+    tied_embeddings: bool = False  # the token head shares the input embedding's weight
+
+    @property
+    def layer_params(self) -> int:
+        return sum(n for n, _ in self.layer_tensors)
+
+    @property
+    def outer_params(self) -> int:
+        return sum(n for n, _ in self.outer_tensors)
+
+    @property
+    def total_params(self) -> int:
+        return self.layers * self.layer_params + self.outer_params
+
+
+def _field(cfg: dict, *names, default=None):
+    for name in names:
+        if cfg.get(name) is not None:
+            return cfg[name]
+    return default
+
+
+def read_config(path_or_dict) -> dict:
+    if isinstance(path_or_dict, dict):
+        return dict(path_or_dict)
+    path = Path(path_or_dict)
+    if path.is_dir():
+        path = path / "config.json"
+    try:
+        data = json.loads(path.read_text())
+    except OSError as exc:
+        raise_if_any([ConfigProblem("--model", f"cannot be read ({exc.strerror})",
+                                    "give a Hugging Face config.json (or the directory holding it)", str(path_or_dict))])
+    except ValueError:
+        raise_if_any([ConfigProblem("--model", "is not JSON", "give a Hugging Face config.json (or its directory)",
+                                    str(path_or_dict))])
+    if not isinstance(data, dict):
+        raise_if_any([ConfigProblem("--model", "is not a JSON object", "give a Hugging Face config.json", str(path_or_dict))])
+    return data
+
+
+def model_spec(config, seq_len: int | None = None) -> ModelSpec:
+    cfg = read_config(config)
+    kind = str(cfg.get("model_type", "")).lower()
+    if not kind:  # a config without model_type: guess from its fields (GPT-2 style n_embd, or ViT image fields)
+        kind = "gpt2" if "n_embd" in cfg else "vit" if "image_size" in cfg else ""
+    h = _field(cfg, "hidden_size", "n_embd", "d_model")
+    layers = _field(cfg, "num_hidden_layers", "n_layer", "num_layers")
+    heads = _field(cfg, "num_attention_heads", "n_head")
+    if not all(isinstance(v, int) and v > 0 for v in (h, layers, heads)):
+        raise_if_any([ConfigProblem("--model", "is not a transformer model config: hidden_size/n_embd, "
+                                    "num_hidden_layers/n_layer and num_attention_heads/n_head must be positive integers",
+                                    "give a Hugging Face model config.json (e.g. saved by AutoConfig.save_pretrained)",
+                                    kind or "<no model_type>")])
+    if kind == "gpt2":
+        return _gpt2(cfg, h, layers, heads, seq_len)
+    if kind in LLAMA_LIKE:
+        return _llama(cfg, kind, h, layers, heads, seq_len)
+    if kind == "vit":
+        return _vit(cfg, h, layers, heads, seq_len)
+    if kind in ("bert", "roberta"):
+        return _bert(cfg, kind, h, layers, heads, seq_len)
+    return _meta_built(cfg, kind, h, layers, heads, seq_len)
+
+
+def _seq(seq_len, cfg, *names):
+    if seq_len is not None:
+        return seq_len
+    value = _field(cfg, *names)
+    if value is None:
+        raise_if_any([ConfigProblem("--seq-len", "is needed: the config gives no maximum sequence length",
+                                    "give --seq-len N")])
+    return value
+
+
+def _gpt2(cfg, h, layers, heads, seq_len):
+    inner = _field(cfg, "n_inner", default=None) or 4 * h
+    vocab, positions = cfg.get("vocab_size", 50257), cfg.get("n_positions", 1024)
+    # ln_1, c_attn (h x 3h + 3h), attn c_proj (h x h + h), ln_2, mlp c_fc (h x inner + inner), c_proj (inner x h + h)
+    layer = ((h, False), (h, False), (h * 3 * h, True), (3 * h, True), (h * h, True), (h, False), (h, False), (h, False),
+             (h * inner, True), (inner, True), (inner * h, True), (h, False))
+    outer = ((vocab * h, True), (positions * h, False), (h, False), (h, False))  # wte (tied lm_head), wpe, ln_f
+    return ModelSpec("gpt2", layers, h, heads, inner, vocab, _seq(seq_len, cfg, "n_positions"), layer, outer,
+                     tied_embeddings=cfg.get("tie_word_embeddings", True))
+
+
+def _llama(cfg, kind, h, layers, heads, seq_len):
+    inter = cfg.get("intermediate_size", 4 * h)
+    vocab = cfg.get("vocab_size", 32000)
+    head_dim = cfg.get("head_dim") or h // heads
+    kv = (cfg.get("num_key_value_heads") or heads) * head_dim
+    q = heads * head_dim
+    bias = cfg.get("attention_bias") or kind == "qwen2"
+    layer = ((h * q, True), (h * kv, True), (h * kv, True), (q * h, True), (h * inter, True), (h * inter, True),
+             (inter * h, True), (h, False), (h, False))
+    if bias:
+        layer += ((q, True), (kv, True), (kv, True))
+    outer = ((vocab * h, True), (h, False)) + (() if cfg.get("tie_word_embeddings", False) else ((vocab * h, True),))
+    return ModelSpec(kind, layers, h, heads, inter, vocab, _seq(seq_len, cfg, "max_position_embeddings"), layer,
+                     outer, kv_hidden=kv, tied_embeddings=bool(cfg.get("tie_word_embeddings", False)))
+
+
+def _encoder_layer(h, inter):
+    """q, k, v, attention output, intermediate, output (weights and biases) and two LayerNorms."""
+    return ((h * h, True), (h, True)) * 3 + ((h * h, True), (h, False), (h, False), (h, False),
+                                              (h * inter, True), (inter, True), (inter * h, True), (h, False),
+                                              (h, False), (h, False))
+
+
+def _vit(cfg, h, layers, heads, seq_len):
+    inter = cfg.get("intermediate_size", 4 * h)
+    image, patch, channels = cfg.get("image_size", 224), cfg.get("patch_size", 16), cfg.get("num_channels", 3)
+    labels = cfg.get("num_labels") or len(cfg.get("id2label") or {}) or 2
+    patches = (image // patch) ** 2
+    # [CLS], positions (patches + 1), patch projection (+bias), final LayerNorm, classifier
+    outer = ((h, False), ((patches + 1) * h, False), (channels * patch * patch * h, False), (h, False), (h, False),
+             (h, False), (h * labels, False), (labels, False))
+    return ModelSpec("vit", layers, h, heads, inter, 0, seq_len or patches + 1, _encoder_layer(h, inter), outer,
+                     num_labels=labels)
+
+
+def _bert(cfg, kind, h, layers, heads, seq_len):
+    inter = cfg.get("intermediate_size", 4 * h)
+    vocab, positions, types = cfg.get("vocab_size", 30522), cfg.get("max_position_embeddings", 512), cfg.get("type_vocab_size", 2)
+    outer = ((vocab * h, True), (positions * h, False), (types * h, False), (h, False), (h, False), (h * h, False),
+             (h, False))  # embeddings, their LayerNorm, pooler
+    return ModelSpec(kind, layers, h, heads, inter, vocab, _seq(seq_len, cfg, "max_position_embeddings"),
+                     _encoder_layer(h, inter), outer)
+
+
+def _meta_built(cfg, kind, h, layers, heads, seq_len):
+    """Any other family: count its parameters on the meta device (no memory, no weights)."""
+    try:
+        import torch
+        from transformers import AutoConfig, AutoModel
+
+        hf_cfg = AutoConfig.for_model(kind, **{k: v for k, v in cfg.items() if k != "model_type"})
+        with torch.device("meta"):
+            model = AutoModel.from_config(hf_cfg)
+    except Exception as exc:  # noqa: BLE001 - any failure means "not a model transformers can build"
+        raise_if_any([ConfigProblem("--model", f"transformers cannot build model_type {kind!r} ({type(exc).__name__}: "
+                                    f"{str(exc)[:200]})", "give a Hugging Face model config.json", kind)])
+    blocks = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m) == layers]
+    in_layers = {id(p) for b in blocks[:1] for layer in b for p in layer.parameters()}
+    layer = tuple((p.numel(), p.dim() == 2) for p in blocks[0][0].parameters()) if blocks else ()
+    outer = tuple((p.numel(), False) for p in model.parameters() if id(p) not in in_layers)
+    inter = _field(cfg, "intermediate_size", "n_inner", "ffn_dim", default=4 * h)
+    return ModelSpec(kind, layers, h, heads, inter, cfg.get("vocab_size", 0),
+                     _seq(seq_len, cfg, "max_position_embeddings", "n_positions"), layer, outer)
