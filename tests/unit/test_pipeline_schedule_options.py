@@ -46,6 +46,9 @@ BAD = [
     ({"pipeline": "zbv", "active_microbatches": 2},
      r"active_microbatches = 2: cannot bound pipeline: zbv.*Fix: remove active_microbatches .*or use pipeline: "
      r"interleaved"),
+    ({"pipeline": "zbv", "auto_partition": False, "default_partition": 0},
+     r"auto_partition = False: must be true with pipeline: zbv and virtual_pipeline_degree 2: smp.partition / "
+     r"set_partition name a pipeline rank.*Fix: set auto_partition: true .*or keep the marks with pipeline: zero_bubble"),
     ({"pipeline": "pipedream"}, r"pipeline = 'pipedream': must be one of interleaved, simple, _only_forward, "
      r"interleaved_1f1b, zero_bubble, zbv, dualpipev"),
 ]
@@ -67,6 +70,10 @@ def test_all_problems_in_one_error():
 def test_pp1_ignores_the_schedule():
     # a pipeline script debugged at pipeline_parallel_degree 1 runs unchanged (as smp's own values)
     assert SMPConfig.from_dict({"pipeline": "dualpipev", "microbatches": 1}).pipeline == "dualpipev"
+
+
+def test_manual_partition_with_one_stage_per_rank():
+    assert cfg(pipeline="zero_bubble", auto_partition=False, default_partition=0).auto_partition is False
 
 
 def test_active_microbatches_equal_to_microbatches_is_fine():

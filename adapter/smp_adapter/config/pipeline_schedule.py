@@ -79,6 +79,16 @@ def schedule_problems(values: Mapping[str, Any], raw: Mapping[str, Any]) -> list
     if schedule in V_SHAPED and v != 2:
         add(ConfigProblem("virtual_pipeline_degree", f"must be 2 with pipeline: {schedule} (the V holds exactly two "
                           "stages per rank)", "remove virtual_pipeline_degree (it defaults to 2)", v))
+    if v > 1 and values.get("auto_partition", True) is False:
+        # smp.partition's index is the pipeline rank, and a rank's part of the model is one contiguous
+        # run of modules; with several stages per rank a rank's stages are not contiguous (looped:
+        # r, r+p, ...; V: r and 2p-1-r), so the marks cannot say where its stages are
+        add(ConfigProblem("auto_partition", f"must be true with pipeline: {schedule} and virtual_pipeline_degree {v}: "
+                          "smp.partition / set_partition name a pipeline rank, whose part of the model is contiguous, "
+                          f"while this schedule gives each rank {v} stages that are not (rank r holds "
+                          f"{'r and 2p-1-r' if schedule in V_SHAPED else 'r, r+p, ...'})",
+                          "set auto_partition: true (marks are then ignored), or keep the marks with pipeline: "
+                          "zero_bubble (one stage per rank) or interleaved", False))
     if m < pp:
         add(ConfigProblem("microbatches", f"must be >= pipeline_parallel_degree ({pp}) with pipeline: {schedule} "
                           f"(fewer microbatches than ranks never fill the pipeline)",
