@@ -49,6 +49,9 @@ BAD = [
     ({"pipeline": "zbv", "auto_partition": False, "default_partition": 0},
      r"auto_partition = False: must be true with pipeline: zbv and virtual_pipeline_degree 2: smp.partition / "
      r"set_partition name a pipeline rank.*Fix: set auto_partition: true .*or keep the marks with pipeline: zero_bubble"),
+    ({"pipeline": "zero_bubble", "tensor_parallel_degree": 2},
+     r"pipeline = 'zero_bubble': zero_bubble \(split input/weight backward\) is not supported with "
+     r"tensor_parallel_degree > 1 yet\. Fix: use pipeline: interleaved_1f1b or interleaved"),
     ({"pipeline": "pipedream"}, r"pipeline = 'pipedream': must be one of interleaved, simple, _only_forward, "
      r"interleaved_1f1b, zero_bubble, zbv, dualpipev"),
 ]

@@ -89,6 +89,12 @@ def schedule_problems(values: Mapping[str, Any], raw: Mapping[str, Any]) -> list
                           f"{'r and 2p-1-r' if schedule in V_SHAPED else 'r, r+p, ...'})",
                           "set auto_partition: true (marks are then ignored), or keep the marks with pipeline: "
                           "zero_bubble (one stage per rank) or interleaved", False))
+    if schedule in ("zero_bubble", *V_SHAPED) and values.get("tensor_parallel_degree", 1) > 1:
+        # the split backward (torch's stage_backward_input) fails on the Megatron-core TP layers'
+        # autograd functions (tested: pp 2 x tp 2, seed conv net); the full backward works
+        add(ConfigProblem("pipeline", f"{schedule} (split input/weight backward) is not supported with "
+                          "tensor_parallel_degree > 1 yet", "use pipeline: interleaved_1f1b or interleaved with "
+                          "tensor parallelism", schedule))
     if m < pp:
         add(ConfigProblem("microbatches", f"must be >= pipeline_parallel_degree ({pp}) with pipeline: {schedule} "
                           f"(fewer microbatches than ranks never fill the pipeline)",

@@ -33,7 +33,7 @@ from torch import nn
 from smp_adapter.errors import SMPUsageError, UnsupportedFeatureError
 from smp_adapter.runtime.engines.pipeline import partition as part
 from smp_adapter.runtime.engines.pipeline import surgery
-from smp_adapter.runtime.engines.pipeline.virtual_stages import StageLayout, skip_self_warmup
+from smp_adapter.runtime.engines.pipeline.virtual_stages import StageLayout, refuse_skip_connections, skip_self_warmup
 from smp_adapter.runtime.partition import partition_mark
 from smp_adapter.runtime.state import state
 
@@ -367,6 +367,8 @@ class PipelineRunner:
                 "the split points were not on the traced path. Partition manually (auto_partition: false, "
                 "smp.partition / smp.set_partition) at modules that run at the top level of forward")
         self._stage_calls = [n for n in pipe.split_gm.graph.nodes if n.op == "call_module"]
+        if self.layout.v > 1:
+            refuse_skip_connections(module, self._stage_calls, state.cfg.pipeline)
         return pipe
 
     def _late_inputs(self) -> dict[int, list[str]]:
