@@ -115,7 +115,7 @@ def worker(args) -> None:
     import smdistributed.modelparallel.torch as smp
 
     pp, m = args.pp, args.microbatches
-    smp.init({"pipeline_parallel_degree": pp, "microbatches": m, "ddp": True, "pipeline": "interleaved"})
+    smp.init({"pipeline_parallel_degree": pp, "microbatches": m, "ddp": True, "pipeline": args.schedule})
     quiet()
     full = build(args.width, args.layers)
     ds_engine, ds_module = deepspeed_engine(full, pp, m, args.batch)
@@ -201,7 +201,7 @@ def _linear_names(parts: list[int], stage: int, layers: int) -> list[str]:
 
 def run_case(pp: int, m: int, args, out_root: Path) -> dict:
     cmd = ["--worker", "--pp", pp, "--microbatches", m, "--steps", args.steps, "--warmup", args.warmup,
-           "--width", args.width, "--layers", args.layers, "--batch", args.batch]
+           "--width", args.width, "--layers", args.layers, "--batch", args.batch, "--schedule", args.schedule]
     results = run_ranks(Path(__file__).resolve(), pp, cmd, out_root / f"pp{pp}_m{m}", timeout=args.timeout)
     r0 = results[0]
     med = {name: statistics.median(r0["times"][name]) for name in ENGINES}
@@ -232,6 +232,8 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--timeout", type=float, default=600)
     ap.add_argument("--json", default=None, help="also write the figures here")
+    ap.add_argument("--schedule", default="interleaved",
+                    help="smp side's pipeline option (interleaved = 1F1B; interleaved_1f1b, zero_bubble, zbv, dualpipev)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
@@ -249,7 +251,7 @@ def main() -> int:
     out_root = Path(tempfile.mkdtemp(prefix="smp_pp_bench_"))
     started = time.time()
     print(f"# pipeline: {args.layers} x Linear({args.width}) + tanh, head Linear({args.width}, 10), batch "
-          f"{args.batch}, SGD, fp32; 1F1B; medians over {args.steps} steps; times in ms (slowest rank)")
+          f"{args.batch}, SGD, fp32; smp pipeline: {args.schedule} (DeepSpeed: 1F1B); medians over {args.steps} steps; times in ms (slowest rank)")
     print("| pp | m | t_s (stage) | ideal (m+p-1)/m t_s | no overlap p t_s | smp | smp / ideal | DeepSpeed pipe | "
           "DeepSpeed / ideal | smp / DeepSpeed (paired) | loss rel. diff |")
     print("| --- " * 11 + "|")

@@ -17,6 +17,7 @@ from typing import Any, Mapping
 from smp_adapter.config.keys import KEYS, Policy
 from smp_adapter.config.layout import VALID_ORDERS, placement_order
 from smp_adapter.config.limits import MAX_DEGREE
+from smp_adapter.config.pipeline_schedule import schedule_problems, virtual_degree
 from smp_adapter.config.problems import ConfigProblem, raise_if_any
 
 ENV_MP_PARAMETERS = "SM_HP_MP_PARAMETERS"
@@ -33,6 +34,7 @@ class SMPConfig:
     tensor_parallel_degree: int = 1
     microbatches: int = 1
     pipeline: str = "interleaved"
+    virtual_pipeline_degree: int = 1  # smp-adapter extension: stages per pipeline rank (config/pipeline_schedule.py)
     active_microbatches: int = 1
     placement_strategy: str = "cluster"
     auto_partition: bool = True
@@ -105,6 +107,7 @@ class SMPConfig:
         # spec §5.5: the default partitions + 2 exceeds microbatches = 1; clamp it (more than
         # `microbatches` can never be in flight anyway), and clamp a user value the same way.
         kwargs["active_microbatches"] = min(kwargs.get("active_microbatches", pp + 2), mb)
+        kwargs["virtual_pipeline_degree"] = virtual_degree(kwargs)
         if "memory_weight" not in kwargs:
             kwargs["memory_weight"] = 0.2 if kwargs.get("optimize") == "speed" else 0.8
         if kwargs.get("offload_activations") and mb == 1:
@@ -248,6 +251,7 @@ def _check_cross_key_rules(values: dict[str, Any], raw: Mapping[str, Any], probl
     if dp_ >= pp:
         add(ConfigProblem("default_partition", f"must be < pipeline_parallel_degree ({pp}): stages are numbered 0..{pp - 1}",
                           f"use a value between 0 and {pp - 1}", dp_))
+    problems.extend(schedule_problems(values, raw))
     for key in ("ddp_port", "ddp_dist_backend"):
         if key in raw and "ddp" not in raw:
             add(ConfigProblem(key, "is only allowed together with the ddp key (SageMaker SDK rule)", "add ddp: true", raw[key]))

@@ -19,6 +19,7 @@ from smp_adapter.config.dims import ParallelDims
 from smp_adapter.config.distribution import JobSpec
 from smp_adapter.config.keys import KEYS, Policy
 from smp_adapter.config.options import SMPConfig
+from smp_adapter.config.pipeline_schedule import EXTENSION_SCHEDULES, TORCH_CLASS, V_SHAPED, bubble_formula
 from smp_adapter.translate.deepspeed import DEEPSPEED_KEYS, SDP_COPIED, deepspeed_value
 from smp_adapter.translate.megatron import MegatronPlan
 
@@ -55,6 +56,8 @@ def explain(job_or_cfg: JobSpec | SMPConfig, dims: ParallelDims, ds_config: Mapp
         keys += [k for k in SDP_KEYS if k not in given]
     if dims.pp > 1:
         keys += [k for k in ("pipeline", "active_microbatches") if k not in given]
+        if cfg.pipeline in EXTENSION_SCHEDULES:
+            keys += [k for k in ("virtual_pipeline_degree",) if k not in given]
     for key in keys:
         if key in shown:
             continue
@@ -105,11 +108,22 @@ def _map_key(key: str, cfg: SMPConfig, dims: ParallelDims, ds: Mapping[str, Any]
     if key == "pipeline":
         if dims.pp == 1:
             return "-", "-", "ignored", "no pipeline with pipeline_parallel_degree 1"
+        if cfg.pipeline in EXTENSION_SCHEDULES:
+            v = cfg.virtual_pipeline_degree
+            order = "V order (rank r: stages r, 2p-1-r)" if cfg.pipeline in V_SHAPED else "looped (rank r: r, r+p, ...)"
+            return "pipeline schedule", f"torch {TORCH_CLASS[cfg.pipeline]}", "exact", \
+                (f"smp-adapter extension (not in smp v1): {dims.pp * v} stages, {v} per rank, {order}; "
+                 f"bubble {bubble_formula(cfg.pipeline, dims.pp, v)}")
         if cfg.pipeline == "simple":
             return "pipeline schedule", "all forward, then all backward", "approximated", \
                 "GPipe-style order; the smp execution server's dynamic scheduling is not reproduced"
         return "pipeline schedule", "1F1B", "approximated", \
             "interleaved = backward first whenever possible, i.e. one-forward-one-backward; smp's dynamic order is not reproduced"
+    if key == "virtual_pipeline_degree":
+        if dims.pp == 1 or cfg.pipeline not in EXTENSION_SCHEDULES:
+            return "-", "-", "ignored", "only with pipeline_parallel_degree > 1 and an smp-adapter pipeline schedule"
+        return "pipeline stages per rank", cfg.virtual_pipeline_degree, "exact", \
+            "smp-adapter extension (not in smp v1): the model is cut into pipeline_parallel_degree x this many stages"
     if key == "active_microbatches":
         return "microbatches in flight", cfg.active_microbatches, "approximated", \
             "default partitions + 2, clamped to microbatches (spec §5.5); the 1F1B schedule also bounds it by the stage count"

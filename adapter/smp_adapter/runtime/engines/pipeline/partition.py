@@ -121,9 +121,10 @@ def auto_split(module: nn.Module, prof: Profile, pp: int, memory_weight: float) 
     units = auto_units(module, prof, pp)
     if len(units) < pp:
         raise SMPUsageError(
-            f"auto-partitioning found only {len(units)} module(s) with parameters to spread over "
-            f"pipeline_parallel_degree={pp} stages ({units}): use a smaller pipeline_parallel_degree, or split the "
-            "model into more submodules")
+            f"auto-partitioning found only {len(units)} module(s) with parameters to spread over {pp} pipeline "
+            f"stages (pipeline_parallel_degree x virtual_pipeline_degree) ({units}): use a smaller "
+            "pipeline_parallel_degree (or virtual_pipeline_degree, or pipeline: interleaved), or split the model into "
+            "more submodules")
     seen: set = set()
     mods = dict(module.named_modules())
     nbytes = [_bytes(mods[u].parameters(), seen) for u in units]
@@ -135,7 +136,8 @@ def auto_split(module: nn.Module, prof: Profile, pp: int, memory_weight: float) 
     stages = [units[parts[i]:parts[i + 1]] for i in range(pp)]
     if any(not s for s in stages):
         raise SMPUsageError(f"auto-partitioning left a pipeline stage empty ({stages}): use a smaller "
-                            "pipeline_parallel_degree or partition manually (auto_partition: false + smp.partition)")
+                            "pipeline_parallel_degree (or virtual_pipeline_degree), or partition manually "
+                            "(auto_partition: false + smp.partition)")
     return stages
 
 
@@ -189,12 +191,14 @@ def split_spec(stages: list[list[str]]) -> dict:
     return {s[0]: SplitPoint.BEGINNING for s in stages[1:]}
 
 
-def log_assignment(module: nn.Module, stages: list[list[str]], how: str) -> None:
-    """Rank 0 prints "Partition assignments:" then "module -> stage" per line (smp's log)."""
-    lines = [f"Partition assignments ({how}, {len(stages)} stages):"]
+def log_assignment(module: nn.Module, stages: list[list[str]], how: str, layout=None) -> None:
+    """Rank 0 prints "Partition assignments:" then "module -> stage" per line (smp's log); with
+    several stages per rank, "module -> stage (rank r)"."""
+    per_rank = f", {layout.v} per rank" if layout is not None and layout.v > 1 else ""
+    lines = [f"Partition assignments ({how}, {len(stages)} stages{per_rank}):"]
     for i, units in enumerate(stages):
         for u in units:
-            lines.append(f"  {u} -> {i}")
+            lines.append(f"  {u} -> {layout.describe(i) if layout is not None else i}")
     text = "\n".join(lines)
     log.info(text)
     print(text, flush=True)

@@ -33,6 +33,7 @@ from torch import nn
 from smp_adapter.errors import SMPUsageError, UnsupportedFeatureError
 from smp_adapter.runtime.engines.pipeline import partition as part
 from smp_adapter.runtime.engines.pipeline import surgery
+from smp_adapter.runtime.engines.pipeline.virtual_stages import StageLayout, refuse_skip_connections, skip_self_warmup
 from smp_adapter.runtime.partition import partition_mark
 from smp_adapter.runtime.state import state
 
@@ -54,12 +55,13 @@ class PipelineRunner:
         # Hugging Face units split in place (parallel/hf.py) are traced as they are, collectives
         # included (parallel/comm.py, "traced forms")
         self.tp_originals = {n: m for n, m in (tp_originals or {}).items() if m is not model.module.get_submodule(n)}
-        self.num_stages = state.dims.pp
-        self.stage_index = state.coord.pp
+        self.num_stages = state.dims.pp  # pipeline ranks; each holds layout.v stages (virtual_stages.py)
+        self.stage_index = state.coord.pp  # this rank's position in the pipeline group
+        self.layout = StageLayout.from_config(state.cfg, self.num_stages)
         self.group = state.groups.pp
         self.built = False
-        self.stage = None
-        self.stage_module = None
+        self.stages: list = []  # this rank's torch PipelineStages, in stage order
+        self.stage_modules: list[nn.Module] = []
         self.stage_units: list[list[str]] = []
         self.local_params: list[nn.Parameter] = []
         self.local_keys: set[str] = set()
@@ -89,11 +91,13 @@ class PipelineRunner:
 
     @property
     def is_first(self) -> bool:
+        """This rank holds the first stage (it captures the model inputs)."""
         return self.stage_index == 0
 
     @property
     def is_last(self) -> bool:
-        return self.stage_index == self.num_stages - 1
+        """This rank holds the last stage (it runs the step body): in the V order that is rank 0."""
+        return self.stage_index == self.layout.last_rank
 
     # -- called by DistributedModel ----------------------------------------------------------------
     def forward(self, args, kwargs):
@@ -135,7 +139,10 @@ class PipelineRunner:
         results: list = [None] * m
         active = max(1, min(state.cfg.active_microbatches, m))
         simple = state.cfg.pipeline == "simple"
-        group = active if (simple or active < self.num_stages) else m
+        # smp's schedules honour active_microbatches by running groups; the others order all
+        # microbatches themselves (a smaller active_microbatches is refused by the option rules)
+        smp_schedule = state.cfg.pipeline in ("interleaved", "simple", "_only_forward")
+        group = active if smp_schedule and (simple or active < self.num_stages) else m
         self._mode = "replay"
         try:
             for start in range(0, m, group):
@@ -162,9 +169,9 @@ class PipelineRunner:
     def _run_group(self, func, bound_mbs, inputs, idx, m, training, simple, results) -> None:
         n = len(idx)
         sched = self._schedule(n, training, simple)
-        stage = self.stage
-        stage.has_backward = training
-        stage.clear_runtime_states()
+        for stage in self.stages:
+            stage.has_backward = training
+            stage.clear_runtime_states()
         first = [self._stage0_inputs(*inputs[i]) for i in idx] if self.is_first else None
         arg_mbs = [f[0] for f in first] if self.is_first else [() for _ in idx]
         kwarg_mbs = [f[1] for f in first] if self.is_first else [{} for _ in idx]
@@ -191,7 +198,7 @@ class PipelineRunner:
                 sched.run_microbatches(arg_mbs, kwarg_mbs)
             if self.is_last:
                 for j, mb in enumerate(idx):
-                    self._run_body(func, bound_mbs[mb], stage.output_chunks[j], results, mb)
+                    self._run_body(func, bound_mbs[mb], self.stages[-1].output_chunks[j], results, mb)
 
     def _autocast_context(self):
         """The step body's autocast around model(...), re-entered around the stage forwards (which the
@@ -227,7 +234,7 @@ class PipelineRunner:
 
         key = (n, training, simple)
         if key not in self._schedules:
-            self._schedules[key] = make_schedule(self.stage, n, training, simple, self.num_stages)
+            self._schedules[key] = make_schedule(self.stages, n, training, state.cfg.pipeline, self.num_stages)
         sched = self._schedules[key]
         if key != self._last_schedule:
             # the stage's buffers were set up by another schedule (train <-> eval, another group size):
@@ -245,7 +252,7 @@ class PipelineRunner:
                 lambda t: t.detach() if isinstance(t, torch.Tensor) else t, obj)
 
         payload = [[prep(r) for r in results] if self.is_last else None]
-        src = dist.get_global_rank(self.group, self.num_stages - 1)
+        src = dist.get_global_rank(self.group, self.layout.last_rank)
         dist.broadcast_object_list(payload, src=src, group=self.group)
         if self.is_last and not detach:
             return results  # keep the graph on the rank that has it
@@ -288,11 +295,11 @@ class PipelineRunner:
                 if marked and state.rank == 0:
                     warnings.warn(f"auto_partition is true: smp.partition/set_partition marks are ignored ({marked[:3]}"
                                   f"{'...' if len(marked) > 3 else ''}); set auto_partition: false to use them")
-                self.stage_units = part.auto_split(module, prof, self.num_stages, cfg.memory_weight)
+                self.stage_units = part.auto_split(module, prof, self.layout.total, cfg.memory_weight)
             else:
                 self.stage_units = part.manual_split(module, prof, self.num_stages, cfg.default_partition)
             if state.rank == 0:
-                part.log_assignment(module, self.stage_units, "auto" if cfg.auto_partition else "manual")
+                part.log_assignment(module, self.stage_units, "auto" if cfg.auto_partition else "manual", self.layout)
             pipe = self._split(pipeline, module, args, kwargs)
             late = self._late_inputs()
             if late:
@@ -305,23 +312,29 @@ class PipelineRunner:
                 finally:
                     hook.remove()
                 self._check_inputs_reach_first_stage(module)
-            stage_mods = [pipe.get_stage_module(i) for i in range(self.num_stages)]
+            stage_mods = [pipe.get_stage_module(i) for i in range(self.layout.total)]
         owners = self._tie_to_model(module, stage_mods)
-        mine = stage_mods[self.stage_index]
-        for name, original in self.tp_originals.items():  # the split (TP) modules go back in
-            if surgery.has_submodule(mine, name):
-                surgery.set_submodule(mine, name, surgery.get_submodule(module, name))
-        self.stage_module = mine
-        if not self.is_last:
-            # activations cross to the next stage in buffers of the traced dtype: an autocast forward's
-            # reduced-precision outputs are sent widened (exact), and the next stage's autocast
-            # narrows them again for its matmuls
-            traced = next((p.dtype for p in mine.parameters() if p.is_floating_point()), torch.get_default_dtype())
-            mine.register_forward_hook(surgery.WidenAutocastOutputs(traced))
-        self.local_params = list({id(p): p for p in mine.parameters()}.values())
-        self.local_keys = set(mine.state_dict().keys())
+        ids = self.layout.stages_of(self.stage_index)
+        self.stage_modules = [stage_mods[i] for i in ids]
+        for i, mine in zip(ids, self.stage_modules):
+            for name, original in self.tp_originals.items():  # the split (TP) modules go back in
+                if surgery.has_submodule(mine, name):
+                    surgery.set_submodule(mine, name, surgery.get_submodule(module, name))
+            if i != self.layout.total - 1:
+                # activations cross to the next stage in buffers of the traced dtype: an autocast forward's
+                # reduced-precision outputs are sent widened (exact), and the next stage's autocast
+                # narrows them again for its matmuls
+                traced = next((p.dtype for p in mine.parameters() if p.is_floating_point()), torch.get_default_dtype())
+                mine.register_forward_hook(surgery.WidenAutocastOutputs(traced))
+        self.local_params = list({id(p): p for m in self.stage_modules for p in m.parameters()}.values())
+        self.local_keys = {k for m in self.stage_modules for k in m.state_dict().keys()}
         self._make_tie_groups(owners)
-        self.stage = build_stage(mine, self.stage_index, pipe.info(), state.device, group=self.group)
+        self.stages = [build_stage(mine, i, pipe.info(), state.device, group=self.group)
+                       for i, mine in zip(ids, self.stage_modules)]
+        if self.layout.v_shaped:
+            for stage in self.stages:
+                stage.stage_index_to_group_rank = dict(enumerate(self.layout.ranks))
+                skip_self_warmup(stage)
         self.tp_originals = {}
         self.built = True
         self.model.mark_partitioned()
@@ -348,12 +361,14 @@ class PipelineRunner:
                     split_module.__dict__.pop("forward", None)
                 else:
                     split_module.forward = forward
-        if pipe.num_stages != self.num_stages:
+        if pipe.num_stages != self.layout.total:
             raise UnsupportedFeatureError(
-                f"splitting {type(module).__name__} produced {pipe.num_stages} stages instead of {self.num_stages}: "
+                f"splitting {type(module).__name__} produced {pipe.num_stages} stages instead of {self.layout.total}: "
                 "the split points were not on the traced path. Partition manually (auto_partition: false, "
                 "smp.partition / smp.set_partition) at modules that run at the top level of forward")
         self._stage_calls = [n for n in pipe.split_gm.graph.nodes if n.op == "call_module"]
+        if self.layout.v > 1:
+            refuse_skip_connections(module, self._stage_calls, state.cfg.pipeline)
         return pipe
 
     def _late_inputs(self) -> dict[int, list[str]]:
@@ -411,10 +426,12 @@ class PipelineRunner:
         return owners
 
     def _make_tie_groups(self, owners: dict) -> None:
-        """Parameters held by several stages (tied weights): one group per stage set, created in the
-        same order on every rank (torch requires it)."""
+        """Parameters held by several pipeline ranks (tied weights): one group per rank set, created in
+        the same order on every rank (torch requires it). Stages on one rank share the Parameter object
+        itself, so autograd already sums their gradients there."""
         grid = state.dims.grid
         by_id = {id(p): p for p in self.model.module.parameters()}
+        owners = {pid: set(self.layout.ranks_of(stages)) for pid, stages in owners.items()}
         sets = sorted({tuple(sorted(s)) for s in owners.values() if len(s) > 1})
         mine = {}
         for stages in sets:
