@@ -106,7 +106,7 @@ def main():
     results = {}
     for family in families:
         cls, config = configs()[family]
-        smp.init({"ddp": True, "tensor_parallel_degree": 2, "sharded_data_parallel_degree": 2,
+        smp.init({"ddp": True, "tensor_parallel_degree": 2, "sharded_data_parallel_degree": 2, "prescaled_batch": True,
                   "delayed_parameter_initialization": True})
         torch.manual_seed(1234)
         reference = cls(config)  # no delayed init: every rank builds the whole model
