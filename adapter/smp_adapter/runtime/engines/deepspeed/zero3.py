@@ -52,13 +52,36 @@ def module_init_context(dtype):
     try:
         # transformers initialises (from_config) and loads (from_pretrained) ZeRO-3 shards on "rank 0"
         # while creating; each ZeRO group must do it on its own first rank (see _zero_group_rank_as_rank)
-        with zero_init_context(dtype), _zero_group_rank_as_rank():
+        with zero_init_context(dtype), _zero_group_rank_as_rank(), _hf_init_deferred_to_wrap_time():
             _announce_zero3_to_transformers(state.engine_config)
             yield
     finally:
         # Only while creating: afterwards a plain HF model built on one rank (e.g. to save a full
         # checkpoint) must not think it is sharded, or its collectives would wait for other ranks.
         state.hf_deepspeed_config = None
+
+
+@contextlib.contextmanager
+def _hf_init_deferred_to_wrap_time():
+    """A Hugging Face class called directly under zero.Init runs ``post_init`` -> ``init_weights`` on
+    empty shards (BERT's embedding init indexes its padding row there: IndexError). While creating,
+    ``PreTrainedModel.init_weights`` does nothing, as transformers' own ZeRO-3 path does; the
+    model's init then runs with gathered shards when DistributedModel wraps it
+    (initialize_hf_weights_if_random). PyTorch's own layer init is left alone: it runs on whole
+    tensors before zero.Init partitions them, and plain nn.Modules rely on it."""
+    import sys
+
+    modeling_utils = sys.modules.get("transformers.modeling_utils")
+    if modeling_utils is None:  # a model class imported inside the block: transformers' own init runs
+        yield
+        return
+    cls = modeling_utils.PreTrainedModel
+    original = cls.__dict__["init_weights"]
+    cls.init_weights = lambda self: None
+    try:
+        yield
+    finally:
+        cls.init_weights = original
 
 
 def _announce_zero3_to_transformers(ds_config: dict) -> None:
