@@ -110,7 +110,9 @@ def _numpy_data(qualified: str):
 def _numpy_dtype_classes() -> list:
     import numpy as np
 
-    return [c for c in vars(np.dtypes).values() if isinstance(c, type) and issubclass(c, np.dtype)]
+    import numpy.dtypes
+
+    return [np.dtype] + [c for c in vars(numpy.dtypes).values() if isinstance(c, type) and issubclass(c, np.dtype)]
 
 
 def _trusted() -> bool:
@@ -143,8 +145,10 @@ def safe_torch_load(path: str, map_location=None, weights_only: bool = True):
             f"unpickled everything; smp-adapter does so only when told the file is trusted: set {TRUST_ENV}=1 for "
             "the job (smp-adapter launch passes the environment on), or pass weights_only=False to smp.load")
     allowed = list(classes.values())
-    if "numpy.dtype" in classes:  # a dtype is rebuilt through its class (numpy.dtypes.Int64DType ...),
-        allowed += _numpy_dtype_classes()  # which the file names only once unpickling reaches it
+    if any(name.startswith("numpy.") for name in classes):
+        # a numpy value's dtype is rebuilt through its class (numpy.dtypes.Int64DType ...), which the
+        # file names only once unpickling reaches it: all of them, and numpy.dtype itself
+        allowed += _numpy_dtype_classes()
     with torch.serialization.safe_globals(allowed):
         return _load(path, map_location, weights_only=True)
 
