@@ -12,6 +12,8 @@ The script is parsed with ``ast``, never executed. Reported, with line numbers:
   * option dicts given to ``smp.init({...})`` (literal, or a name bound to a literal), validated
     with ``SMPConfig.from_dict``;
   * imports of NVIDIA apex (smp v1's containers had it; smp-adapter does not install it);
+  * imports of the script and of its own modules beside it that the environment ``check`` runs in
+    cannot find (script_check_local.missing_imports; CUDA-only packages such as flash_attn named so);
   * CPU blockers (``torch.cuda.set_device``, ``torch.device("cuda")``, ``.cuda()``) not guarded by
     ``torch.cuda.is_available()``, and known slips (``vit.encoder.layer``, ``optim.AdaDelta``).
 """
@@ -24,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from smp_adapter import script_check_api as provided
-from smp_adapter.script_check_local import APEX_ROOTS, apex_need
+from smp_adapter.script_check_local import APEX_ROOTS, GPU_ONLY_PACKAGES, apex_need, missing_imports
 
 SMP = "smdistributed.modelparallel.torch"
 SMP_ROOT = "smdistributed.modelparallel"
@@ -32,6 +34,7 @@ SMP_TEST = "smdistributed.modelparallel.test.torch"  # smp's test helpers (the A
 SUPPORTED, PARTIAL, UNSUPPORTED, NEEDS_GPU, ERROR, UNKNOWN = (
     "supported", "partial", "unsupported", "needs-gpu", "error", "unknown")
 FAILING = (UNSUPPORTED, ERROR, UNKNOWN)  # a script using any of these does not run as-is
+MISSING = "environment"  # Use.kind of an import the environment cannot find
 
 _TP = "Megatron-core tensor-parallel layers; see docs"
 # pp > 1 runs on torch.distributed.pipelining (smp_adapter.runtime.engines.pipeline)
@@ -202,6 +205,10 @@ class _Checker:
                 self.visit_ref(node)
             if isinstance(node, ast.Call):
                 self.visit_call(node)
+        if not self.options_only and self.path and Path(self.path).is_file():
+            for m in missing_imports(self.path):  # the script cannot start here: said in the verdict
+                self.uses.append(Use(m.line, m.col, m.statement, m.module, MISSING,
+                                     PARTIAL if m.conditional else UNSUPPORTED, m.note()))
         seen, uses = set(), []
         if self.sharded:
             self.uses = [Use(u.line, u.col, u.expr, u.name, u.kind, PARTIAL, u.note)
@@ -410,7 +417,11 @@ class Report:
             lines.append(f"  line {u.line:<5} {expr:<{width}}  {u.status:<11}  {u.note}".rstrip())
         c = self.counts()
         lines.append("summary: " + ", ".join(f"{n} {s}" for s, n in c.items() if n))
-        if self.exit_status(cpu):
+        missing = {u.name: u.note for u in self.uses if u.kind == MISSING and u.status in FAILING}
+        if missing:  # every module once, CUDA-only ones first (they cannot be installed on this machine)
+            order = sorted(missing, key=lambda name: name not in GPU_ONLY_PACKAGES)
+            lines.append("verdict: does not start here: " + "; ".join(missing[name] for name in order))
+        elif self.exit_status(cpu):
             lines.append("verdict: does not run as-is (fix the unsupported/unknown/error uses above)")
         elif c[NEEDS_GPU]:
             lines.append("verdict: runs as-is (on CPU ranks through smp-adapter launch, which runs the needs-gpu "

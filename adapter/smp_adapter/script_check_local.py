@@ -1,5 +1,6 @@
 """The script's own helper modules, as ``smp-adapter check`` sees them: whether one that the script
-imports needs NVIDIA apex.
+imports needs NVIDIA apex, and which imports of the script and of those modules the environment
+``check`` runs in cannot find (``missing_imports``; CUDA-only packages are named as such).
 
 Why: the DLC GPT-2 test script imports its bundled ``fp16`` package unconditionally, and that package
 imports apex's ``amp_C``; the script itself names no apex module, yet cannot start without it. Only
@@ -10,6 +11,9 @@ only up to a few levels of their own imports of each other.
 from __future__ import annotations
 
 import ast
+import importlib.util
+import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 APEX_ROOTS = ("apex", "amp_C", "apex_C")
@@ -63,3 +67,101 @@ def apex_need(script: str | Path, module: str) -> str | None:
                     return f"{path.relative_to(root)}:{node.lineno} ({name})"
                 queue += _module_files(path.parent if level else root, name)
     return None
+
+
+# Packages that build or run only with CUDA: on a machine without it they are absent by design,
+# and a script importing them unguarded cannot start there. import name -> pip name.
+GPU_ONLY_PACKAGES = {"flash_attn": "flash-attn", "transformer_engine": "transformer-engine[pytorch]",
+                     "xformers": "xformers", "mamba_ssm": "mamba-ssm", "causal_conv1d": "causal-conv1d",
+                     "fused_dense_lib": "flash-attn", "dropout_layer_norm": "flash-attn",
+                     "rotary_emb": "flash-attn", "megablocks": "megablocks", "grouped_gemm": "grouped_gemm",
+                     "cupy": "cupy-cuda12x", "pynvml": "nvidia-ml-py"}
+# import name -> pip name where they differ (the hint's install command)
+_PIP_NAMES = {"sklearn": "scikit-learn", "PIL": "pillow", "cv2": "opencv-python", "yaml": "pyyaml",
+              "skimage": "scikit-image", "bs4": "beautifulsoup4", "smdebug": "smdebug"}
+
+
+@dataclass(frozen=True)
+class MissingImport:
+    line: int  # the script's import statement that leads to it
+    col: int
+    statement: str
+    module: str  # top-level name that does not resolve
+    where: str  # "" in the script itself, else "helper.py:26" in a module beside it
+    conditional: bool  # inside a function / if: needed only when that code runs
+
+    def note(self) -> str:
+        pip = GPU_ONLY_PACKAGES.get(self.module)
+        what = (f"`{self.module}` is not installed (a CUDA-only package; on a GPU machine `pip install {pip}`)" if pip
+                else f"`{self.module}` is not installed (`pip install {_PIP_NAMES.get(self.module, self.module)}`, or put "
+                     "it beside the script if it is one of the script's own modules)")
+        if self.where:
+            what += f", imported by the script's own module at {self.where}"
+        return what + (": needed when that code runs" if self.conditional else "")
+
+
+def _resolves(name: str) -> bool:
+    if name in sys.builtin_module_names or name in sys.stdlib_module_names:
+        return True
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def _conditional(tree: ast.Module, node: ast.AST) -> bool:
+    """Not run when the module is imported: inside a function, class body or ``if``."""
+    return not any(node is stmt for stmt in tree.body)
+
+
+def missing_imports(script: str | Path, skip: tuple[str, ...] = APEX_ROOTS) -> list[MissingImport]:
+    """Every module the script, and the modules beside it that it imports (followed the same way),
+    import without a ``try`` guard and that the running environment cannot find. Nothing is executed:
+    names are resolved with importlib's finder. ``skip``: roots reported elsewhere (apex)."""
+    path = Path(script).resolve()
+    root = path.parent
+    try:
+        script_tree = ast.parse(path.read_text(), filename=str(path))
+    except (OSError, SyntaxError, ValueError):
+        return []
+    found, cache = [], {}
+    for node in ast.walk(script_tree):
+        if not isinstance(node, (ast.Import, ast.ImportFrom)) or _guarded(script_tree, node):
+            continue
+        for name, level in _imported_roots(node):
+            if level or name in skip:
+                continue
+            local = _module_files(root, name)
+            if local:
+                for module, where, conditional in _missing_in_helpers(root, local, skip, cache):
+                    found.append(MissingImport(node.lineno, node.col_offset + 1, ast.unparse(node), module, where,
+                                               conditional or _conditional(script_tree, node)))
+            elif not _resolves(name):
+                found.append(MissingImport(node.lineno, node.col_offset + 1, ast.unparse(node), name, "",
+                                           _conditional(script_tree, node)))
+    return found
+
+
+def _missing_in_helpers(root: Path, files: list[Path], skip, cache: dict) -> list[tuple[str, str, bool]]:
+    """(module, "file.py:line", conditional) for each unresolvable import in the helper files and
+    the helpers they import in turn (breadth first, a few dozen files at most)."""
+    queue, seen, found = list(files), set(), []
+    while queue and len(seen) < _MAX_FILES:
+        path = queue.pop(0)
+        if path in seen:
+            continue
+        seen.add(path)
+        try:
+            tree = ast.parse(path.read_text(), filename=str(path))
+        except (OSError, SyntaxError, ValueError):
+            continue
+        for node in ast.walk(tree):
+            if not isinstance(node, (ast.Import, ast.ImportFrom)) or _guarded(tree, node):
+                continue
+            for name, level in _imported_roots(node):
+                beside = _module_files(path.parent if level else root, name)
+                if beside or level:
+                    queue += beside
+                elif name not in skip and not cache.setdefault(name, _resolves(name)):
+                    found.append((name, f"{path.relative_to(root)}:{node.lineno}", _conditional(tree, node)))
+    return found

@@ -5,6 +5,7 @@ import json
 import os
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -206,10 +207,16 @@ def test_checkpoints_holding_client_objects(fresh, tmp_path, monkeypatch):
     model = smp.DistributedModel(_mlp())
     smp.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.1))
     config = GPT2Config(n_layer=2, n_embd=16, n_head=2, vocab_size=64)
-    content = {"total_steps": 2, "model_config": config, "args": argparse.Namespace(lr=0.1)}
+    # the GPT template's num_params is np.prod(ds_shape) summed (a numpy integer); numpy scalars,
+    # dtypes and arrays are plain data, as torch's weights_only documentation allows them
+    content = {"total_steps": 2, "model_config": config, "args": argparse.Namespace(lr=0.1),
+               "num_params": np.prod((4, 8)) + np.int64(1), "lr_scheduler": {"lr": np.float32(0.5)},
+               "dtype": np.dtype("float16"), "rng": np.arange(3)}
     smp.save_checkpoint(str(tmp_path), tag="t1", partial=True, user_content=content)
     got = smp.resume_from_checkpoint(str(tmp_path), tag="t1")
     assert got["total_steps"] == 2 and got["args"].lr == 0.1
+    assert got["num_params"] == 33 and isinstance(got["num_params"], np.int64)
+    assert got["lr_scheduler"]["lr"] == np.float32(0.5) and got["dtype"] == np.float16 and got["rng"].tolist() == [0, 1, 2]
     assert isinstance(got["model_config"], GPT2Config) and got["model_config"].to_dict() == config.to_dict()
     smp.save_checkpoint(str(tmp_path), tag="full.pt", partial=False, user_content=content)
     assert smp.resume_from_checkpoint(str(tmp_path), tag="full.pt", partial=False)["model_config"].n_layer == 2

@@ -59,18 +59,26 @@ def atomic_torch_save(obj, path: str, pickle_protocol: int = 2) -> None:
 
 
 # Checkpoints the AWS templates write hold more than tensors: a transformers config in user_content
-# ("model_config"), an argparse Namespace. Those are plain data, so they are let through torch's
+# ("model_config"), an argparse Namespace, numpy scalars and dtypes (the GPT template's ``num_params``
+# and its LR scheduler's state). Those are plain data, so they are let through torch's
 # weights-only unpickler by name (it still runs no code of the file's choosing); anything else
 # (a DataLoader, the script's own classes) needs the caller's explicit trust, as torch itself asks.
 TRUST_ENV = "SMP_ADAPTER_TRUST_CHECKPOINTS"
 _DATA_ONLY_CLASSES = {"argparse.Namespace"}
+# numpy values as torch's weights_only documentation allows them: a scalar is rebuilt from its dtype
+# and raw bytes, an array by _reconstruct + setstate; none of these runs code named by the file.
+_NUMPY_DATA = {"numpy.dtype", "numpy.ndarray", "numpy._core.multiarray.scalar", "numpy.core.multiarray.scalar",
+               "numpy._core.multiarray._reconstruct", "numpy.core.multiarray._reconstruct"}
 
 
 def _data_only_class(qualified: str):
     """The class named ``module.Class`` if it is plain data that may be unpickled: argparse.Namespace,
     or a transformers configuration (PretrainedConfig / GenerationConfig subclass); else None.
-    Only modules under ``transformers.`` and ``argparse`` are imported to find out."""
+    numpy scalars, arrays and dtypes (``numpy.dtypes.Float64DType`` ...) count as plain data too.
+    Only modules under ``transformers.``, ``numpy`` and ``argparse`` are imported to find out."""
     module_name, _, name = qualified.rpartition(".")
+    if qualified.startswith("numpy."):
+        return _numpy_data(qualified)
     if qualified not in _DATA_ONLY_CLASSES and not module_name.startswith("transformers."):
         return None
     import importlib
@@ -84,6 +92,29 @@ def _data_only_class(qualified: str):
     from transformers import GenerationConfig, PretrainedConfig
 
     return cls if isinstance(cls, type) and issubclass(cls, (PretrainedConfig, GenerationConfig)) else None
+
+
+def _numpy_data(qualified: str):
+    import importlib
+
+    import numpy as np
+
+    module_name, _, name = qualified.rpartition(".")
+    try:
+        found = getattr(importlib.import_module(module_name), name)
+    except (ImportError, AttributeError):
+        return None
+    if qualified in _NUMPY_DATA or (isinstance(found, type) and issubclass(found, np.dtype)):
+        return found
+    return None
+
+
+def _numpy_dtype_classes() -> list:
+    import numpy as np
+
+    import numpy.dtypes
+
+    return [np.dtype] + [c for c in vars(numpy.dtypes).values() if isinstance(c, type) and issubclass(c, np.dtype)]
 
 
 def _trusted() -> bool:
@@ -115,7 +146,12 @@ def safe_torch_load(path: str, map_location=None, weights_only: bool = True):
             f"{', ...' if len(refused) > 5 else ''}), and loading them would run code from the file. smp v1 "
             f"unpickled everything; smp-adapter does so only when told the file is trusted: set {TRUST_ENV}=1 for "
             "the job (smp-adapter launch passes the environment on), or pass weights_only=False to smp.load")
-    with torch.serialization.safe_globals(list(classes.values())):
+    allowed = list(classes.values())
+    if any(name.startswith("numpy.") for name in classes):
+        # a numpy value's dtype is rebuilt through its class (numpy.dtypes.Int64DType ...), which the
+        # file names only once unpickling reaches it: all of them, and numpy.dtype itself
+        allowed += _numpy_dtype_classes()
+    with torch.serialization.safe_globals(allowed):
         return _load(path, map_location, weights_only=True)
 
 

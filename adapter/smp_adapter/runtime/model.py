@@ -64,6 +64,10 @@ class DistributedModel(nn.Module):
             self._distributed_modules = _apply_tensor_parallelism(module, engine.gathered)
         #: the engine that executes this model (runtime/engines); chosen once, here
         self.runtime_engine = create_engine(self, s.dims, {n: before[n] for n in self._distributed_modules})
+        from smp_adapter.runtime.finiteness import check_initial_weights
+
+        check_initial_weights(module)  # once: NaN/inf weights would train on NaN to exit status 0
+        self._first_loss_checked = False
         s.model = self
         from smp_adapter.runtime.transformers_compat import restore_trainer_optimizer_creation
 
@@ -95,7 +99,13 @@ class DistributedModel(nn.Module):
     def backward(self, tensors, grad_tensors=None, retain_graph=None, create_graph=None):
         if retain_graph or create_graph:
             raise SMPUsageError("DistributedModel.backward does not support retain_graph/create_graph (as smp v1)")
-        self.runtime_engine.backward(_scalar_loss(tensors, grad_tensors))
+        loss = _scalar_loss(tensors, grad_tensors)
+        if not self._first_loss_checked:  # once per job: no per-step cost
+            from smp_adapter.runtime.finiteness import check_first_loss
+
+            self._first_loss_checked = True
+            check_first_loss(loss)
+        self.runtime_engine.backward(loss)
 
     # -- parameters ------------------------------------------------------------------------------
     def get_module(self) -> nn.Module:

@@ -50,13 +50,38 @@ def module_init_context(dtype):
     from smp_adapter.runtime.engines.deepspeed.groups import zero_init_context
 
     try:
-        with zero_init_context(dtype):
+        # transformers initialises (from_config) and loads (from_pretrained) ZeRO-3 shards on "rank 0"
+        # while creating; each ZeRO group must do it on its own first rank (see _zero_group_rank_as_rank)
+        with zero_init_context(dtype), _zero_group_rank_as_rank(), _hf_init_deferred_to_wrap_time():
             _announce_zero3_to_transformers(state.engine_config)
             yield
     finally:
         # Only while creating: afterwards a plain HF model built on one rank (e.g. to save a full
         # checkpoint) must not think it is sharded, or its collectives would wait for other ranks.
         state.hf_deepspeed_config = None
+
+
+@contextlib.contextmanager
+def _hf_init_deferred_to_wrap_time():
+    """A Hugging Face class called directly under zero.Init runs ``post_init`` -> ``init_weights`` on
+    empty shards (BERT's embedding init indexes its padding row there: IndexError). While creating,
+    ``PreTrainedModel.init_weights`` does nothing, as transformers' own ZeRO-3 path does; the
+    model's init then runs with gathered shards when DistributedModel wraps it
+    (initialize_hf_weights_if_random). PyTorch's own layer init is left alone: it runs on whole
+    tensors before zero.Init partitions them, and plain nn.Modules rely on it."""
+    import sys
+
+    modeling_utils = sys.modules.get("transformers.modeling_utils")
+    if modeling_utils is None:  # a model class imported inside the block: transformers' own init runs
+        yield
+        return
+    cls = modeling_utils.PreTrainedModel
+    original = cls.__dict__["init_weights"]
+    cls.init_weights = lambda self: None
+    try:
+        yield
+    finally:
+        cls.init_weights = original
 
 
 def _announce_zero3_to_transformers(ds_config: dict) -> None:
@@ -78,11 +103,14 @@ def register_external_parameter(module, parameter) -> None:
 
 
 def initialize_hf_weights_if_random(module) -> None:
-    """A Hugging Face model built from a config under zero.Init got PyTorch's default init (its own
-    ``_init_weights`` ran on empty shards). Re-run the model's init with gathered shards, as
-    transformers does for its own ZeRO-3 path. Models loaded with from_pretrained keep their weights."""
-    config = getattr(module, "config", None)
-    if config is None or not hasattr(module, "_initialize_weights") or getattr(config, "_name_or_path", ""):
+    """A Hugging Face model built under zero.Init outside transformers' own ZeRO-3 path (the class
+    called directly, or ``PreTrainedModel.init_weights`` disabled by the script, as the AWS GPT
+    templates do "because DistributedModel will override those weights") ran its ``_init_weights``
+    on empty shards, or not at all. Run the model's init with gathered shards, as transformers does
+    for its own ZeRO-3 path. transformers marks every module it initialised or loaded
+    (``_is_hf_initialized``) and its init skips those, so weights from ``from_pretrained`` or
+    ``from_config`` are kept; what is left unmarked would otherwise keep uninitialised memory."""
+    if getattr(module, "config", None) is None or not hasattr(module, "_initialize_weights"):
         return
     if not holds_zero3_parameters(module):
         return
@@ -125,7 +153,9 @@ def _zero_group_rank_as_rank():
     broadcasts from the ZeRO group's first rank. With tensor parallelism the ZeRO group is the RDP
     group, and every group but the one holding global rank 0 would broadcast uninitialised memory
     (seen as NaN losses at tp 2 x sdp 2 with delayed init). While it runs, the argument-free
-    ``get_rank()`` answers the rank inside the ZeRO group, so each group's first rank initialises."""
+    ``get_rank()`` answers the rank inside the ZeRO group, so each group's first rank initialises.
+    transformers asks ``deepspeed.comm.get_rank()`` when it initialises and ``torch.distributed.get_rank()``
+    when ``from_pretrained`` loads: both are answered so while a model is created under delayed init."""
     import deepspeed.comm as ds_comm
     import torch.distributed as dist
 
@@ -133,16 +163,19 @@ def _zero_group_rank_as_rank():
     if zero_group is None or dist.get_world_size(zero_group) == state.world_size:
         yield
         return
-    original = ds_comm.get_rank
+    originals = (ds_comm.get_rank, dist.get_rank)
+    in_zero_group = originals[1](group=zero_group)
 
-    def rank_in_zero_group(group=None):  # DeepSpeed's own calls pass group= and keep their answer
-        return dist.get_rank(group=zero_group) if group is None else original(group=group)
+    def answer_for(original):
+        def get_rank(group=None):  # calls naming a group (DeepSpeed's own) keep their answer
+            return in_zero_group if group is None else original(group=group)
+        return get_rank
 
-    ds_comm.get_rank = rank_in_zero_group
+    ds_comm.get_rank, dist.get_rank = (answer_for(f) for f in originals)
     try:
         yield
     finally:
-        ds_comm.get_rank = original
+        ds_comm.get_rank, dist.get_rank = originals
 
 
 def partition_for_zero3(module, dtype) -> None:
