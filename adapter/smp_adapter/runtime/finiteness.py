@@ -21,31 +21,32 @@ _INIT_FIX = ("an initialisation path left it unset or overflowed: build the mode
              "with delayed_parameter_initialization off to see whether delayed initialisation is the cause")
 
 
-def _local_data(tensor: torch.Tensor) -> torch.Tensor | None:
-    """What this rank holds of ``tensor``: a ZeRO-3 parameter's shard, else the tensor; None for
-    tensors without storage here (meta: another pipeline stage's)."""
-    data = getattr(tensor, "ds_tensor", tensor)
+def _local_data(tensor: torch.Tensor, local_data) -> torch.Tensor | None:
+    """What this rank holds of ``tensor`` (``local_data``: the engine's hook, a ZeRO-3 parameter's
+    shard), else the tensor; None for tensors without storage here (meta: another pipeline stage's)."""
+    data = local_data(tensor) if local_data is not None else tensor
     if data is None or data.is_meta or not data.is_floating_point() or data.numel() == 0:
         return None
     return data
 
 
-def first_non_finite_tensor(module: nn.Module) -> str | None:
-    """Name of the first parameter or buffer of ``module`` whose local data holds NaN or inf."""
+def first_non_finite_tensor(module: nn.Module, local_data=None) -> str | None:
+    """Name of the first parameter or buffer of ``module`` whose local data holds NaN or inf
+    (``local_data``: the job engine's ``Engine.local_data``; None reads each tensor whole)."""
     with torch.no_grad():
         for kind, named in (("parameter", module.named_parameters()), ("buffer", module.named_buffers())):
             for name, tensor in named:
-                data = _local_data(tensor)
+                data = _local_data(tensor, local_data)
                 if data is not None and not bool(torch.isfinite(data).all()):
                     return f"{kind} {name}"
     return None
 
 
-def check_initial_weights(module: nn.Module) -> None:
+def check_initial_weights(module: nn.Module, local_data=None) -> None:
     """Raise on every rank when any rank holds a non-finite parameter or buffer."""
     import torch.distributed as dist
 
-    found = first_non_finite_tensor(module)
+    found = first_non_finite_tensor(module, local_data)
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         everyone: list = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, found)

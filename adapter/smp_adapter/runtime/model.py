@@ -66,7 +66,7 @@ class DistributedModel(nn.Module):
         self.runtime_engine = create_engine(self, s.dims, {n: before[n] for n in self._distributed_modules})
         from smp_adapter.runtime.finiteness import check_initial_weights
 
-        check_initial_weights(module)  # once: NaN/inf weights would train on NaN to exit status 0
+        check_initial_weights(module, engine.local_data)  # once: NaN/inf weights would train on NaN to exit status 0
         self._first_loss_checked = False
         s.model = self
         from smp_adapter.runtime.transformers_compat import restore_trainer_optimizer_creation

@@ -60,6 +60,11 @@ class Engine(ABC):
         return False
 
     @classmethod
+    def local_data(cls, tensor):
+        """What this rank holds of a parameter or buffer: the engine's shard where it shards it."""
+        return tensor
+
+    @classmethod
     def holds_shards(cls, module) -> bool:
         return any(cls.is_own_parameter(p) for p in module.parameters())
 

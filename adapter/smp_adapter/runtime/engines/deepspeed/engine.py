@@ -75,6 +75,12 @@ class DeepSpeedEngine(Engine):
         return is_zero3_parameter(param)
 
     @classmethod
+    def local_data(cls, tensor):
+        from smp_adapter.runtime.engines.deepspeed.zero3 import is_zero3_parameter
+
+        return tensor.ds_tensor if is_zero3_parameter(tensor) else tensor
+
+    @classmethod
     def gathered(cls, params, modifier_rank=None):
         from smp_adapter.runtime.engines.deepspeed import zero3
 
