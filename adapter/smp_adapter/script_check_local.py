@@ -45,20 +45,28 @@ def _module_files(base: Path, name: str) -> list[Path]:
     return []
 
 
-def apex_need(script: str | Path, module: str) -> str | None:
-    """Where the script's own module ``module`` (beside ``script``) imports apex unguarded, as
-    ``fp16/fp16.py:9 (amp_C)``; None when it does not, or when no such module is beside the script."""
-    root = Path(script).resolve().parent
-    queue, seen = list(_module_files(root, module)), set()
+def _parsed_files(queue: list[Path]):
+    """(path, syntax tree) of each file in ``queue`` once, breadth first, including the files the
+    caller appends to ``queue`` while reading (a module's own imports); at most ``_MAX_FILES``.
+    Files that cannot be read or parsed are passed over (the script's own run would say why)."""
+    seen: set[Path] = set()
     while queue and len(seen) < _MAX_FILES:
         path = queue.pop(0)
         if path in seen:
             continue
         seen.add(path)
         try:
-            tree = ast.parse(path.read_text(), filename=str(path))
+            yield path, ast.parse(path.read_text(), filename=str(path))
         except (OSError, SyntaxError, ValueError):
             continue
+
+
+def apex_need(script: str | Path, module: str) -> str | None:
+    """Where the script's own module ``module`` (beside ``script``) imports apex unguarded, as
+    ``fp16/fp16.py:9 (amp_C)``; None when it does not, or when no such module is beside the script."""
+    root = Path(script).resolve().parent
+    queue = list(_module_files(root, module))
+    for path, tree in _parsed_files(queue):
         for node in ast.walk(tree):
             if not isinstance(node, (ast.Import, ast.ImportFrom)):
                 continue
@@ -145,16 +153,8 @@ def missing_imports(script: str | Path, skip: tuple[str, ...] = APEX_ROOTS) -> l
 def _missing_in_helpers(root: Path, files: list[Path], skip, cache: dict) -> list[tuple[str, str, bool]]:
     """(module, "file.py:line", conditional) for each unresolvable import in the helper files and
     the helpers they import in turn (breadth first, a few dozen files at most)."""
-    queue, seen, found = list(files), set(), []
-    while queue and len(seen) < _MAX_FILES:
-        path = queue.pop(0)
-        if path in seen:
-            continue
-        seen.add(path)
-        try:
-            tree = ast.parse(path.read_text(), filename=str(path))
-        except (OSError, SyntaxError, ValueError):
-            continue
+    queue, found = list(files), []
+    for path, tree in _parsed_files(queue):
         for node in ast.walk(tree):
             if not isinstance(node, (ast.Import, ast.ImportFrom)) or _guarded(tree, node):
                 continue

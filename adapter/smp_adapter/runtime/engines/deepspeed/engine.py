@@ -26,10 +26,11 @@ import torch
 
 from smp_adapter.errors import SMPCheckpointError, SMPUsageError
 from smp_adapter.runtime.engines.base import Engine, refuse_full_sharded_optimizer_state
+from smp_adapter.runtime.engines.deepspeed.process_group import StartsThroughDeepSpeed
 from smp_adapter.runtime.state import state
 
 
-class DeepSpeedEngine(Engine):
+class DeepSpeedEngine(StartsThroughDeepSpeed, Engine):
     name = "deepspeed"
 
     # -- before the model exists (Engine's class hooks; ZeRO-3 details in zero3.py) ----------------
@@ -38,18 +39,6 @@ class DeepSpeedEngine(Engine):
         from smp_adapter.runtime.engines.deepspeed.config import build_job_config
 
         return build_job_config(dims, backend)
-
-    @classmethod
-    def start_process_group(cls, backend, rank, world_size, timeout, use_cuda) -> None:
-        from smp_adapter.runtime.engines.deepspeed import process_group
-
-        process_group.start(backend, rank, world_size, timeout, use_cuda)
-
-    @classmethod
-    def forget_process_group(cls) -> None:
-        from smp_adapter.runtime.engines.deepspeed import process_group
-
-        process_group.forget_cached_groups()
 
     @classmethod
     def module_init_context(cls, dtype):

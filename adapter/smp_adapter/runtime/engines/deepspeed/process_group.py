@@ -41,3 +41,17 @@ def forget_cached_groups() -> None:
                 value.clear()
             elif not callable(value):
                 setattr(groups, name, None)
+
+
+class StartsThroughDeepSpeed:
+    """The ``Engine`` class hooks of both engines (mixed in before ``Engine``): the process group
+    starts through DeepSpeed's communication layer and DeepSpeed's cached groups are dropped when
+    it ends."""
+
+    @classmethod
+    def start_process_group(cls, backend, rank, world_size, timeout, use_cuda) -> None:
+        start(backend, rank, world_size, timeout, use_cuda)
+
+    @classmethod
+    def forget_process_group(cls) -> None:
+        forget_cached_groups()

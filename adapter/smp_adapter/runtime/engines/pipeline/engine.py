@@ -18,6 +18,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from smp_adapter.runtime.engines.base import Engine, model_dtype, refuse_full_sharded_optimizer_state
+from smp_adapter.runtime.engines.deepspeed.process_group import StartsThroughDeepSpeed
 from smp_adapter.runtime.state import state
 
 
@@ -31,25 +32,13 @@ class ClippingRecord:
     _global_grad_norm = 0.0
 
 
-class PipelineEngine(Engine):
+class PipelineEngine(StartsThroughDeepSpeed, Engine):
     name = "pipeline"
 
     # The process group starts through DeepSpeed's communication layer as at pp = 1 (this engine
     # reuses DeepSpeed's loss scalers and partition solver, deepspeed/parts.py), so a job starts the
     # same whatever its pipeline degree. Sharded data parallel is refused with pp > 1, so no
     # parameter is ever a ZeRO-3 shard here: the other class hooks keep Engine's defaults.
-    @classmethod
-    def start_process_group(cls, backend, rank, world_size, timeout, use_cuda) -> None:
-        from smp_adapter.runtime.engines.deepspeed import process_group
-
-        process_group.start(backend, rank, world_size, timeout, use_cuda)
-
-    @classmethod
-    def forget_process_group(cls) -> None:
-        from smp_adapter.runtime.engines.deepspeed import process_group
-
-        process_group.forget_cached_groups()
-
     def __init__(self, model, tp_originals: dict):
         super().__init__(model, tp_originals)
         from smp_adapter.runtime.engines.pipeline.runtime import PipelineRunner
