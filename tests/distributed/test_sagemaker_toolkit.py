@@ -144,7 +144,10 @@ def test_failures_are_reported_as_sagemaker_reports_them(toolkit, tmp_path):
     reason = (raising / "output/failure").read_text()[:1024]
     # the toolkit names the error after the smp exception class it found in the ranks' output
     # (smdistributed.modelparallel.backend.exceptions / .torch.exceptions list it)
-    assert reason.startswith("UnsupportedFeatureError:\nExitCode 1\n"), reason
+    # ExitCode is what mpirun reports: the status of the first rank Open MPI sees end, the raising
+    # rank (1) or its partner, whose gloo connection drops and which ends with SIGABRT (128 + 6)
+    # when Open MPI notices that one first (seen once in a full-suite run)
+    assert re.match(r"UnsupportedFeatureError:\nExitCode (1|134)\n", reason), reason
     assert "DistributedModel.join (uneven inputs) is not supported" in reason
     assert "No exception classes found in smdistributed.modelparallel" not in proc.stdout
     assert not (raising / "model/model.pt").exists()
