@@ -16,7 +16,7 @@ from typing import Any, Mapping
 from smp_adapter.config.dims import ParallelDims
 from smp_adapter.config.options import SMPConfig
 from smp_adapter.errors import SMPUsageError
-from smp_adapter.runtime import comm_ledger
+from smp_adapter.runtime import comm_ledger, process_exit
 from smp_adapter.runtime.launch_env import LaunchEnv, rendezvous
 from smp_adapter.runtime.state import state
 
@@ -89,37 +89,7 @@ def init(config: Mapping[str, Any] | None = None) -> None:
     state.environ_changes = {k: environ_before.get(k) for k in set(environ_before) | set(os.environ)
                              if environ_before.get(k) != os.environ.get(k)}
     if state.owns_process_group:
-        import atexit
-        import sys
-
-        # Tear the process group down before the interpreter does: leaving gloo's threads to static
-        # destruction sometimes aborted a finished rank ("terminate called without an active
-        # exception") while its peer was still tearing down. Ranks that end normally leave together.
-        previous_hook = sys.excepthook
-
-        def note_failure(*exc_info):
-            state.failed = True
-            previous_hook(*exc_info)
-
-        sys.excepthook = note_failure
-        atexit.register(_destroy_at_exit)
-
-
-EXIT_BARRIER_S = 30.0
-
-
-def _destroy_at_exit() -> None:
-    import torch.distributed as dist
-
-    try:
-        if not (state.owns_process_group and dist.is_initialized()):
-            return
-        if not state.failed and state.world_size > 1 and state.groups.objects is not None:
-            # bounded: a rank that died makes this fail after EXIT_BARRIER_S, never hang
-            dist.monitored_barrier(group=state.groups.objects, timeout=timedelta(seconds=EXIT_BARRIER_S))
-        dist.destroy_process_group()
-    except Exception:  # exiting anyway; never turn a clean exit into a failure
-        pass
+        process_exit.leave_together_at_exit()
 
 
 def _choose_backend(requested: str, use_cuda: bool) -> str:
