@@ -1,0 +1,109 @@
+"""Activation checkpointing, the mechanism behind ``smp.set_activation_checkpointing``
+(runtime/memory.py, spec §2.9), shared by both engines.
+
+* ``checkpoint_forward``: a module's forward (a segment: the module and the followers it runs)
+  is re-run during backward (torch.utils.checkpoint, non-reentrant, which also works under ZeRO-3).
+  With ``offload_activations`` on a GPU the tensors a segment saves go to CPU memory.
+* Pipeline stages (pp > 1) are traced with torch.export, which would inline the checkpoint: the
+  traced stage keeps every activation. Worse, the checkpoint's saved-tensor hook turns grad mode
+  off and on around each saved tensor, export records those switches as grad-mode regions, and a
+  pipeline split marker inside such a region is not seen (the split yields fewer stages). So the
+  stage tracer runs under ``tracing_plain()`` (segments run their plain forward), and
+  ``checkpoint_traced(model, stage)`` then wraps each segment's traced submodule in the stage (the
+  same qualified name) with the same checkpoint.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import nn
+
+from smp_adapter.runtime.state import state
+
+_MARK = "_smp_checkpoint_segment"  # on a segment's leader: its preserve_rng_state
+_plain = [False]  # True while a pipeline stage is being traced
+
+
+def run_checkpointed(fn, preserve_rng_state: bool, *args, **kwargs):
+    offload = state.initialized and state.cfg.offload_activations and torch.cuda.is_available()
+    ctx = torch.autograd.graph.save_on_cpu(pin_memory=True) if offload else contextlib.nullcontext()
+    with ctx:
+        return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False,
+                                                 preserve_rng_state=preserve_rng_state, **kwargs)
+
+
+def checkpoint_forward(module: nn.Module, preserve_rng_state: bool, followers: list[nn.Module]) -> None:
+    """Checkpoint ``module``'s forward; ``followers`` (the next modules of an nn.Sequential group)
+    run inside its segment and their own forward becomes the identity."""
+    if getattr(module, "_smp_checkpointed", False):
+        return
+    original = module.forward
+    # transformers 4.x blocks return a tuple (hidden_states, present, ...) whose first element the
+    # model's loop feeds to the next block: length of the leader's last output, 0 for a tensor
+    out_len = [0]
+
+    def follower_identity(x, *a, **k):
+        return (x,) + (None,) * (out_len[0] - 1) if out_len[0] else x
+
+    for f in followers:  # run inside the leader's segment; their own forward is then the identity
+        f._smp_original_forward = f.forward
+        f.forward = follower_identity
+        f._smp_checkpointed = True
+
+    def segment(*args, **kwargs):
+        out = original(*args, **kwargs)
+        out_len[0] = len(out) if isinstance(out, tuple) else 0
+        # a follower gets the previous output in place of the first argument and the leader's other
+        # arguments: Hugging Face blocks all take (hidden_states, mask, ..., **kwargs) from one loop
+        for f in followers:
+            out = f._smp_original_forward(out[0] if isinstance(out, tuple) else out, *args[1:], **kwargs)
+        return out
+
+    def checkpointed_forward(*args, **kwargs):
+        if _plain[0] or not (torch.is_grad_enabled() and module.training):
+            return segment(*args, **kwargs)
+        return run_checkpointed(segment, preserve_rng_state, *args, **kwargs)
+
+    module.forward = checkpointed_forward
+    module._smp_checkpointed = True
+    setattr(module, _MARK, preserve_rng_state)
+
+
+@contextlib.contextmanager
+def tracing_plain():
+    """Segments run their plain forward (no checkpoint) while a pipeline stage is traced."""
+    previous, _plain[0] = _plain[0], True
+    try:
+        yield
+    finally:
+        _plain[0] = previous
+
+
+def checkpoint_traced(model: nn.Module, stage: nn.Module) -> list[str]:
+    """Wrap the traced submodule of ``stage`` named as each checkpointed segment of ``model`` (a
+    segment cut by a stage boundary is checkpointed in both stages, each part on its own). Returns
+    the names wrapped. Segments the stage runs eagerly (modules put back after tracing, such as
+    split tensor-parallel modules) keep their own checkpoint."""
+    done = []
+    for name, module in model.named_modules():
+        if not name or not hasattr(module, _MARK):
+            continue
+        try:
+            traced = stage.get_submodule(name)
+        except AttributeError:  # not on this stage
+            continue
+        if getattr(traced, "_smp_checkpointed", False):
+            continue
+        original, keep_rng = traced.forward, getattr(module, _MARK)
+
+        def checkpointed_forward(*args, _fn=original, _keep_rng=keep_rng, **kwargs):
+            if not torch.is_grad_enabled():  # the stage's train/eval behaviour was fixed when it was traced
+                return _fn(*args, **kwargs)
+            return run_checkpointed(_fn, _keep_rng, *args, **kwargs)
+
+        traced.forward = checkpointed_forward
+        traced._smp_checkpointed = True
+        done.append(name)
+    return done
