@@ -8,9 +8,10 @@
   traced stage keeps every activation. Worse, the checkpoint's saved-tensor hook turns grad mode
   off and on around each saved tensor, export records those switches as grad-mode regions, and a
   pipeline split marker inside such a region is not seen (the split yields fewer stages). So the
-  stage tracer runs under ``tracing_plain()`` (segments run their plain forward), and
-  ``checkpoint_traced(model, stage)`` then wraps each segment's traced submodule in the stage (the
-  same qualified name) with the same checkpoint.
+  stage tracer runs under ``tracing_plain()`` (every module runs its own plain forward, the
+  members of an nn.Sequential group each on its own), and ``checkpoint_traced(model, stage)`` then
+  wraps each checkpointed module's traced submodule in the stage (the same qualified name) with the
+  same checkpoint: a group's members are checkpointed one by one there.
 """
 
 from __future__ import annotations
@@ -44,13 +45,18 @@ def checkpoint_forward(module: nn.Module, preserve_rng_state: bool, followers: l
     # model's loop feeds to the next block: length of the leader's last output, 0 for a tensor
     out_len = [0]
 
-    def follower_identity(x, *a, **k):
-        return (x,) + (None,) * (out_len[0] - 1) if out_len[0] else x
+    def follower_forward(f):
+        def forward(x, *a, **k):
+            if _plain[0]:  # traced on its own (a module run inside another would not outline)
+                return f._smp_original_forward(x, *a, **k)
+            return (x,) + (None,) * (out_len[0] - 1) if out_len[0] else x
+        return forward
 
     for f in followers:  # run inside the leader's segment; their own forward is then the identity
         f._smp_original_forward = f.forward
-        f.forward = follower_identity
+        f.forward = follower_forward(f)
         f._smp_checkpointed = True
+        setattr(f, _MARK, preserve_rng_state)  # a traced stage checkpoints each member on its own
 
     def segment(*args, **kwargs):
         out = original(*args, **kwargs)
@@ -62,7 +68,9 @@ def checkpoint_forward(module: nn.Module, preserve_rng_state: bool, followers: l
         return out
 
     def checkpointed_forward(*args, **kwargs):
-        if _plain[0] or not (torch.is_grad_enabled() and module.training):
+        if _plain[0]:
+            return original(*args, **kwargs)
+        if not (torch.is_grad_enabled() and module.training):
             return segment(*args, **kwargs)
         return run_checkpointed(segment, preserve_rng_state, *args, **kwargs)
 
