@@ -31,8 +31,7 @@ import torch.distributed as dist
 from torch import nn
 
 from smp_adapter.errors import SMPUsageError, UnsupportedFeatureError
-from smp_adapter.runtime.engines.pipeline import partition as part
-from smp_adapter.runtime.engines.pipeline import surgery
+from smp_adapter.runtime.engines.pipeline import partition as part, surgery
 from smp_adapter.runtime.engines.pipeline.virtual_stages import StageLayout, refuse_skip_connections, skip_self_warmup
 from smp_adapter.runtime.partition import partition_mark
 from smp_adapter.runtime.state import state
@@ -326,6 +325,9 @@ class PipelineRunner:
                 # narrows them again for its matmuls
                 traced = next((p.dtype for p in mine.parameters() if p.is_floating_point()), torch.get_default_dtype())
                 mine.register_forward_hook(surgery.WidenAutocastOutputs(traced))
+        marked = [n for mine in self.stage_modules for n in surgery.checkpoint_marked(module, mine)]
+        if marked:  # set_activation_checkpointing, lost by torch.export, applied again to the stages
+            print(f"Activation checkpointing in the stage(s) of pipeline rank {self.stage_index}: {', '.join(marked)}")
         self.local_params = list({id(p): p for m in self.stage_modules for p in m.parameters()}.values())
         self.local_keys = {k for m in self.stage_modules for k in m.state_dict().keys()}
         self._make_tie_groups(owners)
@@ -482,7 +484,6 @@ class PipelineRunner:
         return {k: v for k, v in sd.items() if k in self.local_keys} if self.built else sd
 
 
-# -- module surgery helpers ----------------------------------------------------------------------
 def clip_grad_norm_pipeline(runner: PipelineRunner, max_norm: float, masters: dict | None = None) -> float:
     """Global-norm clipping over all stages and TP ranks (runtime/clipping.py). A parameter tied
     across stages is counted on the lowest stage holding it. ``masters`` (id(parameter) -> its fp32
