@@ -55,7 +55,8 @@ def check_layout(saved: dict, what: str) -> None:
     if detail:
         raise SMPCheckpointError(
             f"{what} was saved with another parallel layout ({detail}). Partial checkpoints load only into the same "
-            "layout: relaunch with the saved degrees, or save a full checkpoint (partial=False) and load that instead")
+            "layout: relaunch with the saved degrees (and pipeline schedule, for stages), or save a full checkpoint "
+            "(partial=False) and load that instead")
 
 
 def atomic_torch_save(obj, path: str, pickle_protocol: int = 2) -> None:

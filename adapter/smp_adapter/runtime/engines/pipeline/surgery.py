@@ -101,8 +101,8 @@ def checkpoint_marked(module: nn.Module, stage: nn.Module) -> list[str]:
     """torch.export inlines torch.utils.checkpoint: a stage graph holds the plain ops of a module
     marked with smp.set_activation_checkpointing, and its activations would all be kept. Wrap the
     stage's traced submodule of each marked name in checkpoint again (non-reentrant, as at pp = 1).
-    A group strategy's followers ran inside their leader's segment while tracing, so the leader's
-    traced submodule holds the whole group. Returns the names wrapped."""
+    A group strategy's followers are skipped: their ops ran inside the leader's forward while tracing.
+    Returns the names wrapped."""
     from smp_adapter.runtime.activation_checkpoint import checkpoint_forward
 
     wrapped = []
