@@ -22,6 +22,10 @@ Each timed call starts after a barrier; its time is the slowest rank's. Medians 
   ideal      = (m + p - 1) / m x t_s     (fill and drain bubble: p - 1 microbatch slots)
   no overlap = p x t_s                   (stages one after the other)
 
+Also per rank: the measured idle fraction of the smp schedule (the engine's own clock,
+runtime/engines/pipeline/idle_time.py) next to the schedule's predicted bubble fraction, and the peak
+bytes of activations held for backward during the smp step (``SavedActivations``).
+
 Both engines must train the same model: their stage assignments are printed and compared, and the
 per-step losses of the two engines (same weights, same batches, same SGD) are compared.
 
