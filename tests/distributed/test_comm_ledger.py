@@ -80,6 +80,11 @@ def test_ledger_equals_an_independent_count(tmp_path, name):
             assert sum(v[1] for v in ledger.values()) > 0  # every layout moves bytes every step
             for o in record["ops"]:  # one node here (LOCAL_WORLD_SIZE = all ranks)
                 assert o["intra_node"] is True and o["group"] != "other", o
+            if LAYOUTS[name][0].get("pipeline_parallel_degree", 1) > 1:  # the rank's schedule time and its
+                # compute part, for the idle fraction (runtime/engines/pipeline/idle_time.py)
+                timing = record["pipeline"]
+                assert 0 < timing["busy_s"] < timing["wall_s"], timing
+                assert timing["schedule"] == "interleaved" and timing["bubble"] == "(2-1)(F+B)"
 
     if name == "tp2xpp2":
         return  # the conv net has no Hugging Face config for plan to read

@@ -26,9 +26,14 @@ ENGINE_FILES = "engine_files"  # manifest key; false: no engine files, resume fr
 
 
 def layout_record(d) -> dict:
-    """The layout a checkpoint records (``ParallelDims`` -> JSON), compared on resume."""
+    """The layout a checkpoint records (``ParallelDims`` -> JSON), compared on resume. ``stages``: the
+    pipeline rank of each stage the model is cut into ([0, 1] for 1F1B at pp 2; [0, 1, 0, 1] for
+    interleaved_1f1b, [0, 1, 1, 0] for zbv), so a checkpoint saved under another pipeline schedule's
+    stages is read from its layout-independent pieces, as one saved under another pp."""
+    from smp_adapter.config.pipeline_schedule import stage_order
+
     return {"pp": d.pp, "tp": d.tp, "rdp": d.rdp, "sdp": d.sdp, "zero_stage": d.zero_stage,
-            "placement": d.grid.order, "world_size": d.world_size}
+            "placement": d.grid.order, "world_size": d.world_size, "stages": stage_order(d.cfg, d.pp)}
 
 
 def current_layout() -> dict:
@@ -38,7 +43,9 @@ def current_layout() -> dict:
 def layout_difference(saved: dict) -> str | None:
     """'tp: saved 2 vs now 1, ...' when ``saved`` is another parallel layout than this job's, else None."""
     now = current_layout()
-    keys = ("pp", "tp", "rdp", "sdp", "zero_stage", "placement")
+    # checkpoints written before "stages" was recorded had one stage per pipeline rank
+    saved = {"stages": list(range(saved.get("pp") or 1)), **saved}
+    keys = ("pp", "tp", "rdp", "sdp", "zero_stage", "placement", "stages")
     diff = {k: (saved.get(k), now[k]) for k in keys if saved.get(k) != now[k]}
     return ", ".join(f"{k}: saved {a} vs now {b}" for k, (a, b) in diff.items()) if diff else None
 
@@ -48,7 +55,8 @@ def check_layout(saved: dict, what: str) -> None:
     if detail:
         raise SMPCheckpointError(
             f"{what} was saved with another parallel layout ({detail}). Partial checkpoints load only into the same "
-            "layout: relaunch with the saved degrees, or save a full checkpoint (partial=False) and load that instead")
+            "layout: relaunch with the saved degrees (and pipeline schedule, for stages), or save a full checkpoint "
+            "(partial=False) and load that instead")
 
 
 def atomic_torch_save(obj, path: str, pickle_protocol: int = 2) -> None:

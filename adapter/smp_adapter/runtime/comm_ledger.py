@@ -4,6 +4,9 @@ With ``SMP_ADAPTER_COMM_LEDGER=DIR`` (``smp-adapter launch --comm-ledger DIR`` s
 installs this ledger and every rank writes ``DIR/rank<r>.jsonl``: one JSON object per training step,
 ``{"step": i, "ops": [{"group", "ranks", "op", "calls", "bytes", "intra_node"}, ...]}``, and for traffic
 outside steps ``{"step": null, "phase": "init" | "eval" | "checkpoint" | "between_steps", "ops": [...]}``.
+With pipeline parallelism a step record also holds ``"pipeline": {"wall_s", "busy_s", "schedule",
+"bubble"}``: this rank's schedule time, its compute part (runtime/engines/pipeline/idle_time.py) and
+the schedule's bubble formula, from which `smp-adapter report` prints each rank's idle fraction.
 
 How every call is seen: the engines (DeepSpeed's comm layer, Megatron-core, torch's pipelining, smp's
 own code) all call ``torch.distributed.<name>`` by attribute at call time, and torch's own helpers
@@ -89,6 +92,7 @@ class Ledger:
         self.kind_ranks = kind_ranks  # smp group kind -> this rank's group, ascending global ranks
         self.file = open(path, "w")
         self.counts: dict[tuple, list[int]] = {}
+        self.timing: dict | None = None  # the pipeline engine's schedule time in this step (summed over calls)
         self.step = 0
         self.in_step = False
         self.phase = "init"
@@ -165,6 +169,8 @@ class Ledger:
         ops = [{"group": name, "ranks": list(ranks), "op": op, "calls": calls, "bytes": nbytes, "intra_node": intra}
                for (name, ranks, op, intra), (calls, nbytes) in sorted(self.counts.items())]
         record = {"step": self.step, "ops": ops} if self.in_step else {"step": None, "phase": self.phase, "ops": ops}
+        if self.in_step and self.timing is not None:
+            record["pipeline"], self.timing = self.timing, None
         self.file.write(json.dumps(record) + "\n")
         self.file.flush()
         self.counts = {}
@@ -295,6 +301,16 @@ def note_step_call(model) -> None:
         import torch
 
         _active.step_call(torch.is_grad_enabled() and (model is None or getattr(model, "training", True)))
+
+
+def note_step_timing(timing: dict | None) -> None:
+    """The pipeline engine's (wall, compute) seconds of a training step call, recorded with the step."""
+    if _active is not None and timing is not None and _active.in_step:
+        previous = _active.timing
+        if previous is not None:  # gradient accumulation: several step calls per optimizer step
+            timing = {**timing, "wall_s": previous["wall_s"] + timing["wall_s"],
+                      "busy_s": previous["busy_s"] + timing["busy_s"]}
+        _active.timing = timing
 
 
 def note_optimizer_step() -> None:

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from smp_adapter.errors import SMPUsageError
+from smp_adapter.runtime.activation_checkpoint import checkpoint_forward
 from smp_adapter.runtime.state import require_initialized, state
 
 
@@ -101,11 +102,11 @@ def set_activation_checkpointing(module: nn.Module, preserve_rng_state: bool = T
                 # consecutive children of a group are checkpointed as one segment: mark the first
                 # to run the whole group, the others to pass through inside it
                 if index == 0:
-                    _checkpoint_forward(child, preserve_rng_state, group[1:])
+                    checkpoint_forward(child, preserve_rng_state, group[1:])
         return
     if strategy != "each" or pack_args_as_tuple:
         raise SMPUsageError("strategy= and pack_args_as_tuple= apply only to nn.Sequential modules (spec §2.9)")
-    _checkpoint_forward(module, preserve_rng_state, [])
+    checkpoint_forward(module, preserve_rng_state, [])
 
 
 def _sequential_groups(seq: nn.Sequential, strategy: str) -> list[list[nn.Module]]:
@@ -119,44 +120,6 @@ def _sequential_groups(seq: nn.Sequential, strategy: str) -> list[list[nn.Module
         n = int(match.group(1))
         return [children[i:i + n] for i in range(0, len(children), n)]
     raise SMPUsageError(f"activation checkpointing strategy {strategy!r} is not one of 'each', 'contiguous', 'group_N'")
-
-
-def _checkpoint_forward(module: nn.Module, preserve_rng_state: bool, followers: list[nn.Module]) -> None:
-    if getattr(module, "_smp_checkpointed", False):
-        return
-    original = module.forward
-    # transformers 4.x blocks return a tuple (hidden_states, present, ...) whose first element the
-    # model's loop feeds to the next block: length of the leader's last output, 0 for a tensor
-    out_len = [0]
-
-    def follower_identity(x, *a, **k):
-        return (x,) + (None,) * (out_len[0] - 1) if out_len[0] else x
-
-    for f in followers:  # run inside the leader's segment; their own forward is then the identity
-        f._smp_original_forward = f.forward
-        f.forward = follower_identity
-        f._smp_checkpointed = True
-
-    def segment(*args, **kwargs):
-        out = original(*args, **kwargs)
-        out_len[0] = len(out) if isinstance(out, tuple) else 0
-        # a follower gets the previous output in place of the first argument and the leader's other
-        # arguments: Hugging Face blocks all take (hidden_states, mask, ..., **kwargs) from one loop
-        for f in followers:
-            out = f._smp_original_forward(out[0] if isinstance(out, tuple) else out, *args[1:], **kwargs)
-        return out
-
-    def checkpointed_forward(*args, **kwargs):
-        if not (torch.is_grad_enabled() and module.training):
-            return segment(*args, **kwargs)
-        offload = state.initialized and state.cfg.offload_activations and torch.cuda.is_available()
-        ctx = torch.autograd.graph.save_on_cpu(pin_memory=True) if offload else contextlib.nullcontext()
-        with ctx:
-            return torch.utils.checkpoint.checkpoint(segment, *args, use_reentrant=False,
-                                                     preserve_rng_state=preserve_rng_state, **kwargs)
-
-    module.forward = checkpointed_forward
-    module._smp_checkpointed = True
 
 
 def register_parameter(module: nn.Module, parameter: nn.Parameter) -> None:
