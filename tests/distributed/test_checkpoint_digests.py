@@ -179,6 +179,24 @@ def test_resume_of_a_damaged_checkpoint_ends_every_rank_with_the_error(tmp_path,
     assert "OSError" not in logs and "[Errno 22]" not in logs
 
 
+def test_smp_load_of_a_damaged_file_ends_every_rank_with_the_error(tmp_path, init_weights):
+    """Every rank smp.loads the same weights (the fine-tune pattern, partial=False) from a file whose
+    digest record (smp.save's <file>.smp_digest) no longer holds: each rank refuses it, naming it,
+    before any collective (none waits for another), and nothing is written or rewritten."""
+    weights = tmp_path / "init.pt"
+    shutil.copyfile(init_weights, weights)
+    digests.write_sidecar(str(weights))  # as smp.save records it
+    _flip_middle_bit(weights)
+    damaged = weights.read_bytes()
+    with pytest.raises(AssertionError, match="exit codes") as failed:  # a hang fails with "did not finish"
+        _run("dp 2", tmp_path / "run", str(weights), "--steps", 1, "--save-at", 1, "--ckpt-dir", tmp_path / "ckpt",
+             timeout=120)
+    logs = str(failed.value)
+    assert logs.count(f"{tmp_path} is damaged; refusing to load it (1 problem):\n  {weights}: content differs from "
+                      "the save") == 2, logs
+    assert weights.read_bytes() == damaged and not (tmp_path / "ckpt").exists()
+
+
 def test_checkpoint_without_digests_still_loads_with_one_warning(tmp_path, saved, capsys):
     """Saved before digests were recorded: the manifest has no digest fields. It is used unchecked,
     with one warning; `verify` says there is nothing to check it against."""
