@@ -22,6 +22,7 @@ from launch_util import ROOT, run_ranks
 from smp_adapter.cli import main
 from smp_adapter.errors import SMPCheckpointError
 from smp_adapter.runtime import checkpoint_digests as digests
+from smp_adapter.runtime.checkpoint_sidecars import write_sidecar
 
 SDP_EXACT = {"sdp_param_persistence_threshold": 0, "sdp_gradient_clipping": 0.0}
 VIT, TP, PP = (ROOT / f"tests/distributed/scripts/{s}.py" for s in ("train_vit", "train_tp", "train_pp"))
@@ -185,7 +186,7 @@ def test_smp_load_of_a_damaged_file_ends_every_rank_with_the_error(tmp_path, ini
     before any collective (none waits for another), and nothing is written or rewritten."""
     weights = tmp_path / "init.pt"
     shutil.copyfile(init_weights, weights)
-    digests.write_sidecar(str(weights))  # as smp.save records it
+    write_sidecar(str(weights))  # as smp.save records it
     _flip_middle_bit(weights)
     damaged = weights.read_bytes()
     with pytest.raises(AssertionError, match="exit codes") as failed:  # a hang fails with "did not finish"

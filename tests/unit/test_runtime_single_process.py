@@ -192,7 +192,8 @@ def test_full_checkpoint_digests_and_a_deepspeed_file_cut_short_read_unchecked(f
     damaged one, naming it; a partial checkpoint read unchecked (the opt-out) whose DeepSpeed file is
     cut short names that file instead of torch's bare error."""
     from smp_adapter.runtime import checkpoint_digests as digests
-    from smp_adapter.runtime.checkpoint_digests import SIDECAR, SKIP_ENV
+    from smp_adapter.runtime.checkpoint_digests import SKIP_ENV
+    from smp_adapter.runtime.checkpoint_sidecars import SIDECAR
 
     smp.init({})
     model = smp.DistributedModel(_mlp())

@@ -23,7 +23,7 @@ from __future__ import annotations
 import os
 
 from smp_adapter.errors import SMPCheckpointError, SMPUsageError
-from smp_adapter.runtime.checkpoint_digests import check_sidecar, write_sidecar
+from smp_adapter.runtime.checkpoint_sidecars import check_sidecar, write_sidecar
 from smp_adapter.runtime.checkpoint_files import (LAYOUT_MARK, PARTIAL_MARK, atomic_torch_save, check_layout,
                                                   current_layout, safe_torch_load)
 from smp_adapter.runtime.state import require_initialized, state

@@ -23,7 +23,8 @@ place afterwards (the save stays atomic). Check (``start_check`` / ``Check.finis
 file is split among the ranks by size; sizes and the file list are checked before anything is read,
 the digests while the engine reads the same files, and one collective gives every rank the verdict
 before the resume returns, so all ranks raise the same error naming the file (none is left waiting
-in a later collective). ``smp.save`` / full checkpoints: a ``<file>.smp_digest`` record beside each file.
+in a later collective). ``smp.save`` / full checkpoints: a ``<file>.smp_digest`` record beside each
+file (runtime/checkpoint_sidecars.py).
 """
 
 from __future__ import annotations
@@ -383,7 +384,7 @@ def require_intact(folder: Path, action: str) -> dict:
     return manifest
 
 
-def _agree(problems: list, world_size: int) -> list:
+def agree(problems: list, world_size: int) -> list:
     """Every rank's problems, on every rank (collective)."""
     if world_size == 1:
         return problems
@@ -433,7 +434,7 @@ class Check:
 
     def finish(self) -> dict:
         """Collective: every rank returns the manifest, or every rank raises the same error."""
-        problems = _agree(self.local_problems(), self._world)
+        problems = agree(self.local_problems(), self._world)
         if problems:
             raise refusal(self.folder, problems, self._action)
         return self.manifest
@@ -454,7 +455,7 @@ def start_check(folder: Path, action: str, rank: int, world_size: int) -> Check:
             problems = check_sizes(folder, manifest, names) + (extra_files(folder, manifest) if rank == 0 else [])
         except SMPCheckpointError as exc:
             problems = [Problem(MANIFEST, str(exc))]
-    problems = _agree(problems, world_size)
+    problems = agree(problems, world_size)
     if problems:
         raise refusal(folder, problems, action)
     return Check(folder, manifest, names, action, rank, world_size)
@@ -464,54 +465,3 @@ def require_intact_everywhere(folder: Path, action: str, rank: int, world_size: 
     """Collective (every rank calls it): the files split among the ranks, each rank checks its share,
     and the problems are gathered, so all ranks return or all raise the same error."""
     return start_check(folder, action, rank, world_size).finish()
-
-
-# -- smp.save / smp.load: one file, its digest beside it -------------------------------------------
-SIDECAR = ".smp_digest"  # <file>.smp_digest: {"digest_algorithm", "size", "digest"}
-
-
-def write_sidecar(path: str, written: dict | None = None) -> None:
-    """The digest of a file smp.save has just written (``written``: hashed while it was written), beside
-    it (replaced atomically)."""
-    algorithm = default_algorithm()
-    record = {ALGORITHM: algorithm, **(written or digest_file(path, algorithm))}
-    tmp = f"{path}{SIDECAR}.tmp.{os.getpid()}"
-    Path(tmp).write_text(json.dumps(record))
-    os.replace(tmp, f"{path}{SIDECAR}")
-
-
-def sidecar_problems(path) -> list[Problem]:
-    """What is wrong with ``path`` against its ``.smp_digest`` record (none when it has no record:
-    saved by torch.save, or before digests existed)."""
-    sidecar = Path(f"{path}{SIDECAR}")
-    if not sidecar.is_file():
-        return []
-    folder, name = Path(path).parent, Path(path).name
-    try:
-        record = json.loads(sidecar.read_text())
-        manifest = {ALGORITHM: record[ALGORITHM], FILES: {name: {"size": record["size"], "digest": record["digest"]}}}
-    except (ValueError, KeyError, TypeError):
-        return [Problem(sidecar.name, "not a valid digest record: damaged or edited")]
-    try:
-        return check_files(folder, manifest, [name])
-    except SMPCheckpointError as exc:
-        return [Problem(sidecar.name, str(exc))]
-
-
-def check_sidecar(path: str) -> None:
-    """Before smp.load reads ``path``: refuse it when its recorded digest (if any) does not hold. Not
-    collective, as smp.load is not: the rank that refuses raises, and the launcher ends the job."""
-    problems = [] if skipped() else sidecar_problems(path)
-    if problems:
-        raise refusal(Path(path).parent, problems, "load it")
-
-
-def require_sidecars_everywhere(paths, action: str, rank: int, world_size: int) -> None:
-    """Collective, before a full checkpoint (``<path>/<tag>``, ``user_content_<tag>``) is read: the
-    files split among the ranks, each checks its share against the records, one all_gather, and
-    every rank raises the same error or none does."""
-    paths = [str(p) for p in paths]
-    problems = [] if skipped() else [p for path in paths[rank::world_size] for p in sidecar_problems(path)]
-    problems = _agree(problems, world_size)
-    if problems:
-        raise refusal(Path(paths[0]).parent, problems, action)

@@ -14,6 +14,7 @@ import torch
 from smp_adapter.errors import SMPCheckpointError, SMPUsageError
 from smp_adapter.runtime import checkpoint_digests as digests
 from smp_adapter.runtime import checkpoint_files as ckpt
+from smp_adapter.runtime import checkpoint_sidecars as sidecars
 from smp_adapter.runtime import comm_ledger
 from smp_adapter.runtime.state import require_initialized, state
 
@@ -69,7 +70,7 @@ def save_checkpoint(path, tag, partial: bool = True, model=None, optimizer=None,
         if s.rank == 0:  # each file with its digest beside it (<file>.smp_digest), checked on resume
             for obj, file in ((sd, path / tag), (user_content, path / f"user_content_{tag}")):
                 if obj is not None:
-                    digests.write_sidecar(str(file), ckpt.atomic_torch_save(obj, str(file)))
+                    sidecars.write_sidecar(str(file), ckpt.atomic_torch_save(obj, str(file)))
             _write_newest(path, tag)
     _barrier()
 
@@ -139,8 +140,8 @@ def resume_from_checkpoint(path, tag=None, partial: bool = True, strict: bool = 
     if not partial:
         uc = path / f"user_content_{tag}"
         # both files checked before either is read; one collective, so all ranks refuse together
-        recorded = uc.exists() or Path(f"{uc}{digests.SIDECAR}").exists()
-        digests.require_sidecars_everywhere([path / tag, *([uc] if recorded else [])], "resume from it", s.rank,
+        recorded = uc.exists() or Path(f"{uc}{sidecars.SIDECAR}").exists()
+        sidecars.require_sidecars_everywhere([path / tag, *([uc] if recorded else [])], "resume from it", s.rank,
                                             s.world_size)
         sd = ckpt.safe_torch_load(str(path / tag), map_location="cpu")
         if translate_function is not None:
