@@ -17,7 +17,8 @@ import pickle
 import torch
 
 from smp_adapter.errors import SMPCheckpointError
-from smp_adapter.runtime.checkpoint_digests import MANIFEST, note_written  # noqa: F401 - MANIFEST: its one home
+from smp_adapter.runtime import checkpoint_digests as digests
+from smp_adapter.runtime.checkpoint_digests import MANIFEST  # noqa: F401 - its one home
 from smp_adapter.runtime.state import state
 
 PARTIAL_MARK = "_smp_is_partial"
@@ -59,11 +60,13 @@ def check_layout(saved: dict, what: str) -> None:
             "(partial=False) and load that instead")
 
 
-def atomic_torch_save(obj, path: str, pickle_protocol: int = 2) -> None:
+def atomic_torch_save(obj, path: str, pickle_protocol: int = 2) -> dict:
+    """torch.save, hashed as it is written; returns the file's {"size", "digest"} (default algorithm)."""
     tmp = f"{path}.tmp.{os.getpid()}"
-    torch.save(obj, tmp, pickle_protocol=pickle_protocol)
+    record = digests.write_hashed(tmp, lambda f: torch.save(obj, f, pickle_protocol=pickle_protocol))
     os.replace(tmp, path)
-    note_written(path)  # inside a partial checkpoint's save: this rank digests it (checkpoint_digests.py)
+    digests.note_written(path, record)  # inside a partial checkpoint's save: its digest (checkpoint_digests.py)
+    return record
 
 
 # Checkpoints the AWS templates write hold more than tensors: a transformers config in user_content
