@@ -2,7 +2,7 @@
 independent count of the same traffic: this script wraps torch.distributed's functions itself (its
 own table of payload rules, its own wrappers), before smp.init installs the ledger, and counts per
 training step (from the step call to the end of optimizer.step, the ledger's step). It also records
-the peak of live tensor bytes (CPU), measured from torch's storage allocations, for the plan checks.
+the peak of live CPU tensor bytes over the steps after the first (live_tensor_bytes.py), for the plan checks.
 
 Options come from SM_HP_MP_PARAMETERS; the model from --config (a GPT2Config JSON file)."""
 
@@ -162,9 +162,15 @@ def train_step(model, ids):
     return loss
 
 
+from live_tensor_bytes import LiveTensorBytes  # noqa: E402
+
 per_step = []
+memory = LiveTensorBytes()
 model.train()
 for step in range(args.steps):
+    if step == 1:  # steady state: Adam's state and the engines' buffers exist after the first step
+        memory.start()
+        live_between_steps = memory.now
     g = torch.Generator().manual_seed(100 + step)
     if args.model == "net":
         ids = batch("net", step, args.per_rank_batch)
@@ -176,5 +182,7 @@ for step in range(args.steps):
     optimizer.step()
     count.on = False
     per_step.append({op: list(v) for op, v in count.take().items()})
+memory.stop()
 smp.barrier()
-write_result({"per_step": per_step, "rank": smp.rank()})
+write_result({"per_step": per_step, "rank": smp.rank(),
+              "memory": {"peak_live_bytes": memory.peak, "live_between_steps": live_between_steps}})
