@@ -99,3 +99,17 @@ def test_a_70b_config_plans_in_under_5_seconds(tmp_path, capsys):
     assert code == 0, out.err
     assert time.perf_counter() - start < 5
     assert "70,5" in out.out or "70,6" in out.out  # Llama-3-70B: 70.55B parameters
+
+
+@pytest.mark.parametrize("options, buckets", [
+    ({"ddp": True}, 500_000_000 * 4),  # the engine's flat all-reduce buffer: min(5e8, 632M) fp32 elements
+    ({"ddp": True, "shard_optimizer_state": True}, 2 * 500_000_000 * 4),  # ZeRO-1: two fp32 buckets with NCCL's overlap_comm
+    ({"ddp": True, "sharded_data_parallel_degree": 32, "sdp_reduce_bucket_size": 10**8}, 10**8 * 4),  # ZeRO-3: the whole bucket
+])
+def test_deepspeeds_gradient_buffers_are_in_the_memory(options, buckets):
+    dims = ParallelDims.from_config(SMPConfig.from_dict(options), 32)
+    p = costs.plan(model_spec(VIT_002), dims, instance_cluster("ml.g4dn.12xlarge", 8), costs.Job(4, True))
+    assert p.memory["gradient_buckets"] == buckets
+    # ZeRO-0's buffer is made after backward has freed the activations: the peak holds the larger one only
+    overlap = min(p.memory["activations"], buckets) if dims.zero_stage == 0 else 0
+    assert p.peak_bytes == sum(p.memory.values()) - overlap
