@@ -1,6 +1,6 @@
 """plan's communication prediction against the communication ledger of real CPU runs, per layout
 and group (the runs of tests/distributed/test_comm_ledger.py: a tiny GPT-2, Adam, batch 4 per rank),
-plan's memory against the peak of live tensor bytes those runs measured (rank 0, steps 2-3), and
+plan's memory against the peak of live tensor bytes those runs measured (rank 0, step 2), and
 plan's output for seed 002's two layouts. Prints the tables benchmarks/RESULTS.md keeps.
 
     PYTHONPATH=adapter .venv/bin/python benchmarks/plan_accuracy.py [--layouts ddp,zero3,...]
@@ -41,7 +41,7 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as tmp:
             tmp = Path(tmp)
             (tmp / "gpt2.json").write_text(json.dumps(GPT2))
-            extra = ["--checkpoint-activations"] if name in CHECKPOINTED else []
+            extra = ["--checkpoint-activations", "--track-memory"] if name in CHECKPOINTED else ["--track-memory"]
             results = run_ranks(ROOT / "tests/distributed/scripts/ledger_job.py", nprocs, out_dir=tmp,
                       args=["--config", tmp / "gpt2.json", "--steps", STEPS, *extra],
                       env={"SM_HP_MP_PARAMETERS": json.dumps(options), "SMP_ADAPTER_COMM_LEDGER": str(tmp / "ledger")})

@@ -58,10 +58,40 @@ def _field(cfg: dict, *names, default=None):
     return default
 
 
+RECIPE_SUFFIXES = (".yaml", ".yml")
+
+
+def recipe_model(path: Path):
+    """A recipe (recipes/*.yaml) as --model: its ``model_config`` (a Hugging Face config mapping, or a
+    config.json path relative to the recipe), else its ``hyperparameters.model_name_or_path`` when that
+    is a local directory or file. A recipe whose script builds the model from its own arguments names
+    no config plan can read without running the script: that is an error naming the fix."""
+    from smp_adapter.config.distribution import load_mapping
+
+    recipe = load_mapping(path)
+    named = recipe.get("model_config")
+    if named is None:
+        hyper = recipe.get("hyperparameters") if isinstance(recipe.get("hyperparameters"), dict) else {}
+        named = hyper.get("model_name_or_path")
+        if isinstance(named, str) and not (path.parent / named).exists():
+            named = None  # a Hub model name: plan reads no network
+    if isinstance(named, dict):
+        return named
+    if isinstance(named, str):
+        return read_config(path.parent / named)
+    raise_if_any([ConfigProblem("--model", "is a recipe that names no model config plan can read (its script "
+                                "builds the model from its own arguments)",
+                                "add model_config: <a Hugging Face config mapping, or the path of its config.json> to "
+                                "the recipe, set hyperparameters.model_name_or_path to a local model directory, or give "
+                                "--model config.json", str(path))])
+
+
 def read_config(path_or_dict) -> dict:
     if isinstance(path_or_dict, dict):
         return dict(path_or_dict)
     path = Path(path_or_dict)
+    if path.suffix.lower() in RECIPE_SUFFIXES:
+        return dict(recipe_model(path))
     if path.is_dir():
         path = path / "config.json"
     try:
