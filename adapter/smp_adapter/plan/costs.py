@@ -208,14 +208,10 @@ def plan(spec, dims, cluster: Cluster, job: Job) -> Plan:
     mem["fragmentation"] = int(FRAGMENTATION * out.tensor_bytes)
 
     # -- communication per step --------------------------------------------------------------
-    node = cluster.gpus_per_node
-
-    def spans_nodes(stride: int, size: int) -> bool:  # rank 0's group of this kind (groups are alike)
-        return size > 1 and stride * (size - 1) >= node
-
-    strides = _strides(dims)
-    intra = {kind: not spans_nodes(strides[kind], size) for kind, size in
-             (("tp", t), ("pp", p), ("rdp", rdp), ("sdp", sdp if 1 < sdp < rdp else rdp))}
+    groups = rank0_groups(dims)
+    # a group is node-local when its ranks share a node (rank // GPUs per node: the ledger's rule)
+    intra = {kind: len({r // cluster.gpus_per_node for r in ranks}) == 1 for kind, ranks in groups.items()}
+    strides = {kind: ranks[1] - ranks[0] if len(ranks) > 1 else 1 for kind, ranks in groups.items()}
 
     def add(group, op, nbytes, calls, size):
         if size > 1 and nbytes > 0:
@@ -292,15 +288,12 @@ def plan(spec, dims, cluster: Cluster, job: Job) -> Plan:
     return out
 
 
-def _strides(dims) -> dict:
-    """Rank distance between neighbours of each group kind (smp's placement: right-most letter fastest)."""
-    order = dims.grid.order
-    size = {"D": dims.rdp, "P": dims.pp, "T": dims.tp}
-    stride, step = {}, 1
-    for letter in reversed(order):
-        stride[letter] = step
-        step *= size[letter]
-    return {"tp": stride["T"], "pp": stride["P"], "rdp": stride["D"], "sdp": stride["D"]}
+def rank0_groups(dims) -> dict:
+    """Rank 0's group of each kind, from the config layer's placement (the groups smp.init makes);
+    groups of one kind are alike, so rank 0's stand for all. sdp: hpZ's node-local group, else rdp."""
+    grid = dims.grid
+    sdp = grid.sdp_groups(dims.sdp)[0] if 1 < dims.sdp < dims.rdp else grid.rdp_group(0)
+    return {"tp": grid.tp_group(0), "pp": grid.pp_group(0), "rdp": grid.rdp_group(0), "sdp": tuple(sdp)}
 
 
 def collective_seconds(term: CommTerm, cluster: Cluster) -> float:
