@@ -50,6 +50,24 @@ def test_steps_and_phases_become_records(tmp_path):
     assert records[4]["ops"] == []
 
 
+def test_traffic_outside_steps_is_on_disk_without_close(tmp_path):
+    """A rank that ends with os._exit never runs close(): the phase records must already be written."""
+    ledger = _ledger(tmp_path)
+    ledger.add("broadcast", (0, 2), 100)
+    ledger.add("broadcast", (0, 2), 50)
+    assert _records(tmp_path) == [{"step": None, "phase": "init", "ops": [
+        {"group": "rdp", "ranks": [0, 2], "op": "broadcast", "calls": 2, "bytes": 150, "intra_node": True}]}]
+    ledger.step_call(training=True)
+    ledger.add("all_reduce", (0, 2), 40)
+    ledger.optimizer_step_done()
+    ledger.add("barrier", (0, 1, 2, 3, 4, 5, 6, 7), 0)  # the script's last call, then os._exit
+    records = _records(tmp_path)
+    assert [(r["step"], r.get("phase")) for r in records] == [(None, "init"), (0, None), (None, "between_steps")]
+    assert records[2]["ops"][0]["op"] == "barrier" and records[2]["ops"][0]["calls"] == 1
+    ledger.close()  # closing later rewrites the same record, adds nothing
+    assert _records(tmp_path) == records
+
+
 def test_group_names_follow_smp_kinds(tmp_path):
     ledger = _ledger(tmp_path)
     assert ledger._name((0,)) == "self"

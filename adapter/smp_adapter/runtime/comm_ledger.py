@@ -24,6 +24,10 @@ start) up to the end of the next ``DistributedOptimizer.step``, so several step 
 accumulation are one step and the gradient reduction DeepSpeed does in ``step()`` belongs to it. An
 ``@smp.step`` call without gradients (``torch.no_grad()`` or ``model.eval()``) outside a training step
 is phase "eval". Off (the variable unset), nothing is installed: no wrapper, no cost.
+
+Nothing is lost when a rank leaves by ``os._exit`` (no atexit handlers run): a step's record is
+written when the step ends, and the record of traffic outside steps is rewritten in place after
+every call, so the file always holds everything counted up to the last call outside a step.
 """
 
 from __future__ import annotations
@@ -90,7 +94,8 @@ class Ledger:
     def __init__(self, path: Path, rank: int, kind_ranks: dict[str, tuple[int, ...]], node_size: int):
         self.path, self.rank, self.node_size = path, rank, max(1, node_size)
         self.kind_ranks = kind_ranks  # smp group kind -> this rank's group, ascending global ranks
-        self.file = open(path, "w")
+        self.file = open(path, "wb")
+        self.record_start = 0  # file offset of the record still being counted (rewritten in place)
         self.counts: dict[tuple, list[int]] = {}
         self.timing: dict | None = None  # the pipeline engine's schedule time in this step (summed over calls)
         self.step = 0
@@ -140,6 +145,11 @@ class Ledger:
         else:
             entry[0] += 1
             entry[1] += nbytes
+        if not self.in_step:
+            # outside steps the record is on disk after every call: a rank that leaves by os._exit
+            # (no atexit, as forked workers and some launchers do) loses none of its phase traffic.
+            # In a step only the step's end writes (the hot path pays nothing).
+            self._write(final=False)
 
     def record_call(self, fname: str, bound: dict) -> None:
         op, argument = PAYLOAD_ARGUMENT[fname]
@@ -166,14 +176,24 @@ class Ledger:
         """Write what was counted as one record (a step's record even when it moved nothing)."""
         if not self.counts and not self.in_step:
             return
+        self._write(final=True)
+        self.counts = {}
+
+    def _write(self, final: bool) -> None:
+        """(Re)write the current record at record_start; a final one is followed by the next record."""
         ops = [{"group": name, "ranks": list(ranks), "op": op, "calls": calls, "bytes": nbytes, "intra_node": intra}
                for (name, ranks, op, intra), (calls, nbytes) in sorted(self.counts.items())]
         record = {"step": self.step, "ops": ops} if self.in_step else {"step": None, "phase": self.phase, "ops": ops}
         if self.in_step and self.timing is not None:
-            record["pipeline"], self.timing = self.timing, None
-        self.file.write(json.dumps(record) + "\n")
-        self.file.flush()
-        self.counts = {}
+            record["pipeline"] = self.timing
+        self.file.seek(self.record_start)
+        self.file.write((json.dumps(record) + "\n").encode())
+        self.file.truncate()
+        self.file.flush()  # to the kernel: survives os._exit
+        if final:
+            self.record_start = self.file.tell()
+            if self.in_step:
+                self.timing = None  # the step's schedule time went into its record
 
     def step_call(self, training: bool) -> None:
         if self.in_step:
