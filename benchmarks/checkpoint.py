@@ -119,13 +119,20 @@ def resume_worker(args) -> None:
 
 # -- digests (runtime/checkpoint_digests.py): save and resume with and without them, alternating -----
 def _digests_at_save(on: bool) -> None:
-    """Off: the save records no digests (what it wrote before they existed); the gather that replaces
-    the barrier still runs, with nothing in it."""
+    """Off: the save writes and records as before digests existed: torch.save to the path (not through
+    the hashing file object), nothing digested afterwards; the gather that replaces the barrier still
+    runs, with nothing in it."""
     from smp_adapter.runtime import checkpoint_digests as digests
 
     if not hasattr(digests, "_bench_originals"):
-        digests._bench_originals = (digests.digest_written, digests.complete)
-    written, complete = digests._bench_originals
+        digests._bench_originals = (digests.write_hashed, digests.digest_written, digests.complete)
+    hashed, written, complete = digests._bench_originals
+
+    def unhashed(path, write, algorithm=None):
+        write(str(path))  # torch.save(obj, path) / DeepSpeed's checkpoint engine given the path, as before
+        return None
+
+    digests.write_hashed = hashed if on else unhashed
     digests.digest_written = written if on else (lambda *a: {})
     digests.complete = complete if on else (lambda *a: {})
 
@@ -155,9 +162,9 @@ def digest_save_worker(args) -> None:
 
     _digests_at_save(True)
     spent = [0.0]
-    for name in ("digest_written", "complete"):
-        _timed(digests, name, spent)
-    digests._bench_originals = (digests.digest_written, digests.complete)
+    for name in ("digest_written", "complete"):  # what is hashed after the writes (the hashing while writing is
+        _timed(digests, name, spent)             # in the save's time only)
+    digests._bench_originals = (digests.write_hashed, digests.digest_written, digests.complete)
     times, work = {"off": [], "on": []}, []
     for i in range(args.repeats):
         for mode in ("off", "on") if i % 2 == 0 else ("on", "off"):
@@ -180,7 +187,9 @@ def digest_resume_worker(args) -> None:
 
     smp, model, optimizer, _ = _job(json.loads(args.options), _size(args))
     spent, work = [0.0], []
-    _timed(checkpoint_dirs.digests, "check_files", spent)  # the reading and hashing of a rank's share
+    # the main thread's time in the check: the size pass, and waiting for the hashing thread at the end
+    _timed(checkpoint_dirs.digests, "start_check", spent)
+    _timed(checkpoint_dirs.digests.Check, "finish", spent)
     smp.resume_from_checkpoint(args.ckpt, tag="don")
     files = [p for p in (Path(args.ckpt) / "don_partial").rglob("*") if p.is_file()]
     times = {"off": [], "on": []}

@@ -22,6 +22,10 @@ Each timed call starts after a barrier; its time is the slowest rank's. Medians 
   ideal      = (m + p - 1) / m x t_s     (fill and drain bubble: p - 1 microbatch slots)
   no overlap = p x t_s                   (stages one after the other)
 
+Also per rank: the measured idle fraction of the smp schedule (the engine's own clock,
+runtime/engines/pipeline/idle_time.py) next to the schedule's predicted bubble fraction, and the peak
+bytes of activations held for backward during the smp step (``SavedActivations``).
+
 Both engines must train the same model: their stage assignments are printed and compared, and the
 per-step losses of the two engines (same weights, same batches, same SGD) are compared.
 
@@ -134,11 +138,14 @@ def worker(args) -> None:
     losses = {"smp": [], "deepspeed": []}
     counter = {"smp": 0, "deepspeed": 0}
 
+    held = SavedActivations()
+
     def smp_step():
         data, target = batches[counter["smp"] % len(batches)]
         counter["smp"] += 1
         optimizer.zero_grad()
-        losses["smp"].append(float(train_step(model, data, target).reduce_mean()))
+        with held:
+            losses["smp"].append(float(train_step(model, data, target).reduce_mean()))
         optimizer.step()
 
     def deepspeed_step():
@@ -184,9 +191,57 @@ def worker(args) -> None:
         order = ENGINES[i % 3:] + ENGINES[:i % 3]
         for name in order:
             times[name].append(timed(fns[name]))
-    write_result({"times": times, "losses": losses, "smp_stage": mine,
+    # this rank's compute and schedule time of the measured smp steps (the engine's clock, idle_time.py)
+    clock = model.runtime_engine.runner.clock.steps[-args.steps:]
+    write_result({"times": times, "losses": losses, "smp_stage": mine, "peak_held_bytes": held.peak,
+                  "idle": [1 - busy / wall for wall, busy in clock],
                   "deepspeed_parts": [int(x) for x in ds_module.parts], "pp_rank": smp.pp_rank()})
     smp.barrier()
+
+
+class SavedActivations:
+    """Peak bytes of the tensors the autograd graphs of this rank hold for backward (activations;
+    parameters left out) during the smp steps: what a schedule's microbatches in flight cost in
+    memory. CPU has no allocator statistics, so the saved tensors are counted as the graph saves
+    them (saved_tensors_hooks) and released when the graph frees them."""
+
+    def __init__(self):
+        import torch
+
+        self.live = self.peak = 0
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda held: held.tensor)
+
+    def _pack(self, t):
+        if t.is_leaf and t.requires_grad:  # a parameter, held by the model anyway
+            return _Held(t, 0, self)
+        n = t.numel() * t.element_size()
+        self.live += n
+        self.peak = max(self.peak, self.live)
+        return _Held(t, n, self)
+
+    def __enter__(self):
+        self._hooks.__enter__()
+
+    def __exit__(self, *exc):
+        self._hooks.__exit__(*exc)
+
+
+class _Held:
+    __slots__ = ("tensor", "nbytes", "owner")
+
+    def __init__(self, tensor, nbytes, owner):
+        self.tensor, self.nbytes, self.owner = tensor, nbytes, owner
+
+    def __del__(self):
+        self.owner.live -= self.nbytes
+
+
+def predicted_idle(schedule: str, p: int, m: int, v: int, w: float) -> float:
+    """The schedule's bubble as a fraction of its step, in units of one stage's F + B per microbatch
+    (B: the whole backward; w = W / (F + B), the weight-gradient share): bubble b, step m + b."""
+    b = {"interleaved": p - 1, "simple": p - 1, "interleaved_1f1b": (p - 1) / v, "zero_bubble": (p - 1) * (1 - 2 * w) / v,
+         "zbv": (p - 1) * (1 - 2 * w) / 2, "dualpipev": max(0.0, (p - 1) * (1 - 3 * w) / 2)}[schedule]
+    return b / (m + b)
 
 
 def _linear_names(parts: list[int], stage: int, layers: int) -> list[str]:
@@ -218,6 +273,10 @@ def run_case(pp: int, m: int, args, out_root: Path) -> dict:
                 s / d for s, d in zip(r0["times"]["smp"], r0["times"]["deepspeed"])),
             "same_partition": smp_parts == ds_parts, "smp_parts": smp_parts, "deepspeed_parts": ds_parts,
             "loss_max_rel_diff": loss_diff, "losses_compared": n, "first_loss": a[0], "last_loss": a[n - 1],
+            "idle": [statistics.median(r["idle"]) for r in sorted(results, key=lambda r: r["pp_rank"])],
+            "predicted_idle": predicted_idle(args.schedule, pp, m, {"interleaved_1f1b": 2, "zbv": 2, "dualpipev": 2}.get(
+                args.schedule, 1), 1 / 3),
+            "peak_held_mib": [r["peak_held_bytes"] / 2**20 for r in sorted(results, key=lambda r: r["pp_rank"])],
             "times": r0["times"]}
 
 
@@ -265,6 +324,13 @@ def main() -> int:
                   f"| {med['smp'] * 1e3:.1f} | {f['smp_over_ideal']:.2f} | {med['deepspeed'] * 1e3:.1f} "
                   f"| {f['deepspeed_over_ideal']:.2f} | {f['smp_over_deepspeed']:.2f} "
                   f"({f['smp_over_deepspeed_paired']:.2f}) | {f['loss_max_rel_diff']:.1e} |", flush=True)
+    print()
+    print("| pp | m | idle per rank (measured, median) | predicted idle (F:B:W = 1:2:1) | peak held activations "
+          "per rank (MiB) |")
+    print("| --- " * 5 + "|")
+    for f in figures:
+        print(f"| {f['pp']} | {f['microbatches']} | {', '.join(f'{x:.1%}' for x in f['idle'])} | "
+              f"{f['predicted_idle']:.1%} | {', '.join(f'{x:.1f}' for x in f['peak_held_mib'])} |")
     print()
     for f in figures:
         same = "same stages" if f["same_partition"] else "DIFFERENT stages"

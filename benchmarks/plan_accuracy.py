@@ -1,6 +1,7 @@
 """plan's communication prediction against the communication ledger of real CPU runs, per layout
 and group (the runs of tests/distributed/test_comm_ledger.py: a tiny GPT-2, Adam, batch 4 per rank),
-and plan's output for seed 002's two layouts. Prints the tables benchmarks/RESULTS.md keeps.
+plan's memory against the peak of live tensor bytes those runs measured (rank 0, step 2), and
+plan's output for seed 002's two layouts. Prints the tables benchmarks/RESULTS.md keeps.
 
     PYTHONPATH=adapter .venv/bin/python benchmarks/plan_accuracy.py [--layouts ddp,zero3,...]
 """
@@ -34,13 +35,14 @@ def main() -> None:
     args = parser.parse_args()
     spec = model_spec(dict(GPT2, model_type="gpt2"))
     print(f"{'layout':<10}{'group':<7}{'ledger B/step':>15}{'plan B/step':>13}{'error':>9}")
+    memory_rows = []
     for name in args.layouts.split(","):
         options, nprocs = LAYOUTS[name]
         with tempfile.TemporaryDirectory() as tmp:
             tmp = Path(tmp)
             (tmp / "gpt2.json").write_text(json.dumps(GPT2))
-            extra = ["--checkpoint-activations"] if name in CHECKPOINTED else []
-            run_ranks(ROOT / "tests/distributed/scripts/ledger_job.py", nprocs, out_dir=tmp,
+            extra = ["--checkpoint-activations", "--track-memory"] if name in CHECKPOINTED else ["--track-memory"]
+            results = run_ranks(ROOT / "tests/distributed/scripts/ledger_job.py", nprocs, out_dir=tmp,
                       args=["--config", tmp / "gpt2.json", "--steps", STEPS, *extra],
                       env={"SM_HP_MP_PARAMETERS": json.dumps(options), "SMP_ADAPTER_COMM_LEDGER": str(tmp / "ledger")})
             records = [json.loads(line) for line in (tmp / "ledger" / "rank0.jsonl").read_text().splitlines()]
@@ -49,6 +51,13 @@ def main() -> None:
         for group, (measured, predicted, error) in compare(ledger_bytes_per_group(records),
                                                            plan_bytes_per_group(planned)).items():
             print(f"{name:<10}{group:<7}{measured:15.0f}{predicted:13.0f}{error:+9.1%}", flush=True)
+        peak = next(r["memory"]["peak_live_bytes"] for r in results if r["rank"] == 0)
+        bucket = planned.memory.get("gradient_buckets", 0) if planned.overlap == 0 else 0
+        memory_rows.append((name + (" +AC" if name in CHECKPOINTED else ""), peak, planned.tensor_bytes, bucket))
+    print(f"\n{'layout':<12}{'measured peak B':>17}{'plan B':>14}{'error':>9}{'error without the reduce bucket':>33}")
+    for name, peak, predicted, bucket in memory_rows:
+        print(f"{name:<12}{peak:17d}{predicted:14d}{(predicted - peak) / peak:+9.1%}"
+              f"{(predicted - peak) / (peak - bucket):+33.1%}")
     print("\nseed 002 (ViT 632M, batch 4, every layer checkpointed, Adam, fp32) on 8 x ml.g4dn.12xlarge:")
     cluster = instance_cluster("ml.g4dn.12xlarge", 8)
     times = {}

@@ -13,16 +13,27 @@
 # --matrix: only the support matrix: for each constraints/*.txt (the other points of the README's
 #   "Supported versions" table), an environment made by `scripts/setup.sh FILE` (cached outside the
 #   clone) runs the unit tier and the tests of the code that depends on those versions most: the
-#   Hugging Face tensor-parallel mapping, sharded data parallel over Hugging Face layers and the
-#   AWS-template-style GPT scripts ($MATRIX_TESTS).
+#   Hugging Face tensor-parallel mapping, sharded data parallel and delayed init over Hugging Face
+#   layers in the AWS-template-style GPT script ($MATRIX_TESTS).
 # With other arguments, one pytest run over them in .venv (e.g. a single file while developing).
 # Every part prints the versions it ran with.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export DS_ACCELERATOR=cpu OMP_NUM_THREADS=1
 PYTEST_ARGS=(-m pytest -q -p no:cacheprovider --durations=15)
-MATRIX_TESTS=(tests/distributed/test_tensor_parallel.py tests/distributed/test_tp_runtime.py
-              tests/distributed/test_aws_style_gpt.py)
+# The matrix's distributed tests: the code that reads transformers' models and Megatron-core's layers
+# (the TP mapping of each Hugging Face family, TP x DP reload through from_pretrained, ZeRO-3 and
+# delayed init over each family's layers in the AWS-template style). Pipeline, resume and clipping
+# tests do not depend on those versions and run in the default stack only.
+D=tests/distributed
+MATRIX_TESTS=($D/test_tensor_parallel.py::test_gpt2_and_llama_tp2 $D/test_tensor_parallel.py::test_other_hf_families_tp2
+              $D/test_tp_runtime.py::test_gpt2_tp2_dp2_matches_and_reloads_with_from_pretrained
+              $D/test_aws_style_gpt.py::test_gpt2_sharded_data_parallel_hf_layers
+              $D/test_aws_style_gpt.py::test_falcon_sharded_data_parallel
+              $D/test_aws_style_gpt.py::test_flan_t5_sharded_data_parallel_checkpointing
+              $D/test_aws_style_gpt.py::test_gpt2_distributed_transformer_tp2_sdp2_checkpointing
+              $D/test_aws_style_gpt.py::test_gptj_tp2_sdp2_delayed_init
+              $D/test_aws_style_gpt.py::test_gpt_neox_sdp_delayed_init_bf16_sublayer_checkpointing)
 
 check() {  # pytest exits 5 when it collected no tests: a failure here
   if [ "$1" -eq 5 ]; then

@@ -71,8 +71,29 @@ def ledger_table(directory: Path) -> str:
              f"{'group':<8}{'link':<12}{'op':<16}{'calls/step':>12}{'MB/step':>14}"]
     for (group, link, op), (calls, nbytes) in sorted(s["per_step"].items()):
         lines.append(f"{group:<8}{link:<12}{op:<16}{calls:12.1f}{nbytes / 1e6:14.3f}")
+    lines += pipeline_idle_lines(read_ledger(directory))
     if s["phases"]:
         lines.append(f"{'phase':<14}{'group':<8}{'link':<12}{'calls':>10}{'MB':>14}   (outside training steps)")
         for (phase, group, link), (calls, nbytes) in sorted(s["phases"].items()):
             lines.append(f"{phase:<14}{group:<8}{link:<12}{calls:10d}{nbytes / 1e6:14.3f}")
     return "\n".join(lines)
+
+
+def pipeline_idle_lines(records: dict[int, list[dict]]) -> list[str]:
+    """Each rank's measured pipeline idle fraction, 1 - compute / schedule time summed over its steps
+    (the first left out when there are more, as in ``summarise``), next to the bubble formula."""
+    lines = []
+    for rank, rows in sorted(records.items()):
+        timed = [r["pipeline"] for r in rows if r.get("step") is not None and isinstance(r.get("pipeline"), dict)]
+        timed = timed[1:] or timed
+        wall = sum(t.get("wall_s", 0.0) for t in timed)
+        if not timed or wall <= 0:
+            continue
+        busy = sum(t.get("busy_s", 0.0) for t in timed)
+        if not lines:
+            lines.append(f"pipeline idle per rank ({timed[-1].get('schedule', '?')}, bubble {timed[-1].get('bubble', '?')};"
+                         " F, B, W: a stage's forward, backward, weight-gradient time per microbatch)")
+            lines.append(f"{'rank':<6}{'steps':>6}{'schedule ms/step':>18}{'compute ms/step':>17}{'idle':>8}")
+        lines.append(f"{rank:<6}{len(timed):>6}{wall / len(timed) * 1e3:18.1f}{busy / len(timed) * 1e3:17.1f}"
+                     f"{max(0.0, 1 - busy / wall):8.1%}")
+    return lines

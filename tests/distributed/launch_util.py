@@ -3,11 +3,14 @@ LOCAL_RANK, MASTER_ADDR/PORT, gloo), with a hard timeout so a hang fails the tes
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import select
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -33,9 +36,9 @@ def run_ranks(script: str | Path, nprocs: int, args=(), env: dict | None = None,
     """Start ``nprocs`` ranks of ``script``; return each rank's JSON result (written by the script to
     $SMP_TEST_OUT/rank<R>.json). Raises AssertionError with every rank's output on failure.
 
-    The ranks are forked from one process that has imported the heavy libraries (rank_zygote.py:
-    on two cores that saves each rank 5-8 s of imports); each gets the environment a launcher
-    would give it and runs the script as ``__main__``."""
+    The ranks are forked from a job server that has imported the heavy libraries once for this
+    test process (rank_zygote.py: on two cores that saves each job 5 s of imports and each rank
+    more); each gets the environment a launcher would give it and runs the script as ``__main__``."""
     port = free_port()
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -49,22 +52,95 @@ def run_ranks(script: str | Path, nprocs: int, args=(), env: dict | None = None,
     job = out_dir / "zygote_job.json"
     job.write_text(json.dumps({"script": str(Path(script).resolve()), "args": [str(a) for a in args],
                                "cwd": str(out_dir), "ranks": ranks}))
-    zygote = subprocess.Popen([sys.executable, str(Path(__file__).with_name("rank_zygote.py")), str(job)],
-                              env=ranks[0]["env"], cwd=str(out_dir), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True, start_new_session=True)
-    try:
-        out, err = zygote.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(zygote.pid, 9)  # the zygote and every rank it forked
-        zygote.communicate()
+    server = _zygote_server(ranks[0]["env"])
+    reply = server.run(job, timeout)
+    if reply is None:
         raise AssertionError(f"ranks did not finish in {timeout}s:\n" + _logs(out_dir, nprocs))
     try:
-        codes = json.loads(out.strip().splitlines()[-1])["codes"]
-    except (IndexError, ValueError, KeyError):
-        raise AssertionError(f"the rank starter failed: {out[-2000:]}{err[-3000:]}\n" + _logs(out_dir, nprocs))
+        codes = json.loads(reply)["codes"]
+    except (TypeError, ValueError, KeyError):
+        starter = Path(f"{job}.out")
+        out = starter.read_text() if starter.exists() else ""
+        raise AssertionError(f"the rank starter failed: {out[-3000:]}\n" + _logs(out_dir, nprocs))
     if any(codes):
         raise AssertionError(f"exit codes {codes}:\n" + _logs(out_dir, nprocs))
     return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(nprocs)]
+
+
+# Variables that differ from job to job but are read only after the fork (by the rank's script,
+# smp-adapter's SMP_* settings, SageMaker's SM_* ones), never by the imports the server made (torch,
+# DeepSpeed, transformers, Megatron-core): jobs differing only in these share a server.
+_PER_JOB = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "PYTEST_CURRENT_TEST")
+_PER_JOB_PREFIXES = ("SMP_", "SM_")
+_servers: dict = {}
+_MAX_SERVERS = 2  # each holds the imported libraries (~0.5 GB); an evicted one is simply started again
+
+
+class _ZygoteServer:
+    """One `rank_zygote.py --serve` process: imports done once, a job forked per request."""
+
+    def __init__(self, env: dict):
+        self.proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("rank_zygote.py")), "--serve"],
+                                     env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0,
+                                     start_new_session=True)
+        self.pending = b""  # read from the server, not yet returned as a line
+
+    def run(self, job: Path, timeout: float) -> str | None:
+        """The job's "codes" reply, or None if it ran past ``timeout`` (then its processes are killed)."""
+        deadline = time.monotonic() + timeout
+        self.proc.stdin.write(f"{job}\n".encode())
+        started = self._line(deadline)
+        if started is None or not started.startswith("started "):
+            self.close()
+            return None
+        pid = int(started.split()[1])
+        ended = self._line(deadline)
+        if ended is None:
+            try:
+                os.killpg(pid, 9)  # the job process and every rank it forked
+            except ProcessLookupError:
+                pass
+            self._line(time.monotonic() + 30)  # the server reaps it and answers
+            return None
+        return ended[len("ended "):]
+
+    def _line(self, deadline: float) -> str | None:
+        """The server's next line (unbuffered reads: select must see what is not yet read)."""
+        fd = self.proc.stdout.fileno()
+        while b"\n" not in self.pending:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not select.select([fd], [], [], remaining)[0]:
+                return None
+            chunk = os.read(fd, 65536)
+            if not chunk:  # the server died
+                return None
+            self.pending += chunk
+        line, self.pending = self.pending.split(b"\n", 1)
+        return line.decode().strip() or None
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def close(self) -> None:
+        try:
+            self.proc.stdin.close()
+            self.proc.wait(timeout=10)
+        except Exception:  # noqa: BLE001 - a server that will not end is killed
+            os.killpg(self.proc.pid, 9)
+
+
+def _zygote_server(env: dict) -> _ZygoteServer:
+    key = tuple(sorted((k, v) for k, v in env.items() if k not in _PER_JOB and not k.startswith(_PER_JOB_PREFIXES)))
+    server = _servers.pop(key, None)
+    if server is None or not server.alive():
+        server = _ZygoteServer(env)
+    _servers[key] = server  # most recently used last
+    while len(_servers) > _MAX_SERVERS:
+        _servers.pop(next(iter(_servers))).close()
+    return server
+
+
+atexit.register(lambda: [server.close() for server in _servers.values()])
 
 
 def _logs(out_dir: Path, nprocs: int) -> str:

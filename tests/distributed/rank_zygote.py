@@ -9,8 +9,20 @@ the fork, with the rank's own environment. Used by launch_util.run_ranks only: t
 users run (`smp-adapter launch`, torchrun, mpirun, the deepspeed launcher) are tested separately,
 with fresh processes.
 
-Usage: python rank_zygote.py JOB_JSON, where JOB_JSON holds {"script", "args", "cwd", "ranks": [{"env",
-"log"}, ...]}. Exits with 0 if every rank did, else 1; writes {"codes": [...]} to stdout.
+A JOB_JSON file holds {"script", "args", "cwd", "ranks": [{"env", "log"}, ...]}. Two ways to use it:
+
+  python rank_zygote.py JOB_JSON   one job: exits with 0 if every rank did, else 1; writes
+                                   {"codes": [...]} to stdout.
+  python rank_zygote.py --serve    a job server, kept by launch_util for a pytest process's jobs: the
+                                   imports are paid once per test process instead of once per job
+                                   (5 s of CPU each; the distributed tier starts ~150 jobs). It reads
+                                   one JOB_JSON path per line on stdin; for each it forks a job process
+                                   (its own session, so a timed-out job can be killed whole) that does
+                                   what the one-job form does, and answers "started PID" and then
+                                   "ended {"codes": [...]}" (or "ended null" when the job process
+                                   itself died) on stdout. It ends when stdin closes. The server
+                                   never runs anything itself, so every job forks from the same
+                                   freshly-imported state, as the one-job form does.
 """
 
 import json
@@ -57,9 +69,7 @@ def _run_rank(job: dict, rank: dict) -> int:
         return 1
 
 
-def main() -> int:
-    job = json.loads(open(sys.argv[1]).read())
-    _preload()
+def _run_job(job: dict) -> list[int]:
     pids = []
     for rank in job["ranks"]:
         pid = os.fork()
@@ -78,6 +88,55 @@ def main() -> int:
     for pid in pids:
         _, status = os.waitpid(pid, 0)
         codes.append(os.waitstatus_to_exitcode(status))
+    return codes
+
+
+def _serve() -> int:
+    _preload()
+    while True:
+        line = sys.stdin.readline()
+        if not line:  # the test process ended
+            return 0
+        job_path = line.strip()
+        if not job_path:
+            continue
+        result_path = job_path + ".codes"
+        pid = os.fork()
+        if pid == 0:  # the job process
+            os.setsid()
+            try:
+                devnull = os.open(os.devnull, os.O_RDONLY)
+                os.dup2(devnull, 0)
+                fd = os.open(job_path + ".out", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+                os.dup2(fd, 1)
+                os.dup2(fd, 2)
+                codes = _run_job(json.loads(open(job_path).read()))
+                with open(result_path, "w") as f:
+                    f.write(json.dumps({"codes": codes}))
+            except BaseException:  # noqa: BLE001 - reported by the client as a starter failure
+                traceback.print_exc()
+            finally:
+                try:
+                    sys.stdout.flush()
+                    sys.stderr.flush()
+                finally:
+                    os._exit(0)
+        print(f"started {pid}", flush=True)
+        os.waitpid(pid, 0)
+        try:
+            with open(result_path) as f:
+                result = f.read()
+        except OSError:
+            result = "null"
+        print(f"ended {result}", flush=True)
+
+
+def main() -> int:
+    if sys.argv[1:] == ["--serve"]:
+        return _serve()
+    job = json.loads(open(sys.argv[1]).read())
+    _preload()
+    codes = _run_job(job)
     print(json.dumps({"codes": codes}), flush=True)
     return 0 if not any(codes) else 1
 

@@ -130,8 +130,8 @@ def test_gpt_simple_style_pp2_tp2_dp2_shard_optimizer_state_manual_partition(tmp
     assert abs(results["grad_norm"] - gpt_reference.last_grad_norm) <= RTOL * gpt_reference.last_grad_norm
     assert "transformer.ln_f -> 1" in output
     # each stage's traced layers are checkpointed again (torch.export would inline the checkpoint)
-    assert "Activation checkpointing in stage 0: transformer.h.0, transformer.h.1" in output
-    assert "Activation checkpointing in stage 1: transformer.h.2, transformer.h.3" in output
+    assert "Activation checkpointing in the stage(s) of pipeline rank 0: transformer.h.0, transformer.h.1" in output
+    assert "Activation checkpointing in the stage(s) of pipeline rank 1: transformer.h.2, transformer.h.3" in output
 
 
 def test_gpt_simple_style_pp2_tp2_fp16_auto_partition(tmp_path):

@@ -22,6 +22,7 @@ from launch_util import ROOT, run_ranks
 from smp_adapter.cli import main
 from smp_adapter.errors import SMPCheckpointError
 from smp_adapter.runtime import checkpoint_digests as digests
+from smp_adapter.runtime.checkpoint_sidecars import write_sidecar
 
 SDP_EXACT = {"sdp_param_persistence_threshold": 0, "sdp_gradient_clipping": 0.0}
 VIT, TP, PP = (ROOT / f"tests/distributed/scripts/{s}.py" for s in ("train_vit", "train_tp", "train_pp"))
@@ -177,6 +178,24 @@ def test_resume_of_a_damaged_checkpoint_ends_every_rank_with_the_error(tmp_path,
     nprocs = LAYOUTS[layout][2]
     assert logs.count(f"is damaged; refusing to resume from it (1 problem):\n  {copy / FOLDER / name}: ") == nprocs
     assert "OSError" not in logs and "[Errno 22]" not in logs
+
+
+def test_smp_load_of_a_damaged_file_ends_every_rank_with_the_error(tmp_path, init_weights):
+    """Every rank smp.loads the same weights (the fine-tune pattern, partial=False) from a file whose
+    digest record (smp.save's <file>.smp_digest) no longer holds: each rank refuses it, naming it,
+    before any collective (none waits for another), and nothing is written or rewritten."""
+    weights = tmp_path / "init.pt"
+    shutil.copyfile(init_weights, weights)
+    write_sidecar(str(weights))  # as smp.save records it
+    _flip_middle_bit(weights)
+    damaged = weights.read_bytes()
+    with pytest.raises(AssertionError, match="exit codes") as failed:  # a hang fails with "did not finish"
+        _run("dp 2", tmp_path / "run", str(weights), "--steps", 1, "--save-at", 1, "--ckpt-dir", tmp_path / "ckpt",
+             timeout=120)
+    logs = str(failed.value)
+    assert logs.count(f"{tmp_path} is damaged; refusing to load it (1 problem):\n  {weights}: content differs from "
+                      "the save") == 2, logs
+    assert weights.read_bytes() == damaged and not (tmp_path / "ckpt").exists()
 
 
 def test_checkpoint_without_digests_still_loads_with_one_warning(tmp_path, saved, capsys):

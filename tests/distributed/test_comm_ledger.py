@@ -34,7 +34,16 @@ LAYOUTS = {  # name -> (smp options, processes)
     "tp2xpp2": ({"ddp": True, "pipeline_parallel_degree": 2, "tensor_parallel_degree": 2, "microbatches": 2}, 4),
 }
 STEPS = 3  # the first step holds one-time traffic; the plan is checked against the later ones
-CHECKPOINTED = ("zero3",)  # activation checkpointing: ZeRO-3 gathers again for the recompute
+# activation checkpointing: ZeRO-3 gathers again for the recompute; both check plan's memory with it
+CHECKPOINTED = ("zero1", "zero3")
+# plan's memory against the peak of live tensor bytes the job measured (scripts/live_tensor_bytes.py)
+# in step 2. Tolerance 10% (the issue's bound). Why it holds and what the error is made of
+# (docs/plan.md): plan counts every gradient alongside every activation, the run frees a layer's
+# activations as its gradients appear (over by up to the gradients' share: +8.5% for ddp); backward's
+# temporaries (the logits' gradients) are not counted (under by a few %). TP (its gathered batch) and
+# the pipeline's stage 0 (what the engine keeps between steps) are not modelled yet: not checked.
+MEMORY_CHECKED = ("ddp", "zero1", "zero3", "hpz")
+MEMORY_TOLERANCE = 0.10
 
 
 def run_layout(tmp_path, name):
@@ -44,6 +53,7 @@ def run_layout(tmp_path, name):
     ledger = tmp_path / "ledger"
     model = ["--model", "net"] if name == "tp2xpp2" else []
     model += ["--checkpoint-activations"] if name in CHECKPOINTED else []
+    model += ["--track-memory"] if name in MEMORY_CHECKED else []
     results = run_ranks(SCRIPT, nprocs, args=["--config", config, "--steps", STEPS, *model], out_dir=tmp_path,
                         env={"SM_HP_MP_PARAMETERS": json.dumps(options), "SMP_ADAPTER_COMM_LEDGER": str(ledger)})
     records = {r: [json.loads(line) for line in (ledger / f"rank{r}.jsonl").read_text().splitlines()]
@@ -67,6 +77,10 @@ def test_ledger_equals_an_independent_count(tmp_path, name):
         assert all(any(r["step"] is None and r["phase"] == "init" for r in rows) for rows in records.values())
     for result in results:
         rank = result["rank"]
+        # the job's last call, smp.barrier() after the steps, is on disk although the rank ends with
+        # os._exit (the test launcher forks ranks): no atexit flush is needed
+        assert records[rank][-1]["phase"] == "between_steps", records[rank][-1]
+        assert any(o["op"] == "barrier" for o in records[rank][-1]["ops"]), records[rank][-1]
         steps = [r for r in records[rank] if r["step"] is not None]
         assert [r["step"] for r in steps] == list(range(STEPS))
         for step, (record, counted) in enumerate(zip(steps, result["per_step"])):
@@ -80,6 +94,11 @@ def test_ledger_equals_an_independent_count(tmp_path, name):
             assert sum(v[1] for v in ledger.values()) > 0  # every layout moves bytes every step
             for o in record["ops"]:  # one node here (LOCAL_WORLD_SIZE = all ranks)
                 assert o["intra_node"] is True and o["group"] != "other", o
+            if LAYOUTS[name][0].get("pipeline_parallel_degree", 1) > 1:  # the rank's schedule time and its
+                # compute part, for the idle fraction (runtime/engines/pipeline/idle_time.py)
+                timing = record["pipeline"]
+                assert 0 < timing["busy_s"] < timing["wall_s"], timing
+                assert timing["schedule"] == "interleaved" and timing["bubble"] == "(2-1)(F+B)"
 
     if name == "tp2xpp2":
         return  # the conv net has no Hugging Face config for plan to read
@@ -92,3 +111,14 @@ def test_ledger_equals_an_independent_count(tmp_path, name):
     for group, (measured, planned, error) in rows.items():
         print(f"{name} {group}: ledger {measured:.0f} B/step, plan {planned:.0f} B/step ({error:+.1%})")
         assert abs(error) <= 0.05, (group, measured, planned)
+
+    if name not in MEMORY_CHECKED:
+        return
+    measured = next(r["memory"]["peak_live_bytes"] for r in results if r["rank"] == 0)
+    error = (predicted.tensor_bytes - measured) / measured
+    # ZeRO-1/3 allocate DeepSpeed's whole reduce bucket (2 GB at the default): the rest is checked on its own too
+    bucket = 0 if name == "ddp" else predicted.memory.get("gradient_buckets", 0)
+    rest_error = (predicted.tensor_bytes - measured) / (measured - bucket)
+    print(f"{name} memory: measured peak {measured} B, plan {predicted.tensor_bytes} B ({error:+.1%}; "
+          f"without the reduce bucket {rest_error:+.1%})")
+    assert abs(error) <= MEMORY_TOLERANCE and abs(rest_error) <= MEMORY_TOLERANCE, predicted.memory

@@ -11,8 +11,10 @@ gradient counted twice or skipped by the split backward changes the SGD update.
 import json
 
 import pytest
+import torch
 from launch_util import run_ranks
 from test_pipeline import SCRIPT, _check, _run
+from train_pp_common import reference
 
 SCHEDULES = [("interleaved_1f1b", {}), ("zero_bubble", {}), ("zero_bubble", {"virtual_pipeline_degree": 2}),
              ("zbv", {}), ("dualpipev", {})]
@@ -34,9 +36,11 @@ def test_six_layers_sgd_pp2(tmp_path, schedule, extra):
 
 
 def test_gpt2_tied_embeddings_pp2_dp2_zb_h1(tmp_path):
-    """Tiny GPT2LMHeadModel (wte tied to lm_head), pp 2 x dp 2, ZB-H1 (split backward), SGD: losses and
-    final weights equal one process; the tied weight's two uses are on two ranks (summed over them)."""
-    options = _options("zero_bubble", {}, microbatches=2)
+    """Tiny GPT2LMHeadModel (wte tied to lm_head), pp 2 x dp 2, ZB-H1 (split backward), SGD, with
+    shard_optimizer_state (each dp rank steps its share of the stage's parameters and broadcasts
+    them): losses and final weights equal one process; the tied weight's two uses are on two ranks
+    (summed over them)."""
+    options = _options("zero_bubble", {}, microbatches=2, shard_optimizer_state=True)
     results = run_ranks(SCRIPT, 4, args=["--model", "gpt2", "--steps", 2, "--optimizer", "sgd", "--final-state"],
                         env={"SM_HP_MP_PARAMETERS": json.dumps(options)}, out_dir=tmp_path, timeout=300)
     _check(results, "gpt2", 2)
@@ -58,3 +62,25 @@ def test_seed_convnet_pp2_tp2_interleaved_1f1b(tmp_path):
     options = _options("interleaved_1f1b", {}, tensor_parallel_degree=2)
     results = _run(tmp_path, "net", 4, options)
     _check(results, "net", 4)
+
+
+def test_zbv_fp16_clipping_activation_checkpointing(tmp_path):
+    """zbv (V order, split backward) with fp16 (fp32 masters, static loss scale), clip_master_grads and
+    every layer activation-checkpointed, SGD: the same as the fp16 recipe written out in one process
+    (train_pp_common.reference): losses and weights to the last bit (the same fp16 operations in the
+    same order; measured), the global gradient norm within 1e-6 (the reference sums in fp32 in another
+    order). Under 1F1B the same run is test_pipeline.py's clipping test."""
+    cli = ["--steps", 3, "--optimizer", "sgd", "--loss-scale", "static:128", "--clip", 0.05, "--act-ckpt"]
+    results = run_ranks(SCRIPT, 2, args=["--model", "six", *cli], out_dir=tmp_path, timeout=200,
+                        env={"SM_HP_MP_PARAMETERS": json.dumps(_options("zbv", {}, fp16=True))})
+    norms = []
+    ref_losses, ref_state = reference("six", 3, 8, 4, "sgd", torch.float16, 128.0, clip=0.05, norms=norms)
+    for r in results:
+        assert r["losses"] == ref_losses and r["overflows"] == [False] * 3
+        torch.testing.assert_close(torch.tensor(r["grad_norms"]), torch.tensor(norms), rtol=1e-6, atol=0.0)
+    assert norms[0] > 0.05  # every step clipped
+    for name, ref in ref_state.items():
+        assert torch.equal(torch.tensor(results[0]["final_state"][name]), ref.float()), name
+    logs = (tmp_path / "log0.txt").read_text() + (tmp_path / "log1.txt").read_text()
+    assert "Activation checkpointing in the stage(s) of pipeline rank 0: layers.0, layers.1, layers.4, layers.5" in logs
+    assert "Activation checkpointing in the stage(s) of pipeline rank 1: layers.2, layers.3" in logs

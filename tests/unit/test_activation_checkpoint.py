@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from smp_adapter.runtime import activation_checkpoint as ac
+from smp_adapter.runtime.engines.pipeline.surgery import checkpoint_marked
 
 
 class Block(nn.Module):
@@ -69,8 +70,7 @@ def test_traced_stage_segment_is_checkpointed_and_gradients_unchanged(strategy):
     x = torch.randn(3, 4)
     stage = _second_stage(model, x)
     plain = copy.deepcopy(stage)
-    assert ac.checkpoint_traced(model, stage) == ["h.1"]  # h.0 is not on this stage
-    assert ac.checkpoint_traced(model, stage) == []  # once
+    assert checkpoint_marked(model, stage) == ["h.1"]  # h.0 is not on this stage
 
     act = torch.randn(3, 8, requires_grad=True)
     act_plain = act.detach().clone().requires_grad_()

@@ -77,15 +77,33 @@ def test_files_are_split_among_ranks_by_size_the_same_on_every_rank():
     assert sorted(sum(split, [])) == sorted(files) and digests.shares(dict(reversed(files.items())), 2) == split
 
 
-def test_noting_saves_restores_the_checkpoint_engine(tmp_path):
-    class Engine:
+@pytest.mark.parametrize("zipfile", [True, False])
+def test_files_are_hashed_as_they_are_written(tmp_path, zipfile):
+    """torch.save into the hashing file object: the recorded digest is the file's, computed by
+    reading it back (torch's zip and legacy writers both only append)."""
+    obj = {"w": torch.randn(600_000), "step": 3}  # 2.4 MB: several 1 MiB hash chunks in one write
+    record = digests.write_hashed(tmp_path / "a.pt", lambda f: torch.save(obj, f, _use_new_zipfile_serialization=zipfile))
+    assert record == digests.digest_file(tmp_path / "a.pt", digests.default_algorithm())
+    assert torch.equal(torch.load(tmp_path / "a.pt", weights_only=False)["w"], obj["w"])
+
+
+@pytest.mark.parametrize("torch_save_engine", [True, False])
+def test_noting_saves_hashes_deepspeeds_files_and_restores_the_checkpoint_engine(tmp_path, torch_save_engine):
+    class Engine:  # as DeepSpeed's TorchCheckpointEngine: torch.save(state_dict, path)
         def save(self, state_dict, path):
+            seen.append(type(path))
             torch.save(state_dict, path)
 
-    engine = Engine()
-    with digests.written_files() as written, digests.noting_saves(engine):
-        engine.save({"a": 1}, str(tmp_path / "x.pt"))
-    assert written == [tmp_path / "x.pt"] and "save" not in vars(engine)
+    engine, seen = Engine(), []
+    with digests.written_files() as written, digests.noting_saves(engine, torch_save_engine):
+        engine.save({"a": torch.arange(10)}, str(tmp_path / "x.pt"))
+    assert "save" not in vars(engine)
+    assert [path for path, _ in written] == [tmp_path / "x.pt"]
+    # DeepSpeed's default engine is handed a hashing file object; any other engine its path, hashed after
+    assert (seen[0] is not str) == torch_save_engine and (written[0][1] is not None) == torch_save_engine
+    algorithm = digests.default_algorithm()
+    assert digests.digest_written(tmp_path, written, algorithm) == {"x.pt": digests.digest_file(tmp_path / "x.pt",
+                                                                                                 algorithm)}
     with pytest.raises(SMPCheckpointError, match="unknown checkpoint digest algorithm 'md4': it was written by a "
                                                  "newer smp-adapter"):
         digests.hasher("md4")

@@ -50,6 +50,24 @@ def test_steps_and_phases_become_records(tmp_path):
     assert records[4]["ops"] == []
 
 
+def test_traffic_outside_steps_is_on_disk_without_close(tmp_path):
+    """A rank that ends with os._exit never runs close(): the phase records must already be written."""
+    ledger = _ledger(tmp_path)
+    ledger.add("broadcast", (0, 2), 100)
+    ledger.add("broadcast", (0, 2), 50)
+    assert _records(tmp_path) == [{"step": None, "phase": "init", "ops": [
+        {"group": "rdp", "ranks": [0, 2], "op": "broadcast", "calls": 2, "bytes": 150, "intra_node": True}]}]
+    ledger.step_call(training=True)
+    ledger.add("all_reduce", (0, 2), 40)
+    ledger.optimizer_step_done()
+    ledger.add("barrier", (0, 1, 2, 3, 4, 5, 6, 7), 0)  # the script's last call, then os._exit
+    records = _records(tmp_path)
+    assert [(r["step"], r.get("phase")) for r in records] == [(None, "init"), (0, None), (None, "between_steps")]
+    assert records[2]["ops"][0]["op"] == "barrier" and records[2]["ops"][0]["calls"] == 1
+    ledger.close()  # closing later rewrites the same record, adds nothing
+    assert _records(tmp_path) == records
+
+
 def test_group_names_follow_smp_kinds(tmp_path):
     ledger = _ledger(tmp_path)
     assert ledger._name((0,)) == "self"
@@ -83,3 +101,18 @@ def test_report_summarises_per_group_and_link(tmp_path):
     # steps 1 and 2 averaged (step 0 left out), both ranks summed: 2 MB per step
     assert "rdp     inter-node  all_reduce               2.0         2.000" in table
     assert "init" in table
+
+
+def test_report_shows_each_pipeline_rank_idle_fraction(tmp_path):
+    """Step records with the pipeline engine's timing: 1 - compute / schedule time per rank, summed over
+    the steps after the first, next to the schedule's bubble formula."""
+    for rank, busy in ((0, 0.06), (1, 0.09)):
+        rows = [{"step": i, "ops": [], "pipeline": {"wall_s": 0.5 if i == 0 else 0.1, "busy_s": busy,
+                                                      "schedule": "zero_bubble", "bubble": "(2-1)(F+B-2W)"}}
+                for i in range(3)]
+        (tmp_path / f"rank{rank}.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    lines = ledger_table(tmp_path).splitlines()
+    assert "pipeline idle per rank (zero_bubble, bubble (2-1)(F+B-2W);" in lines[-4]
+    assert lines[-3].split() == ["rank", "steps", "schedule", "ms/step", "compute", "ms/step", "idle"]
+    assert lines[-2].split() == ["0", "2", "100.0", "60.0", "40.0%"]
+    assert lines[-1].split() == ["1", "2", "100.0", "90.0", "10.0%"]

@@ -87,3 +87,27 @@ def test_stage_order():
     assert stage_ranks(2, 2, v_shaped=False) == [0, 1, 0, 1]
     assert stage_ranks(2, 2, v_shaped=True) == [0, 1, 1, 0]
     assert stage_ranks(3, 2, v_shaped=True) == [0, 1, 2, 2, 1, 0]
+
+
+@pytest.mark.parametrize("schedule,stages", [("interleaved", [0, 1]), ("zero_bubble", [0, 1]),
+                                             ("interleaved_1f1b", [0, 1, 0, 1]), ("zbv", [0, 1, 1, 0])])
+def test_checkpoints_record_the_stage_order(monkeypatch, schedule, stages):
+    """A partial checkpoint records which rank holds each stage: one saved under a schedule with other
+    stages (1F1B -> zbv) differs in layout and is read from its layout-independent pieces; one saved
+    before the record existed had one stage per rank."""
+    from smp_adapter.config.dims import ParallelDims
+    from smp_adapter.runtime.checkpoint_files import layout_difference, layout_record
+    from smp_adapter.runtime.state import state
+
+    dims = ParallelDims.from_config(cfg(pipeline=schedule, ddp=True), 2)
+    monkeypatch.setattr(state, "dims", dims)
+    record = layout_record(dims)
+    assert record["stages"] == stages
+    assert layout_difference(record) is None
+    old = {k: v for k, v in record.items() if k != "stages"}  # written before the stage order was recorded
+    one_f_one_b = layout_record(ParallelDims.from_config(cfg(ddp=True), 2))
+    if stages == [0, 1]:
+        assert layout_difference(old) is None and layout_difference(one_f_one_b) is None
+    else:
+        assert layout_difference(old) == f"stages: saved [0, 1] vs now {stages}"
+        assert layout_difference(one_f_one_b) == f"stages: saved [0, 1] vs now {stages}"

@@ -99,3 +99,34 @@ def test_a_70b_config_plans_in_under_5_seconds(tmp_path, capsys):
     assert code == 0, out.err
     assert time.perf_counter() - start < 5
     assert "70,5" in out.out or "70,6" in out.out  # Llama-3-70B: 70.55B parameters
+
+
+@pytest.mark.parametrize("options, buckets", [
+    ({"ddp": True}, 500_000_000 * 4),  # the engine's flat all-reduce buffer: min(5e8, 632M) fp32 elements
+    ({"ddp": True, "shard_optimizer_state": True}, 2 * 500_000_000 * 4),  # ZeRO-1: two fp32 buckets with NCCL's overlap_comm
+    ({"ddp": True, "sharded_data_parallel_degree": 32, "sdp_reduce_bucket_size": 10**8}, 10**8 * 4),  # ZeRO-3: the whole bucket
+])
+def test_deepspeeds_gradient_buffers_are_in_the_memory(options, buckets):
+    dims = ParallelDims.from_config(SMPConfig.from_dict(options), 32)
+    p = costs.plan(model_spec(VIT_002), dims, instance_cluster("ml.g4dn.12xlarge", 8), costs.Job(4, True))
+    assert p.memory["gradient_buckets"] == buckets
+    # ZeRO-0's buffer is made after backward has freed the activations: the peak holds the larger one only
+    overlap = min(p.memory["activations"], buckets) if dims.zero_stage == 0 else 0
+    assert p.peak_bytes == sum(p.memory.values()) - overlap
+
+
+def test_a_recipe_is_a_model(tmp_path, capsys):
+    """--model RECIPE.yaml: its model_config (mapping or path), or a local model_name_or_path; a recipe
+    whose script builds the model from its own arguments gets an error naming the fix."""
+    (tmp_path / "vit").mkdir()
+    (tmp_path / "vit" / "config.json").write_text(json.dumps(VIT_002))
+    inline = tmp_path / "inline.yaml"
+    inline.write_text("script: train.py\nmodel_config:\n" + "".join(f"  {k}: {v}\n" for k, v in VIT_002.items()))
+    local = tmp_path / "local.yaml"
+    local.write_text("script: train.py\nhyperparameters:\n  model_name_or_path: vit\n")
+    assert model_spec(str(inline)) == model_spec(VIT_002) == model_spec(str(local))
+    built = tmp_path / "built.yaml"
+    built.write_text("script: train.py\nhyperparameters:\n  model_family: gpt2\n  model_name_or_path: gpt2\n")
+    code = main(["plan", '{"ddp": true}', "--model", str(built), "--batch-size", "4", "--instance-type", "ml.g5.12xlarge"])
+    err = capsys.readouterr().err
+    assert code == 2 and "is a recipe that names no model config plan can read" in err and "add model_config:" in err

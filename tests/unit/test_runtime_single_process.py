@@ -187,6 +187,46 @@ def test_checkpoint_round_trip_and_bad_files(fresh, tmp_path):
         smp.resume_from_checkpoint(str(tmp_path), tag="t1")
 
 
+def test_full_checkpoint_digests_and_a_deepspeed_file_cut_short_read_unchecked(fresh, tmp_path, monkeypatch):
+    """A full checkpoint (partial=False) records each file's digest beside it and a resume refuses a
+    damaged one, naming it; a partial checkpoint read unchecked (the opt-out) whose DeepSpeed file is
+    cut short names that file instead of torch's bare error."""
+    from smp_adapter.runtime import checkpoint_digests as digests
+    from smp_adapter.runtime.checkpoint_digests import SKIP_ENV
+    from smp_adapter.runtime.checkpoint_sidecars import SIDECAR
+
+    smp.init({})
+    model = smp.DistributedModel(_mlp())
+    smp.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.1))
+    smp.save_checkpoint(str(tmp_path), tag="full.pt", partial=False, user_content={"epoch": 3})
+    assert (tmp_path / f"full.pt{SIDECAR}").is_file() and (tmp_path / f"user_content_full.pt{SIDECAR}").is_file()
+    assert smp.resume_from_checkpoint(str(tmp_path), partial=False) == {"epoch": 3}
+    intact = (tmp_path / "full.pt").read_bytes()
+    damaged = bytearray(intact)
+    damaged[len(damaged) // 2] ^= 0x10
+    (tmp_path / "full.pt").write_bytes(bytes(damaged))
+    (tmp_path / "user_content_full.pt").unlink()
+    with pytest.raises(SMPCheckpointError) as refused:
+        smp.resume_from_checkpoint(str(tmp_path), partial=False)
+    assert str(refused.value).startswith(
+        f"{tmp_path} is damaged; refusing to resume from it (2 problems):\n"
+        f"  {tmp_path / 'full.pt'}: content differs from the save ({digests.default_algorithm()} digest): damaged bytes\n"
+        f"  {tmp_path / 'user_content_full.pt'}: missing (recorded at the save, not in the folder now)\n"
+        "Use an older complete checkpoint")
+    assert "smp-adapter checkpoint verify" in str(refused.value) and f"{SKIP_ENV}=1" in str(refused.value)
+    assert (tmp_path / "full.pt").read_bytes() == bytes(damaged)  # nothing rewritten
+    smp.save_checkpoint(str(tmp_path), tag="t", partial=True)
+    ds_file = tmp_path / "t_partial" / "ds" / "mp_rank_00_model_states.pt"
+    with open(ds_file, "r+b") as f:
+        f.truncate(ds_file.stat().st_size - 1)
+    monkeypatch.setenv(SKIP_ENV, "1")
+    digests._warned.clear()  # the opt-out's warning is said once per process
+    with pytest.warns(UserWarning, match="used without checking their digests"), \
+            pytest.raises(SMPCheckpointError, match=f"DeepSpeed could not read {ds_file} \\(.*\\): the file is damaged "
+                                                    f"or cut short; run `smp-adapter checkpoint verify "):
+        smp.resume_from_checkpoint(str(tmp_path), tag="t")
+
+
 class _RunsCode:
     """A pickle that would run a command when loaded: must never load untrusted."""
 

@@ -71,7 +71,7 @@ def run(args) -> int:
     from smp_adapter.config.dims import ParallelDims
     from smp_adapter.config.distribution import load_job
     from smp_adapter.plan import costs
-    from smp_adapter.plan.layouts import valid_layouts
+    from smp_adapter.plan.layouts import model_problems, valid_layouts
     from smp_adapter.plan.model_spec import model_spec
 
     job_spec = load_job(args.options)
@@ -83,7 +83,7 @@ def run(args) -> int:
     job = costs.Job(args.batch_size, checkpointing, args.optimizer)
     cfg = job_spec.config()
     if args.search:
-        layouts = valid_layouts(dict(job_spec.options), cluster.world_size, args.batch_size, spec.heads)
+        layouts = valid_layouts(dict(job_spec.options), cluster.world_size, args.batch_size, spec)
         results = [(d, _plan(spec, d, cluster, job)) for d in layouts]
         fitting = sorted([(d, p) for d, p in results if p.peak_bytes <= cluster.gpu_memory], key=lambda r: -r[1].samples_per_s)
         if args.json:
@@ -93,9 +93,7 @@ def run(args) -> int:
             print(_search_text(spec, cluster, job, results, fitting, args.top))
         return 0
     dims = ParallelDims.from_config(cfg, cluster.world_size)
-    if spec.heads % dims.tp:
-        raise_if_any([ConfigProblem("tensor_parallel_degree", f"must divide the model's {spec.heads} attention heads",
-                                    "choose a tensor_parallel_degree that divides the head count", dims.tp)])
+    raise_if_any(model_problems(spec, dims.tp))
     dims.micro_batch_size(args.batch_size)
     result = _plan(spec, dims, cluster, job)
     if args.json:
@@ -163,8 +161,7 @@ def _text(spec, dims, cluster, job, result) -> str:
              f"{costs.precision(dims.cfg)}",
              f"cluster: {cluster.nodes} x {cluster.name} ({cluster.gpus_per_node} GPUs of {cluster.gpu_memory / GiB:.0f} GiB "
              f"per node), {cluster.world_size} ranks",
-             f"layout: pp {dims.pp} x tp {dims.tp} x rdp {dims.rdp}, sdp {dims.sdp}, ZeRO stage {dims.zero_stage}"
-             + (f", hpZ groups of {dims.hpz_partition_size}" if dims.hpz_partition_size > 1 else ""),
+             f"layout: {dims.describe()}",
              "", "memory of the largest rank (pipeline stage 0):"]
     for name, value in result.memory.items():
         lines.append(f"  {name:<30}{_gib(value)}")

@@ -51,6 +51,13 @@ def stage_ranks(pp: int, v: int, v_shaped: bool) -> list[int]:
     return [s % pp for s in range(pp * v)]
 
 
+def stage_order(cfg, pp: int) -> list[int]:
+    """The pipeline rank of each stage a job with these (validated) options cuts its model into."""
+    if pp == 1:
+        return [0]
+    return stage_ranks(pp, cfg.virtual_pipeline_degree, cfg.pipeline in V_SHAPED)
+
+
 def bubble_formula(schedule: str, pp: int, v: int) -> str:
     """The schedule's idle time per step, for reports next to measured idle fractions."""
     return {"interleaved": "(p-1)(F+B)", "simple": "(p-1)(F+B)", "interleaved_1f1b": "(p-1)(F+B)/v",

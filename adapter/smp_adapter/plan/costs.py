@@ -20,6 +20,11 @@ CUDA_CONTEXT_BYTES = 600 * 2**20  # CUDA context + cuBLAS/NCCL workspaces, measu
 FRAGMENTATION = 0.10  # caching allocator slack on top of live tensors (stated allowance)
 # DeepSpeed's stage3_max_reuse_distance default (elements); smp-adapter's translation does not set it
 ZERO3_MAX_REUSE_DISTANCE = 10**9
+# DeepSpeed's gradient buffers (elements), defaults the translation leaves alone: the engine's flat
+# all-reduce buffer of plain data parallelism (engine.MEMORY_OPT_ALLREDUCE_SIZE) and ZeRO-1's
+# reduce bucket (zero_optimization.reduce_bucket_size); ZeRO-3's is sdp_reduce_bucket_size
+ZERO0_ALLREDUCE_BUFFER = 500_000_000
+ZERO1_REDUCE_BUCKET = 500_000_000
 
 
 def zero3_released_fraction(gathered_numel: int, cfg) -> float:
@@ -61,13 +66,18 @@ class Plan:
     samples: int = 0  # global batch of one step
     notes: list = field(default_factory=list)
 
+    # bytes of the breakdown never alive together: ZeRO-0's all-reduce buffer is made after backward
+    # has freed the activations (peak = breakdown total - overlap)
+    overlap: int = 0
+
     @property
     def tensor_bytes(self) -> int:
-        return sum(v for k, v in self.memory.items() if k not in ("cuda_context", "fragmentation"))
+        """The peak of live tensors (no CUDA context, no allocator slack): what the CPU runs measure."""
+        return sum(v for k, v in self.memory.items() if k not in ("cuda_context", "fragmentation")) - self.overlap
 
     @property
     def peak_bytes(self) -> int:
-        return sum(self.memory.values())
+        return sum(self.memory.values()) - self.overlap
 
     @property
     def step_time_s(self) -> float:
@@ -108,19 +118,26 @@ def persistent(numel: int, cfg) -> bool:
 # -- activations ----------------------------------------------------------------------------------
 def layer_activation_bytes(spec, b: int, t: int, a: int) -> int:
     """Tensors one transformer layer keeps for backward, per microbatch (scaled-dot-product attention:
-    the kernel keeps its output and log-sum-exp, not the s x s scores):
-      layer input, LayerNorm 1 output, q k v, attention output, residual, LayerNorm 2 output: 5 bsh + 3 bsh/t
-      MLP: up-projection output and activation input/output: 2 bsf/t ; log-sum-exp: b x heads/t x s fp32."""
+    the kernel keeps its output and log-sum-exp, not the s x s scores), counted from the autograd
+    graph of Hugging Face's layers (the CPU runs measure it: docs/plan.md):
+      whole: layer input, LayerNorm 1 output, LayerNorm 2 input and output: 4 bsh
+      split by t: q k v (h + 2 kv), attention output, heads merged for the output projection: (3h + 2kv) bs/t
+      MLP: spec.mlp_saved tensors of bsf/t (2 for GELU, 4 for a gated SiLU, 5 for GPT-2's gelu_new,
+      a tanh formula of Python operators each keeping an input)
+      per LayerNorm its mean and rstd, b x s fp32 each; log-sum-exp: b x heads/t x s fp32."""
     s, h, f = spec.seq_len, spec.hidden, spec.intermediate
     kv = spec.kv_hidden or h
-    return a * b * s * (5 * h + (h + 2 * kv + h) // t + 2 * f // t) + 4 * b * spec.heads // t * s
+    return (a * b * s * (4 * h + (3 * h + 2 * kv) // t + spec.mlp_saved * f // t) + 4 * b * spec.heads // t * s
+            + 2 * 2 * 4 * b * s)
 
 
 def head_activation_bytes(spec, b: int, t: int, a: int) -> int:
-    """Logits and the loss's fp32 log-probabilities (vocabulary split by t), or a classifier's logits."""
+    """The final LayerNorm's input and output, then a token head's logits (vocabulary split by t),
+    the shifted copy the causal-LM loss takes and its fp32 log-probabilities, or a classifier's logits."""
+    norm = 2 * a * b * spec.seq_len * spec.hidden
     if spec.vocab:
-        return b * spec.seq_len * spec.vocab // t * (a + 4)  # logits, fp32 log-probabilities
-    return b * (spec.num_labels or 2) * (a + 4)
+        return norm + b * spec.seq_len * spec.vocab // t * (2 * a + 4)
+    return norm + b * (spec.num_labels or 2) * (a + 4)
 
 
 def in_flight_microbatches(dims) -> int:
@@ -144,8 +161,10 @@ def plan(spec, dims, cluster: Cluster, job: Job) -> Plan:
     tensors = rank_tensors(spec, dims)
     n_rank = sum(tensors)
     mixed = pb == 2
-    opt_per_param = (8 if job.optimizer == "adam" else 0) + (4 if mixed else 0)  # fp32 moments, fp32 masters
     stage = dims.zero_stage
+    # Adam's fp32 moments, and fp32 master weights: under fp16/bf16, and always under ZeRO-1/3, whose
+    # optimizer steps a fp32 copy of the rank's partition (DeepSpeed clones it even from fp32 weights)
+    opt_per_param = (8 if job.optimizer == "adam" else 0) + (4 if mixed or stage in (1, 3) else 0)
     mem = out.memory
     if stage == 3:  # DeepSpeed partitions over its whole data-parallel group (rdp); hpZ adds a second,
         # node-local copy sharded over sdp ranks (smp v1's MiCS sharded over sdp only: docs/plan.md)
@@ -162,11 +181,19 @@ def plan(spec, dims, cluster: Cluster, job: Job) -> Plan:
         gathered_numel = n_rank - kept
         kept_gathered = gathered_numel * (1 - zero3_released_fraction(gathered_numel, cfg))
         mem["zero3_gathered_parameters"] = int(max(kept_gathered, min(2 * layer_gathered, gathered_numel)) * pb)
-        mem["gradient_buckets"] = min(cfg.sdp_reduce_bucket_size, n_rank) * pb
+        # DeepSpeed allocates the whole reduce bucket (sdp_reduce_bucket_size elements) when the
+        # optimizer is built, however small the model: 2 GB at smp's default 5e8 in fp32
+        mem["gradient_buckets"] = int(cfg.sdp_reduce_bucket_size) * pb
     else:
         mem["parameters"] = n_rank * pb
         mem["gradients"] = n_rank * pb
         mem["optimizer_state"] = math.ceil(n_rank / (rdp if stage == 1 else 1)) * opt_per_param
+        if stage == 1 and rdp > 1:  # from backward's start to the step's end, fp32, two with overlap_comm
+            # (the translation turns it on with NCCL, i.e. on GPUs)
+            mem["gradient_buckets"] = ZERO1_REDUCE_BUCKET * 4 * (1 if cluster.name == "cpu" else 2)
+        elif stage == 0 and rdp > 1:  # the engine flattens the gradients into one buffer to all-reduce them,
+            # after backward (so never alive with the activations: out.overlap below)
+            mem["gradient_buckets"] = min(ZERO0_ALLREDUCE_BUFFER, n_rank) * pb
     layers = stage_layers(spec, p)
     per_layer = layer_activation_bytes(spec, b, t, a)
     boundary = a * b * spec.seq_len * spec.hidden  # a layer's input, kept when the layer is checkpointed
@@ -175,18 +202,16 @@ def plan(spec, dims, cluster: Cluster, job: Job) -> Plan:
     else:
         per_mb = layers * per_layer
     mem["activations"] = per_mb * in_flight_microbatches(dims) + head_activation_bytes(spec, b, t, a)
+    if stage == 0:
+        out.overlap = min(mem["activations"], mem.get("gradient_buckets", 0))
     mem["cuda_context"] = CUDA_CONTEXT_BYTES if cluster.name != "cpu" else 0
-    mem["fragmentation"] = int(FRAGMENTATION * sum(v for k, v in mem.items() if k != "cuda_context"))
+    mem["fragmentation"] = int(FRAGMENTATION * out.tensor_bytes)
 
     # -- communication per step --------------------------------------------------------------
-    node = cluster.gpus_per_node
-
-    def spans_nodes(stride: int, size: int) -> bool:  # rank 0's group of this kind (groups are alike)
-        return size > 1 and stride * (size - 1) >= node
-
-    strides = _strides(dims)
-    intra = {kind: not spans_nodes(strides[kind], size) for kind, size in
-             (("tp", t), ("pp", p), ("rdp", rdp), ("sdp", sdp if 1 < sdp < rdp else rdp))}
+    groups = rank0_groups(dims)
+    # a group is node-local when its ranks share a node (rank // GPUs per node: the ledger's rule)
+    intra = {kind: len({r // cluster.gpus_per_node for r in ranks}) == 1 for kind, ranks in groups.items()}
+    strides = {kind: ranks[1] - ranks[0] if len(ranks) > 1 else 1 for kind, ranks in groups.items()}
 
     def add(group, op, nbytes, calls, size):
         if size > 1 and nbytes > 0:
@@ -263,15 +288,12 @@ def plan(spec, dims, cluster: Cluster, job: Job) -> Plan:
     return out
 
 
-def _strides(dims) -> dict:
-    """Rank distance between neighbours of each group kind (smp's placement: right-most letter fastest)."""
-    order = dims.grid.order
-    size = {"D": dims.rdp, "P": dims.pp, "T": dims.tp}
-    stride, step = {}, 1
-    for letter in reversed(order):
-        stride[letter] = step
-        step *= size[letter]
-    return {"tp": stride["T"], "pp": stride["P"], "rdp": stride["D"], "sdp": stride["D"]}
+def rank0_groups(dims) -> dict:
+    """Rank 0's group of each kind, from the config layer's placement (the groups smp.init makes);
+    groups of one kind are alike, so rank 0's stand for all. sdp: hpZ's node-local group, else rdp."""
+    grid = dims.grid
+    sdp = grid.sdp_groups(dims.sdp)[0] if 1 < dims.sdp < dims.rdp else grid.rdp_group(0)
+    return {"tp": grid.tp_group(0), "pp": grid.pp_group(0), "rdp": grid.rdp_group(0), "sdp": tuple(sdp)}
 
 
 def collective_seconds(term: CommTerm, cluster: Cluster) -> float:

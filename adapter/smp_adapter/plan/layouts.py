@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from smp_adapter.config.dims import ParallelDims
 from smp_adapter.config.options import SMPConfig
+from smp_adapter.config.problems import ConfigProblem
 from smp_adapter.errors import SMPConfigError
 
 
@@ -28,10 +29,18 @@ def candidate_options(base: dict, world: int, batch: int) -> list[dict]:
     return out
 
 
-def valid_layouts(base: dict, world: int, batch: int, heads: int) -> list[ParallelDims]:
+def model_problems(spec, tp: int) -> list[ConfigProblem]:
+    """The model's own limit on a layout: tensor parallelism splits the attention heads."""
+    if spec.heads % tp:
+        return [ConfigProblem("tensor_parallel_degree", f"must divide the model's {spec.heads} attention heads",
+                              "choose a tensor_parallel_degree that divides the head count", tp)]
+    return []
+
+
+def valid_layouts(base: dict, world: int, batch: int, spec) -> list[ParallelDims]:
     layouts = []
     for options in candidate_options(base, world, batch):
-        if heads % options["tensor_parallel_degree"]:
+        if model_problems(spec, options["tensor_parallel_degree"]):
             continue
         try:
             dims = ParallelDims.from_config(SMPConfig.from_dict(options), world)

@@ -36,6 +36,7 @@ class ModelSpec:
     num_labels: int = 0
     kv_hidden: int = 0  # k/v projection width (grouped-query attention); 0: = hidden
     tied_embeddings: bool = False  # the token head shares the input embedding's weight
+    mlp_saved: int = 2  # tensors of b x s x intermediate the MLP keeps for backward (its activation's)
 
     @property
     def layer_params(self) -> int:
@@ -57,10 +58,40 @@ def _field(cfg: dict, *names, default=None):
     return default
 
 
+RECIPE_SUFFIXES = (".yaml", ".yml")
+
+
+def recipe_model(path: Path):
+    """A recipe (recipes/*.yaml) as --model: its ``model_config`` (a Hugging Face config mapping, or a
+    config.json path relative to the recipe), else its ``hyperparameters.model_name_or_path`` when that
+    is a local directory or file. A recipe whose script builds the model from its own arguments names
+    no config plan can read without running the script: that is an error naming the fix."""
+    from smp_adapter.config.distribution import load_mapping
+
+    recipe = load_mapping(path)
+    named = recipe.get("model_config")
+    if named is None:
+        hyper = recipe.get("hyperparameters") if isinstance(recipe.get("hyperparameters"), dict) else {}
+        named = hyper.get("model_name_or_path")
+        if isinstance(named, str) and not (path.parent / named).exists():
+            named = None  # a Hub model name: plan reads no network
+    if isinstance(named, dict):
+        return named
+    if isinstance(named, str):
+        return read_config(path.parent / named)
+    raise_if_any([ConfigProblem("--model", "is a recipe that names no model config plan can read (its script "
+                                "builds the model from its own arguments)",
+                                "add model_config: <a Hugging Face config mapping, or the path of its config.json> to "
+                                "the recipe, set hyperparameters.model_name_or_path to a local model directory, or give "
+                                "--model config.json", str(path))])
+
+
 def read_config(path_or_dict) -> dict:
     if isinstance(path_or_dict, dict):
         return dict(path_or_dict)
     path = Path(path_or_dict)
+    if path.suffix.lower() in RECIPE_SUFFIXES:
+        return dict(recipe_model(path))
     if path.is_dir():
         path = path / "config.json"
     try:
@@ -117,8 +148,11 @@ def _gpt2(cfg, h, layers, heads, seq_len):
     layer = ((h, False), (h, False), (h * 3 * h, True), (3 * h, True), (h * h, True), (h, False), (h, False), (h, False),
              (h * inner, True), (inner, True), (inner * h, True), (h, False))
     outer = ((vocab * h, True), (positions * h, False), (h, False), (h, False))  # wte (tied lm_head), wpe, ln_f
+    # gelu_new (GPT-2's default) is a tanh formula of Python operators: its input, tanh's output, the
+    # two factors of the last product and that product (the projection's input) are kept
+    mlp_saved = 5 if cfg.get("activation_function", "gelu_new") == "gelu_new" else 2
     return ModelSpec("gpt2", layers, h, heads, inner, vocab, _seq(seq_len, cfg, "n_positions"), layer, outer,
-                     tied_embeddings=cfg.get("tie_word_embeddings", True))
+                     tied_embeddings=cfg.get("tie_word_embeddings", True), mlp_saved=mlp_saved)
 
 
 def _llama(cfg, kind, h, layers, heads, seq_len):
@@ -134,7 +168,8 @@ def _llama(cfg, kind, h, layers, heads, seq_len):
         layer += ((q, True), (kv, True), (kv, True))
     outer = ((vocab * h, True), (h, False)) + (() if cfg.get("tie_word_embeddings", False) else ((vocab * h, True),))
     return ModelSpec(kind, layers, h, heads, inter, vocab, _seq(seq_len, cfg, "max_position_embeddings"), layer,
-                     outer, kv_hidden=kv, tied_embeddings=bool(cfg.get("tie_word_embeddings", False)))
+                     outer, kv_hidden=kv, tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+                     mlp_saved=4)  # gate (SiLU's input), SiLU's output, up projection, their product
 
 
 def _encoder_layer(h, inter):

@@ -9,9 +9,9 @@
   off and on around each saved tensor, export records those switches as grad-mode regions, and a
   pipeline split marker inside such a region is not seen (the split yields fewer stages). So the
   stage tracer runs under ``tracing_plain()`` (every module runs its own plain forward, the
-  members of an nn.Sequential group each on its own), and ``checkpoint_traced(model, stage)`` then
+  members of an nn.Sequential group each on its own), and the pipeline engine then
   wraps each checkpointed module's traced submodule in the stage (the same qualified name) with the
-  same checkpoint: a group's members are checkpointed one by one there.
+  same checkpoint (pipeline/surgery.py ``checkpoint_marked``): a group's members one by one there.
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ from torch import nn
 
 from smp_adapter.runtime.state import state
 
-_MARK = "_smp_checkpoint_segment"  # on a segment's leader: its preserve_rng_state
 _plain = [False]  # True while a pipeline stage is being traced
 
 
@@ -56,7 +55,7 @@ def checkpoint_forward(module: nn.Module, preserve_rng_state: bool, followers: l
         f._smp_original_forward = f.forward
         f.forward = follower_forward(f)
         f._smp_checkpointed = True
-        setattr(f, _MARK, preserve_rng_state)  # a traced stage checkpoints each member on its own
+        f._smp_preserve_rng = preserve_rng_state  # a traced stage checkpoints each member on its own
 
     def segment(*args, **kwargs):
         out = original(*args, **kwargs)
@@ -76,7 +75,7 @@ def checkpoint_forward(module: nn.Module, preserve_rng_state: bool, followers: l
 
     module.forward = checkpointed_forward
     module._smp_checkpointed = True
-    setattr(module, _MARK, preserve_rng_state)
+    module._smp_preserve_rng = preserve_rng_state  # a pipeline stage's traced copy is wrapped alike
 
 
 @contextlib.contextmanager
@@ -87,31 +86,3 @@ def tracing_plain():
         yield
     finally:
         _plain[0] = previous
-
-
-def checkpoint_traced(model: nn.Module, stage: nn.Module) -> list[str]:
-    """Wrap the traced submodule of ``stage`` named as each checkpointed segment of ``model`` (a
-    segment cut by a stage boundary is checkpointed in both stages, each part on its own). Returns
-    the names wrapped. Segments the stage runs eagerly (modules put back after tracing, such as
-    split tensor-parallel modules) keep their own checkpoint."""
-    done = []
-    for name, module in model.named_modules():
-        if not name or not hasattr(module, _MARK):
-            continue
-        try:
-            traced = stage.get_submodule(name)
-        except AttributeError:  # not on this stage
-            continue
-        if getattr(traced, "_smp_checkpointed", False):
-            continue
-        original, keep_rng = traced.forward, getattr(module, _MARK)
-
-        def checkpointed_forward(*args, _fn=original, _keep_rng=keep_rng, **kwargs):
-            if not torch.is_grad_enabled():  # the stage's train/eval behaviour was fixed when it was traced
-                return _fn(*args, **kwargs)
-            return run_checkpointed(_fn, _keep_rng, *args, **kwargs)
-
-        traced.forward = checkpointed_forward
-        traced._smp_checkpointed = True
-        done.append(name)
-    return done

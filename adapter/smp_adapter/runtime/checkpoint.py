@@ -23,7 +23,7 @@ from __future__ import annotations
 import os
 
 from smp_adapter.errors import SMPCheckpointError, SMPUsageError
-from smp_adapter.runtime.checkpoint_digests import check_sidecar, write_sidecar
+from smp_adapter.runtime.checkpoint_sidecars import check_sidecar, write_sidecar
 from smp_adapter.runtime.checkpoint_files import (LAYOUT_MARK, PARTIAL_MARK, atomic_torch_save, check_layout,
                                                   current_layout, safe_torch_load)
 from smp_adapter.runtime.state import require_initialized, state
@@ -100,8 +100,7 @@ def save(obj, f, partial: bool = True, pickle_module=None, pickle_protocol: int 
     if not isinstance(f, (str, os.PathLike)):
         raise SMPUsageError("smp.save needs a file path (str), not a file object, as in smp v1")
     path = _partial_name(str(f), v3) if partial else str(f)
-    atomic_torch_save(obj, path, pickle_protocol)
-    write_sidecar(path)  # <path>.smp_digest: smp.load checks the file against it
+    write_sidecar(path, atomic_torch_save(obj, path, pickle_protocol))  # <path>.smp_digest: smp.load checks it
 
 
 def load(f, map_location=None, pickle_module=None, pickle_load_args=None, partial: bool = True,

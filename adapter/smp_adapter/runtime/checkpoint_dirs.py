@@ -14,6 +14,7 @@ import torch
 from smp_adapter.errors import SMPCheckpointError, SMPUsageError
 from smp_adapter.runtime import checkpoint_digests as digests
 from smp_adapter.runtime import checkpoint_files as ckpt
+from smp_adapter.runtime import checkpoint_sidecars as sidecars
 from smp_adapter.runtime import comm_ledger
 from smp_adapter.runtime.state import require_initialized, state
 
@@ -66,10 +67,10 @@ def save_checkpoint(path, tag, partial: bool = True, model=None, optimizer=None,
             _prune(path, int(num_kept_partial_checkpoints))
     else:
         sd = model.state_dict()  # collective under ZeRO-3 / TP
-        if s.rank == 0:
-            ckpt.atomic_torch_save(sd, str(path / tag))
-            if user_content is not None:
-                ckpt.atomic_torch_save(user_content, str(path / f"user_content_{tag}"))
+        if s.rank == 0:  # each file with its digest beside it (<file>.smp_digest), checked on resume
+            for obj, file in ((sd, path / tag), (user_content, path / f"user_content_{tag}")):
+                if obj is not None:
+                    sidecars.write_sidecar(str(file), ckpt.atomic_torch_save(obj, str(file)))
             _write_newest(path, tag)
     _barrier()
 
@@ -137,11 +138,15 @@ def resume_from_checkpoint(path, tag=None, partial: bool = True, strict: bool = 
         raise SMPUsageError("smp.resume_from_checkpoint needs smp.DistributedModel (and, for partial checkpoints, "
                             "smp.DistributedOptimizer) to exist: call it after wrapping model and optimizer")
     if not partial:
+        uc = path / f"user_content_{tag}"
+        # both files checked before either is read; one collective, so all ranks refuse together
+        recorded = uc.exists() or Path(f"{uc}{sidecars.SIDECAR}").exists()
+        sidecars.require_sidecars_everywhere([path / tag, *([uc] if recorded else [])], "resume from it", s.rank,
+                                            s.world_size)
         sd = ckpt.safe_torch_load(str(path / tag), map_location="cpu")
         if translate_function is not None:
             sd = translate_function(sd)
         model.load_state_dict(sd, strict=strict)
-        uc = path / f"user_content_{tag}"
         return ckpt.safe_torch_load(str(uc)) if uc.exists() else None
     folder = path / f"{tag}_partial"
     manifest_file = folder / ckpt.MANIFEST
@@ -151,14 +156,24 @@ def resume_from_checkpoint(path, tag=None, partial: bool = True, strict: bool = 
     if s.optimizer is None or not model.runtime_engine.ready_for_checkpoint:
         raise SMPUsageError("resume a partial checkpoint after creating smp.DistributedOptimizer (the optimizer "
                             "state is restored into it)")
-    # every file checked before any is used; one collective, so all ranks refuse together
-    manifest = digests.require_intact_everywhere(folder, "resume from it", s.rank, s.world_size)
+    # every file checked before a step uses any value, and all ranks refuse together: the manifest, file
+    # list and sizes now; the digests while the engine reads the same files (read once), the verdict after
+    check = digests.start_check(folder, "resume from it", s.rank, s.world_size)
+    manifest = check.manifest
     difference = ckpt.layout_difference(manifest.get("layout", {}))
-    if difference is None and manifest.get(ckpt.ENGINE_FILES, True):
-        model.runtime_engine.load_partial(folder, s.optimizer, strict, load_optimizer and load_sharded_optimizer_state)
-    else:  # another layout, or rewritten by `checkpoint reshard`: the universal pieces, or a clear refusal
-        difference = difference or f"rewritten by smp-adapter checkpoint reshard from {manifest.get('resharded_from')}"
-        model.runtime_engine.load_partial_from_other_layout(folder, s.optimizer, manifest, difference)
+    try:
+        if difference is None and manifest.get(ckpt.ENGINE_FILES, True):
+            model.runtime_engine.load_partial(folder, s.optimizer, strict,
+                                              load_optimizer and load_sharded_optimizer_state)
+        else:  # another layout, or rewritten by `checkpoint reshard`: the universal pieces, or a clear refusal
+            difference = difference or f"rewritten by smp-adapter checkpoint reshard from {manifest.get('resharded_from')}"
+            model.runtime_engine.load_partial_from_other_layout(folder, s.optimizer, manifest, difference)
+    except SMPCheckpointError:  # the engine could not read a file: name the damage when the digests show it
+        problems = check.every_problem()
+        if problems:
+            raise digests.refusal(folder, problems, "resume from it") from None
+        raise
+    check.finish()
     rng_file = folder / f"rng_rank{s.rank}.pt"
     if difference is None and rng_file.exists():  # a rank's RNG means something only in the same layout
         rng = ckpt.safe_torch_load(str(rng_file))

@@ -17,7 +17,8 @@ import pickle
 import torch
 
 from smp_adapter.errors import SMPCheckpointError
-from smp_adapter.runtime.checkpoint_digests import MANIFEST, note_written  # noqa: F401 - MANIFEST: its one home
+from smp_adapter.runtime import checkpoint_digests as digests
+from smp_adapter.runtime.checkpoint_digests import MANIFEST  # noqa: F401 - its one home
 from smp_adapter.runtime.state import state
 
 PARTIAL_MARK = "_smp_is_partial"
@@ -26,9 +27,14 @@ ENGINE_FILES = "engine_files"  # manifest key; false: no engine files, resume fr
 
 
 def layout_record(d) -> dict:
-    """The layout a checkpoint records (``ParallelDims`` -> JSON), compared on resume."""
+    """The layout a checkpoint records (``ParallelDims`` -> JSON), compared on resume. ``stages``: the
+    pipeline rank of each stage the model is cut into ([0, 1] for 1F1B at pp 2; [0, 1, 0, 1] for
+    interleaved_1f1b, [0, 1, 1, 0] for zbv), so a checkpoint saved under another pipeline schedule's
+    stages is read from its layout-independent pieces, as one saved under another pp."""
+    from smp_adapter.config.pipeline_schedule import stage_order
+
     return {"pp": d.pp, "tp": d.tp, "rdp": d.rdp, "sdp": d.sdp, "zero_stage": d.zero_stage,
-            "placement": d.grid.order, "world_size": d.world_size}
+            "placement": d.grid.order, "world_size": d.world_size, "stages": stage_order(d.cfg, d.pp)}
 
 
 def current_layout() -> dict:
@@ -38,7 +44,9 @@ def current_layout() -> dict:
 def layout_difference(saved: dict) -> str | None:
     """'tp: saved 2 vs now 1, ...' when ``saved`` is another parallel layout than this job's, else None."""
     now = current_layout()
-    keys = ("pp", "tp", "rdp", "sdp", "zero_stage", "placement")
+    # checkpoints written before "stages" was recorded had one stage per pipeline rank
+    saved = {"stages": list(range(saved.get("pp") or 1)), **saved}
+    keys = ("pp", "tp", "rdp", "sdp", "zero_stage", "placement", "stages")
     diff = {k: (saved.get(k), now[k]) for k in keys if saved.get(k) != now[k]}
     return ", ".join(f"{k}: saved {a} vs now {b}" for k, (a, b) in diff.items()) if diff else None
 
@@ -48,14 +56,17 @@ def check_layout(saved: dict, what: str) -> None:
     if detail:
         raise SMPCheckpointError(
             f"{what} was saved with another parallel layout ({detail}). Partial checkpoints load only into the same "
-            "layout: relaunch with the saved degrees, or save a full checkpoint (partial=False) and load that instead")
+            "layout: relaunch with the saved degrees (and pipeline schedule, for stages), or save a full checkpoint "
+            "(partial=False) and load that instead")
 
 
-def atomic_torch_save(obj, path: str, pickle_protocol: int = 2) -> None:
+def atomic_torch_save(obj, path: str, pickle_protocol: int = 2) -> dict:
+    """torch.save, hashed as it is written; returns the file's {"size", "digest"} (default algorithm)."""
     tmp = f"{path}.tmp.{os.getpid()}"
-    torch.save(obj, tmp, pickle_protocol=pickle_protocol)
+    record = digests.write_hashed(tmp, lambda f: torch.save(obj, f, pickle_protocol=pickle_protocol))
     os.replace(tmp, path)
-    note_written(path)  # inside a partial checkpoint's save: this rank digests it (checkpoint_digests.py)
+    digests.note_written(path, record)  # inside a partial checkpoint's save: its digest (checkpoint_digests.py)
+    return record
 
 
 # Checkpoints the AWS templates write hold more than tensors: a transformers config in user_content

@@ -4,6 +4,9 @@ With ``SMP_ADAPTER_COMM_LEDGER=DIR`` (``smp-adapter launch --comm-ledger DIR`` s
 installs this ledger and every rank writes ``DIR/rank<r>.jsonl``: one JSON object per training step,
 ``{"step": i, "ops": [{"group", "ranks", "op", "calls", "bytes", "intra_node"}, ...]}``, and for traffic
 outside steps ``{"step": null, "phase": "init" | "eval" | "checkpoint" | "between_steps", "ops": [...]}``.
+With pipeline parallelism a step record also holds ``"pipeline": {"wall_s", "busy_s", "schedule",
+"bubble"}``: this rank's schedule time, its compute part (runtime/engines/pipeline/idle_time.py) and
+the schedule's bubble formula, from which `smp-adapter report` prints each rank's idle fraction.
 
 How every call is seen: the engines (DeepSpeed's comm layer, Megatron-core, torch's pipelining, smp's
 own code) all call ``torch.distributed.<name>`` by attribute at call time, and torch's own helpers
@@ -21,6 +24,10 @@ start) up to the end of the next ``DistributedOptimizer.step``, so several step 
 accumulation are one step and the gradient reduction DeepSpeed does in ``step()`` belongs to it. An
 ``@smp.step`` call without gradients (``torch.no_grad()`` or ``model.eval()``) outside a training step
 is phase "eval". Off (the variable unset), nothing is installed: no wrapper, no cost.
+
+Nothing is lost when a rank leaves by ``os._exit`` (no atexit handlers run): a step's record is
+written when the step ends, and the record of traffic outside steps is rewritten in place after
+every call, so the file always holds everything counted up to the last call outside a step.
 """
 
 from __future__ import annotations
@@ -87,8 +94,10 @@ class Ledger:
     def __init__(self, path: Path, rank: int, kind_ranks: dict[str, tuple[int, ...]], node_size: int):
         self.path, self.rank, self.node_size = path, rank, max(1, node_size)
         self.kind_ranks = kind_ranks  # smp group kind -> this rank's group, ascending global ranks
-        self.file = open(path, "w")
+        self.file = open(path, "wb")
+        self.record_start = 0  # file offset of the record still being counted (rewritten in place)
         self.counts: dict[tuple, list[int]] = {}
+        self.timing: dict | None = None  # the pipeline engine's schedule time in this step (summed over calls)
         self.step = 0
         self.in_step = False
         self.phase = "init"
@@ -136,6 +145,11 @@ class Ledger:
         else:
             entry[0] += 1
             entry[1] += nbytes
+        if not self.in_step:
+            # outside steps the record is on disk after every call: a rank that leaves by os._exit
+            # (no atexit, as forked workers and some launchers do) loses none of its phase traffic.
+            # In a step only the step's end writes (the hot path pays nothing).
+            self._write(final=False)
 
     def record_call(self, fname: str, bound: dict) -> None:
         op, argument = PAYLOAD_ARGUMENT[fname]
@@ -162,12 +176,24 @@ class Ledger:
         """Write what was counted as one record (a step's record even when it moved nothing)."""
         if not self.counts and not self.in_step:
             return
+        self._write(final=True)
+        self.counts = {}
+
+    def _write(self, final: bool) -> None:
+        """(Re)write the current record at record_start; a final one is followed by the next record."""
         ops = [{"group": name, "ranks": list(ranks), "op": op, "calls": calls, "bytes": nbytes, "intra_node": intra}
                for (name, ranks, op, intra), (calls, nbytes) in sorted(self.counts.items())]
         record = {"step": self.step, "ops": ops} if self.in_step else {"step": None, "phase": self.phase, "ops": ops}
-        self.file.write(json.dumps(record) + "\n")
-        self.file.flush()
-        self.counts = {}
+        if self.in_step and self.timing is not None:
+            record["pipeline"] = self.timing
+        self.file.seek(self.record_start)
+        self.file.write((json.dumps(record) + "\n").encode())
+        self.file.truncate()
+        self.file.flush()  # to the kernel: survives os._exit
+        if final:
+            self.record_start = self.file.tell()
+            if self.in_step:
+                self.timing = None  # the step's schedule time went into its record
 
     def step_call(self, training: bool) -> None:
         if self.in_step:
@@ -295,6 +321,16 @@ def note_step_call(model) -> None:
         import torch
 
         _active.step_call(torch.is_grad_enabled() and (model is None or getattr(model, "training", True)))
+
+
+def note_step_timing(timing: dict | None) -> None:
+    """The pipeline engine's (wall, compute) seconds of a training step call, recorded with the step."""
+    if _active is not None and timing is not None and _active.in_step:
+        previous = _active.timing
+        if previous is not None:  # gradient accumulation: several step calls per optimizer step
+            timing = {**timing, "wall_s": previous["wall_s"] + timing["wall_s"],
+                      "busy_s": previous["busy_s"] + timing["busy_s"]}
+        _active.timing = timing
 
 
 def note_optimizer_step() -> None:

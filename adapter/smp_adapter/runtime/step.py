@@ -99,6 +99,7 @@ def step(func: Callable | None = None, *, non_split_inputs=None, input_split_axe
                 results = run_microbatches(func, bound_mbs)
             else:  # the engine runs the microbatches (DeepSpeed: in order; pipeline: a schedule)
                 results = s.model.runtime_engine.run_step(func, bound_mbs, detach_outputs)
+                comm_ledger.note_step_timing(s.model.runtime_engine.step_timing())
         finally:
             s.in_step, s.microbatch = False, None
         s.step_calls += 1

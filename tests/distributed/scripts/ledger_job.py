@@ -2,7 +2,7 @@
 independent count of the same traffic: this script wraps torch.distributed's functions itself (its
 own table of payload rules, its own wrappers), before smp.init installs the ledger, and counts per
 training step (from the step call to the end of optimizer.step, the ledger's step). It also records
-the peak of live tensor bytes (CPU), measured from torch's storage allocations, for the plan checks.
+the peak of live CPU tensor bytes of the second step (live_tensor_bytes.py), for the plan checks.
 
 Options come from SM_HP_MP_PARAMETERS; the model from --config (a GPT2Config JSON file)."""
 
@@ -122,6 +122,7 @@ parser.add_argument("--steps", type=int, default=3)
 parser.add_argument("--per-rank-batch", type=int, default=4)
 parser.add_argument("--seq-len", type=int, default=16)
 parser.add_argument("--checkpoint-activations", action="store_true")
+parser.add_argument("--track-memory", action="store_true", help="measure the peak of live tensor bytes in step 2")
 args, _ = parser.parse_known_args()
 
 smp.init()
@@ -162,9 +163,16 @@ def train_step(model, ids):
     return loss
 
 
+from live_tensor_bytes import LiveTensorBytes  # noqa: E402
+
 per_step = []
+memory = LiveTensorBytes()
 model.train()
 for step in range(args.steps):
+    tracked = args.track_memory and step == 1  # steady state: Adam's state and the engines' buffers
+    if tracked:  # exist after the first step; one step is enough (the tracker costs ~1 s a step here)
+        memory.start()
+        live_between_steps = memory.now
     g = torch.Generator().manual_seed(100 + step)
     if args.model == "net":
         ids = batch("net", step, args.per_rank_batch)
@@ -175,6 +183,10 @@ for step in range(args.steps):
     train_step(model, ids)
     optimizer.step()
     count.on = False
+    if tracked:
+        memory.stop()
     per_step.append({op: list(v) for op, v in count.take().items()})
 smp.barrier()
-write_result({"per_step": per_step, "rank": smp.rank()})
+write_result({"per_step": per_step, "rank": smp.rank(),
+              "memory": {"peak_live_bytes": memory.peak, "live_between_steps": live_between_steps}
+              if args.track_memory else None})

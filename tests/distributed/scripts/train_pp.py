@@ -37,12 +37,17 @@ parser.add_argument("--loss-scale", default=None, help="fp16: static:<scale> or 
 parser.add_argument("--final-state", action="store_true",
                     help="report model.state_dict() at the end (also for gpt2) and right after --save-at")
 parser.add_argument("--clip", type=float, default=None, help="optimizer.clip_master_grads(max_norm) before each step")
+parser.add_argument("--act-ckpt", action="store_true",
+                    help="smp.set_activation_checkpointing on every Linear layer of the six-layer model")
 args, _ = parser.parse_known_args()
 
 smp.init()
 model = build(args.model, smp)
 if args.model == "net" and smp.tp_size() > 1:
     smp.set_tensor_parallelism(model.fc1, True)  # as the seed
+if args.act_ckpt:  # recomputed in the backward: the same gradients, less activation memory
+    for layer in model.layers:
+        smp.set_activation_checkpointing(layer)
 model = smp.DistributedModel(model)
 scaling = {}
 if args.loss_scale:
@@ -88,7 +93,7 @@ def evaluate(data):
 B = args.per_rank_batch
 eval_out = eval_in = None
 losses, mb_losses, outputs_shape = [], [], None
-scales, overflows, checksums = [], [], []
+scales, overflows, checksums, grad_norms = [], [], [], []
 saved_state = None
 model.train()
 for step in range(args.first_step, args.first_step + args.steps):
@@ -108,6 +113,8 @@ for step in range(args.first_step, args.first_step + args.steps):
         optimizer.clip_master_grads(args.clip)
     optimizer.step()
     overflows.append(optimizer.overflow)
+    if args.clip is not None:  # the global norm before clipping (DeepSpeed's attribute, engine.ClippingRecord)
+        grad_norms.append(float(optimizer._global_grad_norm))
     checksums.append(float(sum(p.detach().double().sum() for p in model.local_parameters())))
     mb_losses.append([float(x) for x in loss_mb.outputs])
     # mean over the data-parallel readers = the loss of the global batch
@@ -137,6 +144,6 @@ write_result({"eval_out": eval_out, "eval_in": eval_in, "losses": losses, "mb_lo
               "local_bytes": local_bytes, "local_names": [n for n, _ in model.local_named_parameters()],
               "dp_size": smp.dp_size(), "partitioned": model.partitioned, "roundtrip": roundtrip,
               "state_names": [n for n, p in model.local_named_parameters() if optimizer.state.get(master.get(id(p), p))],
-              "rdp_rank": smp.rdp_rank(), "scales": scales, "overflows": overflows, "checksums": checksums,
+              "rdp_rank": smp.rdp_rank(), "scales": scales, "overflows": overflows, "checksums": checksums, "grad_norms": grad_norms,
               "param_dtypes": sorted({str(p.dtype) for p in model.local_parameters()}),
               "saved_state": saved_state, "final_state": {k: v.tolist() for k, v in state.items()} if args.model != "gpt2" or args.final_state else None})

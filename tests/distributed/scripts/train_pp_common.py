@@ -63,12 +63,14 @@ def make_optimizer(name, params):
     return torch.optim.Adam(params, lr=1e-3) if name == "adam" else torch.optim.SGD(params, lr=0.05)
 
 
-def reference(name, steps, global_size, microbatches, optimizer="sgd", dtype=None, loss_scale=1.0, clip=None):
+def reference(name, steps, global_size, microbatches, optimizer="sgd", dtype=None, loss_scale=1.0, clip=None,
+              norms=None):
     """Single process: per step the mean over microbatches of the microbatch loss (= smp's reduce_mean).
     dtype (fp16/bf16): Apex-style mixed precision written out by hand: the model in dtype, fp32
     master copies updated by the optimizer, the loss multiplied by a static loss_scale in fp32,
     gradients accumulated over microbatches in dtype and divided by loss_scale into the masters.
-    clip: global-norm clipping before each step (of the masters' gradients under dtype)."""
+    clip: global-norm clipping before each step (of the masters' gradients under dtype); the norms before
+    clipping are appended to ``norms`` when given."""
     model = build(name)
     if dtype is not None:
         model.to(dtype)
@@ -97,7 +99,9 @@ def reference(name, steps, global_size, microbatches, optimizer="sgd", dtype=Non
             for p, m in zip(model.parameters(), masters):
                 m.grad = p.grad.float() / loss_scale
         if clip is not None:
-            torch.nn.utils.clip_grad_norm_(masters if dtype is not None else list(model.parameters()), clip)
+            norm = torch.nn.utils.clip_grad_norm_(masters if dtype is not None else list(model.parameters()), clip)
+            if norms is not None:
+                norms.append(float(norm))
         opt.step()
         if dtype is not None:
             with torch.no_grad():

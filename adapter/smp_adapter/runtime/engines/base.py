@@ -188,6 +188,11 @@ class Engine(ABC):
     def load_optimizer_state_dict(self, optimizer, sd: dict) -> None:
         ...
 
+    def step_timing(self) -> dict | None:
+        """What the last step call's schedule timing was, for the communication ledger (the
+        pipeline engine: this rank's compute and idle time); None when the engine has none."""
+        return None
+
     # -- partial checkpoints (runtime/checkpoint_dirs.py) ----------------------------------------
     @abstractmethod
     def save_partial(self, staging, optimizer) -> dict:

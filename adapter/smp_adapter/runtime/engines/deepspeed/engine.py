@@ -288,9 +288,13 @@ class DeepSpeedEngine(StartsThroughDeepSpeed, Engine):
         from smp_adapter.runtime.engines.deepspeed import universal_checkpoint
         from smp_adapter.runtime.checkpoint_refs import SavedTensors
 
+        from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+
         from smp_adapter.runtime.checkpoint_digests import noting_saves
 
-        with noting_saves(self._ds.checkpoint_engine):  # this rank digests the files DeepSpeed wrote for it
+        checkpoint_engine = self._ds.checkpoint_engine
+        # the files DeepSpeed writes for this rank are hashed as they are written (its default engine)
+        with noting_saves(checkpoint_engine, type(checkpoint_engine).save is TorchCheckpointEngine.save):
             if not universal_format.enabled():
                 self._ds.save_checkpoint(str(staging), tag="ds", save_latest=False)
                 return {}
@@ -304,13 +308,29 @@ class DeepSpeedEngine(StartsThroughDeepSpeed, Engine):
         universal_checkpoint.load(self._ds, self.model.module, Path(folder), universal)
 
     def load_partial(self, folder, optimizer, strict: bool, load_optimizer: bool) -> None:
+        checkpoint_engine = self._ds.checkpoint_engine
+        read = checkpoint_engine.load
+
+        def load(path, *args, **kwargs):
+            try:
+                return read(path, *args, **kwargs)
+            except Exception as exc:  # noqa: BLE001 - torch's reader on a file cut short: "[Errno 22] Invalid argument"
+                raise SMPCheckpointError(  # read unchecked (the opt-out): still name the file, never a bare OSError
+                    f"DeepSpeed could not read {path} ({type(exc).__name__}: {str(exc).splitlines()[0][:200]}): "
+                    f"the file is damaged or cut short; run `smp-adapter checkpoint verify {folder}`, or resume an "
+                    "older tag") from None
+
+        had_own = "load" in vars(checkpoint_engine)
+        checkpoint_engine.load = load  # an instance attribute for this load only
         try:
             loaded, _ = self._ds.load_checkpoint(str(folder), tag="ds", load_module_strict=strict,
                                                  load_optimizer_states=load_optimizer,
                                                  load_lr_scheduler_states=load_optimizer)
-        except OSError as exc:  # torch's reader on a file cut short: "[Errno 22] Invalid argument", no file named
-            raise SMPCheckpointError(f"DeepSpeed could not read {folder}/ds ({exc}): a file is damaged or cut short; "
-                                     f"run `smp-adapter checkpoint verify {folder}`, or resume an older tag") from None
+        finally:
+            if had_own:
+                checkpoint_engine.load = read
+            else:
+                del checkpoint_engine.load
         if loaded is None:
             raise SMPCheckpointError(f"DeepSpeed could not load {folder}/ds: the checkpoint is incomplete")
 

@@ -51,6 +51,7 @@ class PipelineEngine(StartsThroughDeepSpeed, Engine):
         self._sharding = None
         self._resume_optimizer_state = None  # a resume from another layout: finished at the first step
         self._internals = ClippingRecord()
+        self._timing = None  # (wall, busy) seconds of the last training step's schedule on this rank
 
     @property
     def optimizer_internals(self):
@@ -58,7 +59,23 @@ class PipelineEngine(StartsThroughDeepSpeed, Engine):
 
     # -- model -----------------------------------------------------------------------------------
     def run_step(self, func, bound_mbs: list, detach: bool) -> list:
-        return self.runner.run_step(func, bound_mbs, detach)
+        import torch
+
+        training = torch.is_grad_enabled() and self.model.training  # as the runner decides
+        results = self.runner.run_step(func, bound_mbs, detach)
+        self._timing = self.runner.clock.finish_step(training)
+        return results
+
+    def step_timing(self) -> dict | None:
+        """The last step's schedule time on this rank, its compute part and the schedule's bubble
+        formula (idle_time.py); None after an evaluation step."""
+        if self._timing is None:
+            return None
+        from smp_adapter.config.pipeline_schedule import bubble_formula
+
+        wall, busy = self._timing
+        return {"wall_s": wall, "busy_s": busy, "schedule": state.cfg.pipeline,
+                "bubble": bubble_formula(state.cfg.pipeline, state.dims.pp, self.runner.layout.v)}
 
     def forward(self, args, kwargs):
         return self.runner.forward(args, kwargs)

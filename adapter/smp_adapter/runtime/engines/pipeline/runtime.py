@@ -10,9 +10,8 @@ collectives), and builds a traced ``PipelineStage`` over smp's PP group.
 Each step call:
   1. the first stage learns the model inputs of every microbatch by running the step body up to its
      ``model(...)`` call (the call raises ``_Captured``; nothing after it runs there);
-  2. a torch schedule runs the stage forwards/backwards: ``Schedule1F1B`` for ``interleaved``,
-     ``ScheduleGPipe`` for ``simple``, in groups of at most ``active_microbatches`` microbatches when
-     that bounds the schedule's own number in flight;
+  2. a torch schedule runs the stage forwards/backwards (schedules.py; in groups of at most
+     ``active_microbatches`` when that bounds smp's own schedules' number in flight), timed (idle_time.py);
   3. on the last stage the schedule's loss function is the step body itself: ``model(...)`` returns
      the microbatch's pipeline output and ``model.backward(loss)`` hands the loss to the schedule
      (divided by the number of microbatches, for smp's gradient average);
@@ -32,8 +31,8 @@ from torch import nn
 
 from smp_adapter.errors import SMPUsageError, UnsupportedFeatureError
 from smp_adapter.runtime import activation_checkpoint
-from smp_adapter.runtime.engines.pipeline import partition as part
-from smp_adapter.runtime.engines.pipeline import surgery
+from smp_adapter.runtime.engines.pipeline import partition as part, surgery
+from smp_adapter.runtime.engines.pipeline.idle_time import ComputeClock
 from smp_adapter.runtime.engines.pipeline.virtual_stages import StageLayout, refuse_skip_connections, skip_self_warmup
 from smp_adapter.runtime.partition import partition_mark
 from smp_adapter.runtime.state import state
@@ -62,6 +61,7 @@ class PipelineRunner:
         self.group = state.groups.pp
         self.built = False
         self.stages: list = []  # this rank's torch PipelineStages, in stage order
+        self.clock = ComputeClock([])  # this rank's compute and schedule time per step (idle_time.py)
         self.stage_modules: list[nn.Module] = []
         self.stage_units: list[list[str]] = []
         self.local_params: list[nn.Parameter] = []
@@ -70,12 +70,9 @@ class PipelineRunner:
         self.out_spec = None
         self._schedules: dict = {}
         self._last_schedule = None
-        self._traced_training = True
-        self._mode_warned = False
-        self._mode = None
+        self._traced_training, self._mode_warned, self._mode = True, False, None
         self._autocast = None  # (device type, dtype) active around model(...) in the step body, or None
-        self._replay = None
-        self._loss = None
+        self._replay = self._loss = None
         #: fp16/bf16: returns the current loss scale (set by the pipeline engine with the optimizer)
         self.loss_scale_source = None
 
@@ -255,6 +252,7 @@ class PipelineRunner:
         key = (n, training, simple)
         if key not in self._schedules:
             self._schedules[key] = make_schedule(self.stages, n, training, state.cfg.pipeline, self.num_stages)
+            self.clock.attach(self._schedules[key])
         sched = self._schedules[key]
         if key != self._last_schedule:
             # the stage's buffers were set up by another schedule (train <-> eval, another group size):
@@ -340,15 +338,15 @@ class PipelineRunner:
             for name, original in self.tp_originals.items():  # the split (TP) modules go back in
                 if surgery.has_submodule(mine, name):
                     surgery.set_submodule(mine, name, surgery.get_submodule(module, name))
-            checkpointed = activation_checkpoint.checkpoint_traced(module, mine)
-            if checkpointed and state.coord.tp == 0 and state.coord.rdp == 0:
-                print(f"Activation checkpointing in stage {i}: {', '.join(checkpointed)}", flush=True)
             if i != self.layout.total - 1:
                 # activations cross to the next stage in buffers of the traced dtype: an autocast forward's
                 # reduced-precision outputs are sent widened (exact), and the next stage's autocast
                 # narrows them again for its matmuls
                 traced = next((p.dtype for p in mine.parameters() if p.is_floating_point()), torch.get_default_dtype())
                 mine.register_forward_hook(surgery.WidenAutocastOutputs(traced))
+        marked = [n for mine in self.stage_modules for n in surgery.checkpoint_marked(module, mine)]
+        if marked:  # set_activation_checkpointing, lost by torch.export, applied again to the stages
+            print(f"Activation checkpointing in the stage(s) of pipeline rank {self.stage_index}: {', '.join(marked)}")
         self.local_params = list({id(p): p for m in self.stage_modules for p in m.parameters()}.values())
         self.local_keys = {k for m in self.stage_modules for k in m.state_dict().keys()}
         self._make_tie_groups(owners)
@@ -358,6 +356,7 @@ class PipelineRunner:
             for stage in self.stages:
                 stage.stage_index_to_group_rank = dict(enumerate(self.layout.ranks))
                 skip_self_warmup(stage)
+        self.clock = ComputeClock(self.stages)
         self.tp_originals = {}
         self.built = True
         self.model.mark_partitioned()
@@ -505,7 +504,6 @@ class PipelineRunner:
         return {k: v for k, v in sd.items() if k in self.local_keys} if self.built else sd
 
 
-# -- module surgery helpers ----------------------------------------------------------------------
 def clip_grad_norm_pipeline(runner: PipelineRunner, max_norm: float, masters: dict | None = None) -> float:
     """Global-norm clipping over all stages and TP ranks (runtime/clipping.py). A parameter tied
     across stages is counted on the lowest stage holding it. ``masters`` (id(parameter) -> its fp32

@@ -3,7 +3,8 @@ hooks the stage builder installs (runtime/engines/pipeline/runtime.py).
 
 * ``originals_swapped_in``: the pre-TP modules back in place while torch.export traces the model;
 * ``CarryInputs``: model inputs first read by a later stage, carried from stage 0;
-* ``WidenAutocastOutputs``: autocast activations cross stages in the traced dtype.
+* ``WidenAutocastOutputs``: autocast activations cross stages in the traced dtype;
+* ``checkpoint_marked``: ``smp.set_activation_checkpointing`` applied again to the traced stage.
 """
 
 from __future__ import annotations
@@ -94,3 +95,21 @@ def set_tensor(root, name, tensor) -> None:
     # nn.Module.__setattr__: a Parameter is registered as one; a tensor assigned to an existing
     # buffer name replaces that buffer (its persistence is kept)
     setattr(owner, leaf, tensor)
+
+
+def checkpoint_marked(module: nn.Module, stage: nn.Module) -> list[str]:
+    """torch.export inlines torch.utils.checkpoint: a stage graph holds the plain ops of a module
+    marked with smp.set_activation_checkpointing, and its activations would all be kept. Wrap the
+    stage's traced submodule of each marked name in checkpoint again (non-reentrant, as at pp = 1).
+    A group strategy's members are each wrapped: they were traced on their own (tracing_plain).
+    Returns the names wrapped."""
+    from smp_adapter.runtime.activation_checkpoint import checkpoint_forward
+
+    wrapped = []
+    for name, original in module.named_modules():
+        if not name or not getattr(original, "_smp_checkpointed", False):
+            continue  # not marked (a group's followers are traced on their own: tracing_plain)
+        if has_submodule(stage, name) and get_submodule(stage, name) is not original:
+            checkpoint_forward(get_submodule(stage, name), getattr(original, "_smp_preserve_rng", True), [])
+            wrapped.append(name)
+    return wrapped
