@@ -115,16 +115,23 @@ def test_gpt_simple_style_pp2_tp2_dp2_shard_optimizer_state_manual_partition(tmp
     """train_gpt_simple-style 3D run: pp 2 x tp 2 x dp 2 (8 processes) with the templates' default
     prescaled_batch, shard_optimizer_state (each stage's state split over its 2 replicas),
     set_partition over seq_layers (ln_f / lm_head left on default_partition 0 join the last stage),
-    Hugging Face layers split for TP inside the traced stages, the loss from labels= on the last
-    stage. Losses and the clipping norm (optimizer._global_grad_norm, over all stages and TP ranks)
-    against one process on the same global batches: a wrong gradient through the traced TP
-    collectives moves the norm long before Adam lets it move the losses."""
+    activation checkpointing of each layer (set_activation_checkpointing(seq_layers,
+    strategy="each")), Hugging Face layers split for TP inside the traced stages, the loss from
+    labels= on the last stage, and, as the templates' data pipelines do, empty placeholder batches
+    on the second stage (only the first stage's inputs feed the model). Losses and the clipping
+    norm (optimizer._global_grad_norm, over all stages and TP ranks) against one process on the same
+    global batches: a wrong gradient through the traced TP collectives moves the norm long before
+    Adam lets it move the losses. 3 steps: the norm is compared at the last."""
     args = {"pipeline_parallel_degree": 2, "tensor_parallel_degree": 2, "prescaled_batch": 1,
-            "shard_optimizer_state": 1, "microbatches": 2, "manual_partition": 1, "use_distributed_transformer": 1}
+            "shard_optimizer_state": 1, "microbatches": 2, "manual_partition": 1, "use_distributed_transformer": 1,
+            "activation_checkpointing": 1, "activation_strategy": "each", "max_steps": 3}
     results, output, data = _run(tmp_path, 8, args)
     _assert_matches(results["losses"], gpt_reference(args, data, data_ranks=2))  # prescaled: TP ranks share rows
     assert abs(results["grad_norm"] - gpt_reference.last_grad_norm) <= RTOL * gpt_reference.last_grad_norm
     assert "transformer.ln_f -> 1" in output
+    # each stage's traced layers are checkpointed again (torch.export would inline the checkpoint)
+    assert "Activation checkpointing in the stage(s) of pipeline rank 0: transformer.h.0, transformer.h.1" in output
+    assert "Activation checkpointing in the stage(s) of pipeline rank 1: transformer.h.2, transformer.h.3" in output
 
 
 def test_gpt_simple_style_pp2_tp2_fp16_auto_partition(tmp_path):

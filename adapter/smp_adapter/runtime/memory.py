@@ -6,9 +6,10 @@ checkpointing, register_parameter.
   already sharded, never whole on one rank. Without sdp it changes nothing (parameters are created
   normally; the engine places them at wrap time) - our documented choice.
 * ``set_activation_checkpointing`` re-runs the module's forward during backward
-  (torch.utils.checkpoint, non-reentrant, which also works under ZeRO-3). With
-  ``offload_activations`` the tensors a checkpointed module saves go to CPU memory
-  (torch.autograd.graph.save_on_cpu) and return when backward reaches them.
+  (torch.utils.checkpoint, non-reentrant, which also works under ZeRO-3; the mechanism, and how
+  pipeline stages get it, in runtime/activation_checkpoint.py). With ``offload_activations`` the
+  tensors a checkpointed module saves go to CPU memory (torch.autograd.graph.save_on_cpu) and
+  return when backward reaches them.
 """
 
 from __future__ import annotations

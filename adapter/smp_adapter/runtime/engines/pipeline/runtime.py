@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from smp_adapter.errors import SMPUsageError, UnsupportedFeatureError
+from smp_adapter.runtime import activation_checkpoint
 from smp_adapter.runtime.engines.pipeline import partition as part, surgery
 from smp_adapter.runtime.engines.pipeline.idle_time import ComputeClock
 from smp_adapter.runtime.engines.pipeline.virtual_stages import StageLayout, refuse_skip_connections, skip_self_warmup
@@ -124,7 +125,7 @@ class PipelineRunner:
             for mb in range(m if self.is_first else 1):
                 inputs.append(self._capture(func, bound_mbs[mb]))
         if not self.built:
-            self._build(*inputs[0])
+            self._build(*self._first_stage_inputs(inputs[0]))
             self._traced_training = self.model.training
         elif self.model.training != self._traced_training and not self._mode_warned:
             self._mode_warned = True
@@ -151,6 +152,25 @@ class PipelineRunner:
         if training:
             self._reduce_gradients()
         return results
+
+    def _first_stage_inputs(self, captured):
+        """Microbatch 0's model inputs as the first stage captured them, on every rank of the PP group.
+        Only the first stage's inputs feed the model (smp v1 ignores the other stages'), and scripts
+        rely on it: the AWS templates' data pipelines hand the later stages empty placeholder batches.
+        Every rank then profiles and traces the model with the same inputs and cuts the same stages."""
+        if self.num_stages == 1:
+            return captured
+        tree = torch.utils._pytree
+        payload = [None]
+        if self.is_first:  # tensors travel on the CPU, each with the kind of device it was on
+            payload = [(tree.tree_map(lambda t: t.detach().cpu() if isinstance(t, torch.Tensor) else t, captured),
+                        tree.tree_map(lambda t: t.device.type if isinstance(t, torch.Tensor) else None, captured))]
+        dist.broadcast_object_list(payload, src=dist.get_global_rank(self.group, 0), group=self.group)
+        if self.is_first:
+            return captured
+        values, devices = payload[0]
+        return tree.tree_map(lambda t, d: t.to(state.device) if isinstance(t, torch.Tensor) and d != "cpu" else t,
+                             values, devices)
 
     def _capture(self, func, bound):
         self._mode = "capture"
@@ -283,7 +303,7 @@ class PipelineRunner:
 
         module = self.model.module
         cfg = state.cfg
-        with surgery.originals_swapped_in(module, self.tp_originals):
+        with surgery.originals_swapped_in(module, self.tp_originals), activation_checkpoint.tracing_plain():
             prof = part.profile(module, args, kwargs)
             with torch.no_grad():
                 example_out = module(*args, **kwargs)

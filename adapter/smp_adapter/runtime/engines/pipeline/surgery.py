@@ -101,14 +101,14 @@ def checkpoint_marked(module: nn.Module, stage: nn.Module) -> list[str]:
     """torch.export inlines torch.utils.checkpoint: a stage graph holds the plain ops of a module
     marked with smp.set_activation_checkpointing, and its activations would all be kept. Wrap the
     stage's traced submodule of each marked name in checkpoint again (non-reentrant, as at pp = 1).
-    A group strategy's followers are skipped: their ops ran inside the leader's forward while tracing.
+    A group strategy's members are each wrapped: they were traced on their own (tracing_plain).
     Returns the names wrapped."""
     from smp_adapter.runtime.activation_checkpoint import checkpoint_forward
 
     wrapped = []
     for name, original in module.named_modules():
-        if not name or not getattr(original, "_smp_checkpointed", False) or hasattr(original, "_smp_original_forward"):
-            continue  # not marked, or a follower (its ops are in the leader's segment)
+        if not name or not getattr(original, "_smp_checkpointed", False):
+            continue  # not marked (a group's followers are traced on their own: tracing_plain)
         if has_submodule(stage, name) and get_submodule(stage, name) is not original:
             checkpoint_forward(get_submodule(stage, name), getattr(original, "_smp_preserve_rng", True), [])
             wrapped.append(name)
