@@ -147,7 +147,7 @@ class PipelineEngine(StartsThroughDeepSpeed, Engine):
 
     def _clip(self, max_norm: float) -> None:
         """The norm over all stages' parameters (fp32 masters under fp16/bf16)."""
-        from smp_adapter.runtime.engines.pipeline.runtime import clip_grad_norm_pipeline
+        from smp_adapter.runtime.engines.pipeline.tied import clip_grad_norm_pipeline
 
         mixed = self._mixed
         masters = mixed.masters_by_param() if mixed is not None and mixed.attached else None

@@ -31,7 +31,7 @@ from torch import nn
 
 from smp_adapter.errors import SMPUsageError, UnsupportedFeatureError
 from smp_adapter.runtime import activation_checkpoint
-from smp_adapter.runtime.engines.pipeline import partition as part, surgery
+from smp_adapter.runtime.engines.pipeline import partition as part, surgery, tied
 from smp_adapter.runtime.engines.pipeline.idle_time import ComputeClock
 from smp_adapter.runtime.engines.pipeline.virtual_stages import StageLayout, refuse_skip_connections, skip_self_warmup
 from smp_adapter.runtime.partition import partition_mark
@@ -331,7 +331,7 @@ class PipelineRunner:
                     hook.remove()
                 self._check_inputs_reach_first_stage(module)
             stage_mods = [pipe.get_stage_module(i) for i in range(self.layout.total)]
-        owners = self._tie_to_model(module, stage_mods)
+        owners = tied.point_stages_at_model(module, stage_mods)
         ids = self.layout.stages_of(self.stage_index)
         self.stage_modules = [stage_mods[i] for i in ids]
         for i, mine in zip(ids, self.stage_modules):
@@ -349,7 +349,7 @@ class PipelineRunner:
             print(f"Activation checkpointing in the stage(s) of pipeline rank {self.stage_index}: {', '.join(marked)}")
         self.local_params = list({id(p): p for m in self.stage_modules for p in m.parameters()}.values())
         self.local_keys = {k for m in self.stage_modules for k in m.state_dict().keys()}
-        self._make_tie_groups(owners)
+        self.tied = tied.tie_groups(self, owners)
         self.stages = [build_stage(mine, i, pipe.info(), state.device, group=self.group)
                        for i, mine in zip(ids, self.stage_modules)]
         if self.layout.v_shaped:
@@ -430,46 +430,6 @@ class PipelineRunner:
             return args, kwargs
         return tuple(values), {}
 
-    def _tie_to_model(self, module: nn.Module, stage_mods) -> dict:
-        """Point every stage's parameters/buffers at the model's own tensors (by qualified name);
-        return {id(parameter): set of stages holding it}."""
-        owners: dict[int, set] = {}
-        for i, sm in enumerate(stage_mods):
-            for name, _ in list(sm.named_parameters(remove_duplicate=False)):
-                target = module.get_parameter(name)
-                surgery.set_tensor(sm, name, target)
-                owners.setdefault(id(target), set()).add(i)
-            for name, _ in list(sm.named_buffers(remove_duplicate=False)):
-                try:
-                    target = module.get_buffer(name)
-                except AttributeError:
-                    continue
-                surgery.set_tensor(sm, name, target)
-        return owners
-
-    def _make_tie_groups(self, owners: dict) -> None:
-        """Parameters held by several pipeline ranks (tied weights): one group per rank set, created in
-        the same order on every rank (torch requires it). Stages on one rank share the Parameter object
-        itself, so autograd already sums their gradients there."""
-        grid = state.dims.grid
-        by_id = {id(p): p for p in self.model.module.parameters()}
-        owners = {pid: set(self.layout.ranks_of(stages)) for pid, stages in owners.items()}
-        sets = sorted({tuple(sorted(s)) for s in owners.values() if len(s) > 1})
-        mine = {}
-        for stages in sets:
-            for ranks in grid.groups("pp"):
-                ranks = list(ranks)
-                members = [ranks[s] for s in stages]
-                g = dist.new_group(members) if len(members) < dist.get_world_size() else dist.group.WORLD
-                if state.rank in members:
-                    mine[stages] = g
-        self.tied = [(by_id[pid], mine[tuple(sorted(s))]) for pid, s in owners.items()
-                     if len(s) > 1 and self.stage_index in s and pid in by_id]
-        if self.tied and state.rank == 0:
-            names = {id(p): n for n, p in self.model.module.named_parameters()}
-            print("Tied parameters held by several stages (gradients summed over them): "
-                  + ", ".join(f"{names.get(id(p), '?')}" for p, _ in self.tied), flush=True)
-
     # -- parameters and state ----------------------------------------------------------------------
     def local_named_parameters(self):
         if not self.built:
@@ -502,18 +462,3 @@ class PipelineRunner:
 
     def local_state_dict(self, sd: dict) -> dict:
         return {k: v for k, v in sd.items() if k in self.local_keys} if self.built else sd
-
-
-def clip_grad_norm_pipeline(runner: PipelineRunner, max_norm: float, masters: dict | None = None) -> float:
-    """Global-norm clipping over all stages and TP ranks (runtime/clipping.py). A parameter tied
-    across stages is counted on the lowest stage holding it. ``masters`` (id(parameter) -> its fp32
-    master, fp16/bf16): clip the masters' gradients instead. Returns the norm before clipping."""
-    from smp_adapter.runtime.clipping import clip_by_global_norm
-
-    model = runner.model
-    holder = (lambda p: masters.get(id(p), p)) if masters else (lambda p: p)
-    not_counted = {id(p) for p, grp in runner.tied if min(dist.get_process_group_ranks(grp)) != state.rank}
-    grads = [(holder(p).grad, model.is_distributed_parameter(p), id(p) not in not_counted)
-             for p in runner.local_params if holder(p).grad is not None]
-    return clip_by_global_norm(grads, max_norm, tp_group=state.groups.tp if state.dims.tp > 1 else None,
-                               pp_group=runner.group if runner.built and runner.num_stages > 1 else None)
