@@ -106,6 +106,10 @@ class _HashingFile(io.RawIOBase):
     def writable(self) -> bool:
         return True
 
+    @property
+    def name(self) -> str:  # the path being written, as a file object's name is (tools and scripts read it)
+        return self._raw.name
+
     def write(self, data) -> int:
         view = memoryview(data).cast("B")
         for start in range(0, len(view), _CHUNK):

@@ -66,7 +66,7 @@ if args.die_in_save and int(os.environ["RANK"]) == 1:
     saves = []
 
     def dying_save(obj, f, *a, **k):  # in the 2nd checkpoint, DeepSpeed's shards are written: die
-        if "rng_rank" in str(f):
+        if "rng_rank" in str(getattr(f, "name", f)):  # a path, or the file object smp-adapter writes through
             saves.append(f)
             if len(saves) == 2:
                 os.kill(os.getpid(), signal.SIGKILL)
