@@ -8,16 +8,6 @@ from torch import nn
 
 import smdistributed.modelparallel.torch as smp
 from smp_adapter.errors import SMPUsageError
-from smp_adapter.runtime.init import shutdown
-
-
-@pytest.fixture
-def fresh(monkeypatch):
-    for key in ("SM_HP_MP_PARAMETERS", "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT", "OMPI_COMM_WORLD_RANK"):
-        monkeypatch.delenv(key, raising=False)
-    shutdown()
-    yield
-    shutdown()
 
 
 class _Rotary(nn.Module):

@@ -16,15 +16,6 @@ from smp_adapter.errors import NotInitializedError, SMPCheckpointError, SMPUsage
 from smp_adapter.runtime.init import shutdown
 
 
-@pytest.fixture
-def fresh(monkeypatch):
-    for key in ("SM_HP_MP_PARAMETERS", "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT", "OMPI_COMM_WORLD_RANK"):
-        monkeypatch.delenv(key, raising=False)
-    shutdown()
-    yield
-    shutdown()
-
-
 def _mlp():
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
