@@ -28,6 +28,8 @@ parser.add_argument("--resume", action="store_true")
 parser.add_argument("--ckpt-dir", default="ckpt")
 parser.add_argument("--checkpoint-activations", action="store_true")
 parser.add_argument("--init-weights", default=None, help="state dict to load after wrapping (fine-tune style)")
+parser.add_argument("--nan-in-shard-padding", action="store_true",
+                    help="fill the padding of every ZeRO-3 shard with NaN after creation (DeepSpeed leaves it unwritten)")
 parser.add_argument("--raise-at-step", type=int, default=-1, help="failure test: --raise-rank raises at this step")
 parser.add_argument("--raise-rank", type=int, default=1)
 parser.add_argument("--die-in-save", action="store_true", help="failure test: rank 1 is SIGKILLed mid-save")
@@ -39,6 +41,12 @@ with smp.model_creation():  # delayed parameter initialization under sdp (zero.I
 if args.model == "vit-frozen":
     for p in model.vit.embeddings.parameters():
         p.requires_grad_(False)
+if args.nan_in_shard_padding:  # the padding is torch.empty: NaN bits are what CI once met there
+    import torch.distributed as dist
+
+    for p in model.parameters():
+        place = dist.get_rank(group=p.ds_process_group) * p.ds_tensor.numel()
+        p.ds_tensor.data[max(0, min(p.ds_tensor.numel(), p.ds_numel - place)):] = float("nan")
 total_params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
 model = smp.DistributedModel(model)
 if args.init_weights:  # smp rule: load weights after wrapping

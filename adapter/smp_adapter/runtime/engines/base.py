@@ -61,7 +61,8 @@ class Engine(ABC):
 
     @classmethod
     def local_data(cls, tensor):
-        """What this rank holds of a parameter or buffer: the engine's shard where it shards it."""
+        """The values this rank holds of a parameter or buffer: the engine's shard where it shards it
+        (without padding the engine adds to even out shards)."""
         return tensor
 
     @classmethod

@@ -65,9 +65,9 @@ class DeepSpeedEngine(StartsThroughDeepSpeed, Engine):
 
     @classmethod
     def local_data(cls, tensor):
-        from smp_adapter.runtime.engines.deepspeed.zero3 import is_zero3_parameter
+        from smp_adapter.runtime.engines.deepspeed.zero3 import is_zero3_parameter, shard_values
 
-        return tensor.ds_tensor if is_zero3_parameter(tensor) else tensor
+        return shard_values(tensor) if is_zero3_parameter(tensor) else tensor
 
     @classmethod
     def gathered(cls, params, modifier_rank=None):

@@ -23,6 +23,18 @@ def is_zero3_parameter(p) -> bool:
     return hasattr(p, "ds_id")
 
 
+def shard_values(p) -> torch.Tensor:
+    """The values this rank holds of ZeRO-3 parameter ``p``: its shard without the padding. DeepSpeed
+    gives every rank ceil(numel / ranks) elements; the last ranks' tails past ``ds_numel`` are padding
+    it never writes (torch.empty: any bits, NaN included), so a reader of values must not see them."""
+    import torch.distributed as dist
+
+    shard = p.ds_tensor
+    index = dist.get_rank(group=p.ds_process_group)  # this rank's place in the parameter's ZeRO group
+    valid = max(0, min(shard.numel(), p.ds_numel - index * shard.numel()))
+    return shard.narrow(0, 0, valid)
+
+
 def holds_zero3_parameters(module) -> bool:
     return any(is_zero3_parameter(p) for p in module.parameters())
 
