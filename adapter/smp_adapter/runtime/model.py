@@ -48,11 +48,9 @@ class DistributedModel(nn.Module):
 
         engine = job_engine()  # the class smp.init chose from the layout
         engine.place_module(module, s.device)
-        # Every replica starts from dp rank 0's weights (users seed with dp_rank); done before the
-        # tensor-parallel split, so each TP rank's shard is a slice of the same matrix. The engine's
-        # shards (created under delayed initialisation) are the same on every replica already.
-        if not engine.holds_shards(module):
-            _sync_initial_state(module)
+        # Every replica starts from dp rank 0's weights (users seed with dp_rank), before the
+        # tensor-parallel split; the engine knows what it shards
+        engine.sync_initial_state(module)
         if _created_for_tensor_parallelism(module):
             # smp v1's distributed-transformer names (transformer.seq_layers, .attention, .output),
             # which scripts walk for set_partition / set_activation_checkpointing
@@ -255,21 +253,3 @@ def _cast_floats(obj, dtype):
     if isinstance(obj, dict):
         return {k: _cast_floats(v, dtype) for k, v in obj.items()}
     return obj
-
-
-def _sync_initial_state(module) -> None:
-    """Start every replica from the same weights, as smp's constructor did: everything from dp rank
-    0 over the DP group (which holds the TP group), before any tensor-parallel split."""
-    import torch.distributed as dist
-
-    s = state
-    if s.world_size == 1:
-        return
-    from smp_adapter.runtime.comm import get_dp_group
-
-    if dist.get_world_size(s.groups.dp) == 1:
-        return
-    src = get_dp_group()[0]
-    with torch.no_grad():
-        for tensor in list(module.parameters()) + list(module.buffers()):
-            dist.broadcast(tensor.data, src=src, group=s.groups.dp)

@@ -1,6 +1,7 @@
 """Every model family mapped for tensor parallelism, built in turn under delayed parameter
 initialisation at tp 2 x sdp 2 (4 ranks), compared tensor by tensor right after smp.DistributedModel
-with the same model built without delayed initialisation (plain, same seed, on every rank).
+with the same model built without delayed initialisation (plain, same seed, on every rank); the
+delayed-init model is created with each rank seeded by its dp rank, as the spec advises.
 
 One job for all families (one rank start-up): smp.init / smp.shutdown per family over a process
 group the script owns. Each rank gathers its ZeRO-3 shards (GatheredParameters) and reports, per
@@ -149,7 +150,9 @@ def main():
                   "delayed_parameter_initialization": True})
         torch.manual_seed(1234)
         reference = cls(config)  # no delayed init: every rank builds the whole model
-        torch.manual_seed(1234)
+        # seeded with the dp rank, as the spec advises (§3.5): the TP ranks draw different numbers,
+        # and what is not split must still start equal on every TP rank
+        torch.manual_seed(1234 + smp.dp_rank())
         with smp.model_creation(tensor_parallelism=True):
             # the class called directly (its own init runs on empty shards) and from_config (transformers'
             # ZeRO-3 path): both must end initialised

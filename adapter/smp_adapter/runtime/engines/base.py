@@ -76,6 +76,16 @@ class Engine(ABC):
         return contextlib.nullcontext()
 
     @classmethod
+    def sync_initial_state(cls, module) -> None:
+        """Start every replica from the same weights, as smp's constructor did: every parameter and
+        buffer from dp rank 0 over the DP group (which holds the TP group). Called before the
+        tensor-parallel split, so each TP rank's shard is a slice of the same matrix although users
+        seed with their dp rank (spec §3.5)."""
+        from smp_adapter.runtime.state import state
+
+        broadcast_from_first_rank(list(module.parameters()) + list(module.buffers()), state.groups.dp)
+
+    @classmethod
     def place_module(cls, module, device) -> None:
         """DistributedModel: put a freshly created module where the engine wants it before the
         tensor-parallel split (whole tensors on the job's device)."""
@@ -233,3 +243,16 @@ def refuse_full_sharded_optimizer_state():
     raise UnsupportedFeatureError(
         "a full optimizer state_dict is not available with optimizer-state sharding (as in smp v1): use "
         "optimizer.local_state_dict() or smp.save_checkpoint(..., partial=True)")
+
+
+def broadcast_from_first_rank(tensors, group) -> None:
+    """Overwrite ``tensors`` on every member of ``group`` with its first member's (collective: every
+    member passes the same tensors in the same order). Nothing to do alone or without a group."""
+    import torch.distributed as dist
+
+    if group is None or not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return
+    src = dist.get_global_rank(group, 0)
+    with torch.no_grad():
+        for tensor in tensors:
+            dist.broadcast(tensor.data, src=src, group=group)
