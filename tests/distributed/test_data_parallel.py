@@ -60,11 +60,14 @@ def test_shard_optimizer_state_is_zero1_and_matches(tmp_path, init_weights):
 def test_sharded_data_parallel_zero3_with_checkpointing_and_delayed_init(tmp_path, init_weights):
     options = {"ddp": True, "sharded_data_parallel_degree": 2, "delayed_parameter_initialization": True, **SDP_EXACT}
     # NaN in the shards' padding (unwritten memory, any bits): the initial-weights check must read
-    # only the values, and training must not see it (CI once met NaN bits in classifier.bias's padding)
+    # only the values, training must not see it (CI once met NaN bits in classifier.bias's padding),
+    # and after the run the shards' squares summed over the group are the whole weights' (padding zero)
     results = _run(tmp_path, options, 2, init_weights, "--checkpoint-activations", "--optimizer", "adam", "--lr", LR["adam"],
                    "--nan-in-shard-padding")
     assert results[0]["zero_stage"] == 3 and results[0]["hpz"] == 1
     _assert_matches_reference(results, init_weights, optimizer="adam")
+    shard_squares, whole_squares = results[0]["squares"]
+    assert shard_squares == pytest.approx(whole_squares, rel=1e-5)  # fp32 sums in another order
     # memory: each rank holds 1/sdp of the parameters and of each Adam moment (+5% padding at most)
     ideal = results[0]["total_param_bytes"] / 2
     for r in results:

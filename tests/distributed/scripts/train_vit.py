@@ -107,6 +107,16 @@ for step in range(args.first_step, args.first_step + args.steps):
         smp.save_checkpoint(args.ckpt_dir, tag=f"step{step + 1}", partial=True, user_content={"step": step + 1})
         saved_state = {k: v.tolist() for k, v in model.state_dict().items()}  # what the checkpoint holds
 
+squares = None
+if args.nan_in_shard_padding:  # the templates' norm logging: squares of the shards, summed over the group
+    import deepspeed
+
+    shard_squares = sum(p.ds_tensor.data.float().pow(2).sum() for p in model.module.parameters())
+    torch.distributed.all_reduce(shard_squares, group=optimizer.ds_param_shard_group)
+    with deepspeed.zero.GatheredParameters(list(model.module.parameters())):  # the whole tensors
+        whole_squares = sum(p.data.float().pow(2).sum() for p in model.module.parameters())
+    squares = [shard_squares.item(), whole_squares.item()]
+
 engine = model.engine
 stage = engine.zero_optimization_stage()
 def held_bytes(p):
@@ -123,7 +133,7 @@ moments = [t for st in getattr(opt, "optimizer", opt).state.values() for k, t in
            if k in ("exp_avg", "exp_avg_sq")]
 master = list(getattr(opt, "fp32_partitioned_groups_flat", []))
 opt_bytes = sum(t.numel() * t.element_size() for t in moments + master)
-write_result({"losses": losses, "first_params": first_params, "saved_state": saved_state, "zero_stage": stage, "param_bytes": param_bytes,
+write_result({"losses": losses, "squares": squares, "first_params": first_params, "saved_state": saved_state, "zero_stage": stage, "param_bytes": param_bytes,
               "buffers": {k: v.tolist() for k, v in model.module.named_buffers()},  # BatchNorm statistics
               "opt_bytes": opt_bytes,
               "adam_moment_bytes": sum(t.numel() * t.element_size() for t in moments), "total_param_bytes": total_params * 4, "dp_size": smp.dp_size(),

@@ -196,16 +196,22 @@ def partition_for_zero3(module, dtype) -> None:
     ``p.ds_tensor.ds_numel`` right after wrapping, before any optimizer exists. Parameters already
     partitioned (created under delayed initialisation) are left alone; new ones (tensor-parallel
     slices built from gathered shards) join them. Floating parameters are cast to the job's dtype
-    first, because DeepSpeed casts only parameters it partitions itself."""
+    first, because DeepSpeed casts only parameters it partitions itself. Then every shard's padding
+    is zeroed (DeepSpeed never writes it): scripts that sum over ``p.ds_tensor`` (the AWS templates'
+    parameter-norm logging) read zeros there, not whatever the memory held, and so does the optimizer's
+    flat partition, which is copied from the shards."""
     from smp_adapter.runtime.engines.deepspeed.groups import partition_module
 
     whole = [p for p in module.parameters() if not is_zero3_parameter(p)]
-    if not whole:
-        return
     for p in whole:
         if p.is_floating_point() and p.dtype != dtype:
             p.data = p.data.to(dtype)
-    partition_module(module)
+    if whole:
+        partition_module(module)
+    with torch.no_grad():
+        for p in module.parameters():
+            if is_zero3_parameter(p):
+                p.ds_tensor.data[shard_values(p).numel():].zero_()
 
 
 def local_tensors(module) -> dict:
