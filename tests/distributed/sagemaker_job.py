@@ -26,6 +26,7 @@ import fcntl
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -63,6 +64,7 @@ def toolkit_env() -> Path:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if (venv / "ready").exists():
             return venv
+        _remove_envs_of_removed_test_envs(cache)
         shutil.rmtree(venv, ignore_errors=True)
         # the base interpreter, not the test venv's python: `venv` refuses to nest otherwise cleanly
         subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
@@ -76,6 +78,23 @@ def toolkit_env() -> Path:
             raise RuntimeError(f"docker/install.sh failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
         (venv / "ready").write_text(proc.stdout[-2000:])
     return venv
+
+
+def _remove_envs_of_removed_test_envs(cache: Path) -> None:
+    """Each checkout's test environment gets its own toolkit environment (about 250 MB): remove
+    those whose test environment is gone (a deleted clone), so the cache does not pile up. One is
+    recognised by the site directory its .pth file adds; one that is locked (being made) is left."""
+    for pth in cache.glob("sagemaker-toolkit-*/lib/python*/site-packages/_smp_adapter_test_env.pth"):
+        match = re.search(r"addsitedir\((['\"])(.+?)\1\)", pth.read_text())
+        if match is None or Path(match.group(2)).exists():
+            continue
+        venv = pth.parents[3]
+        with open(venv.with_name(venv.name + ".lock"), "w") as lock:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue
+            shutil.rmtree(venv, ignore_errors=True)
 
 
 def sdk_hyperparameters(distribution: dict, program: str, submit_dir: str, instance_type: str,
