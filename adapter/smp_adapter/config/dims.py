@@ -116,6 +116,15 @@ class ParallelDims:
                 f"use a batch size that is a multiple of {mb} (DataLoader(..., drop_last=True))", mb)])
         return per_rank_batch // mb
 
+    def tp_region_batch(self, samples: int) -> int:
+        """Samples a tensor-parallel layer computes on when each rank passes ``samples`` (spec §3.6).
+
+        prescaled_batch false: the TP group's batches are all-gathered on entry of the TP region
+        ([B, S, H] -> [tp x B, S, H], each rank then holding 1/tp of the features) -> tp * samples.
+        prescaled_batch true: the group shares one batch, the library only slices -> samples.
+        """
+        return samples if self.cfg.prescaled_batch else self.tp * samples
+
     def global_batch_size(self, per_rank_batch: int) -> int:
         """Samples per optimizer step over the whole job (spec §3.6).
 
