@@ -102,9 +102,13 @@ class ParallelDims:
         """ZeRO++ hpZ secondary shard size: sdp when it is smaller than the rdp size, else 1 (off)."""
         return self.sdp if 1 < self.sdp < self.rdp else 1
 
+    def describe_grid(self) -> str:
+        """The rank grid (its product is the world size), as the layout line and explain's world-size row say it."""
+        return f"pp {self.pp} x tp {self.tp} x rdp {self.rdp}"
+
     def describe(self) -> str:
         """The layout in one line, as `plan` and `translate --explain` print it."""
-        return (f"pp {self.pp} x tp {self.tp} x rdp {self.rdp}, sdp {self.sdp}, ZeRO stage {self.zero_stage}"
+        return (f"{self.describe_grid()}, sdp {self.sdp}, ZeRO stage {self.zero_stage}"
                 + (f", hpZ groups of {self.hpz_partition_size}" if self.hpz_partition_size > 1 else ""))
 
     def micro_batch_size(self, per_rank_batch: int) -> int:
