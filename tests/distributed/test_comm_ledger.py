@@ -1,7 +1,10 @@
 """The communication ledger (runtime/comm_ledger.py) against an independent count of the same
 traffic: scripts/ledger_job.py wraps torch.distributed's functions itself (its own payload rules)
 before smp.init installs the ledger, and counts per training step. One job per layout: data
-parallel, ZeRO-1, ZeRO-3, hpZ, tensor parallel, pipeline parallel and TP x PP, a tiny GPT-2, Adam.
+parallel, ZeRO-1, ZeRO-3, hpZ, tensor parallel, pipeline parallel and TP x PP, a tiny GPT-2, Adam
+(ZeRO-3, hpZ and the pipeline: a second job with activation checkpointing, see CHECKPOINTING).
+The same jobs check `smp-adapter plan`'s bytes per step (5%) and memory (10%) against the ledger
+and the measured peak of live tensor bytes (check_plan).
 
 Tolerance: 1% on bytes per step and op (the issue's bound); calls must be equal. Both counts see
 the same calls, so in practice they agree exactly; the margin is for nothing but rounding.
@@ -27,7 +30,9 @@ LAYOUTS = {  # name -> (smp options, processes)
     # persistence threshold 0: every parameter is gathered for use (the tiny model's tensors are all
     # below the 1e6-element default, which would leave ZeRO-3 nothing to gather)
     "zero3": ({"ddp": True, "sharded_data_parallel_degree": 2, "sdp_param_persistence_threshold": 0}, 2),
+    "zero3_ac": ({"ddp": True, "sharded_data_parallel_degree": 2, "sdp_param_persistence_threshold": 0}, 2),
     "hpz": ({"ddp": True, "sharded_data_parallel_degree": 2, "sdp_param_persistence_threshold": 0}, 4),
+    "hpz_ac": ({"ddp": True, "sharded_data_parallel_degree": 2, "sdp_param_persistence_threshold": 0}, 4),
     "tp2": ({"ddp": True, "tensor_parallel_degree": 2}, 2),
     "pp2": ({"ddp": True, "pipeline_parallel_degree": 2, "microbatches": 2}, 2),
     "pp2_ac": ({"ddp": True, "pipeline_parallel_degree": 2, "microbatches": 2}, 2),
@@ -39,11 +44,13 @@ STEPS = 4  # the first step holds one-time traffic; the plan is checked against 
 # and tp2 turn it on before step 2, so step 1 runs without and step 3 with (the ledger and the memory
 # are per step). ZeRO-3 cannot: it records the order its parameters are used in during the first
 # steps, and a recompute appearing later makes it gather everything again in every later step (step 3
-# moved 421392 B, not 224256), which no job with checkpointing from the start does; zero3 has it from
-# the start, hpz (ZeRO-3 with hpZ) never. The pipeline engine applies it when it cuts the stages, at
-# the first step: pp2 never, pp2_ac from the start. With checkpointing ZeRO-3 gathers again for the
-# recompute (when it released the parameters) and TP's recompute repeats its exchanges.
-CHECKPOINTING = {"zero3": "always", "pp2_ac": "always", "hpz": "never", "pp2": "never", "tp2xpp2": "never"}
+# moved 421392 B, not 224256), which no job with checkpointing from the start does: zero3 and hpz
+# (ZeRO-3 with hpZ) run without it, zero3_ac and hpz_ac with it from the start. The pipeline engine
+# applies it when it cuts the stages, at the first step: pp2 never, pp2_ac from the start. With
+# checkpointing ZeRO-3 gathers again for the recompute (when it released the parameters) and TP's
+# recompute repeats its exchanges.
+CHECKPOINTING = {"zero3": "never", "zero3_ac": "always", "hpz": "never", "hpz_ac": "always", "pp2": "never",
+                 "pp2_ac": "always", "tp2xpp2": "never"}
 CHECKPOINT_FROM = 2  # the others: "from" this step
 
 
