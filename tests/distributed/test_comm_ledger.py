@@ -1,7 +1,10 @@
 """The communication ledger (runtime/comm_ledger.py) against an independent count of the same
 traffic: scripts/ledger_job.py wraps torch.distributed's functions itself (its own payload rules)
 before smp.init installs the ledger, and counts per training step. One job per layout: data
-parallel, ZeRO-1, ZeRO-3, hpZ, tensor parallel, pipeline parallel and TP x PP, a tiny GPT-2, Adam.
+parallel, ZeRO-1, ZeRO-3, hpZ, tensor parallel, pipeline parallel and TP x PP, a tiny GPT-2, Adam
+(ZeRO-3, hpZ and the pipeline: a second job with activation checkpointing, see CHECKPOINTING).
+The same jobs check `smp-adapter plan`'s bytes per step (5%) and memory (10%) against the ledger
+and the measured peak of live tensor bytes (check_plan).
 
 Tolerance: 1% on bytes per step and op (the issue's bound); calls must be equal. Both counts see
 the same calls, so in practice they agree exactly; the margin is for nothing but rounding.
@@ -27,22 +30,55 @@ LAYOUTS = {  # name -> (smp options, processes)
     # persistence threshold 0: every parameter is gathered for use (the tiny model's tensors are all
     # below the 1e6-element default, which would leave ZeRO-3 nothing to gather)
     "zero3": ({"ddp": True, "sharded_data_parallel_degree": 2, "sdp_param_persistence_threshold": 0}, 2),
+    "zero3_ac": ({"ddp": True, "sharded_data_parallel_degree": 2, "sdp_param_persistence_threshold": 0}, 2),
     "hpz": ({"ddp": True, "sharded_data_parallel_degree": 2, "sdp_param_persistence_threshold": 0}, 4),
+    "hpz_ac": ({"ddp": True, "sharded_data_parallel_degree": 2, "sdp_param_persistence_threshold": 0}, 4),
     "tp2": ({"ddp": True, "tensor_parallel_degree": 2}, 2),
     "pp2": ({"ddp": True, "pipeline_parallel_degree": 2, "microbatches": 2}, 2),
+    "pp2_ac": ({"ddp": True, "pipeline_parallel_degree": 2, "microbatches": 2}, 2),
     # GPT-2's tensor-parallel layers do not trace through torch.export: the seed's conv net, fc1 split
     "tp2xpp2": ({"ddp": True, "pipeline_parallel_degree": 2, "tensor_parallel_degree": 2, "microbatches": 2}, 4),
 }
-STEPS = 3  # the first step holds one-time traffic; the plan is checked against the later ones
-# activation checkpointing: ZeRO-3 gathers again for the recompute; both check plan's memory with it
-CHECKPOINTED = ("zero1", "zero3")
+STEPS = 4  # the first step holds one-time traffic; the plan is checked against later ones
+# Plan is checked with and without activation checkpointing, in one job where it can be: ddp, ZeRO-1
+# and tp2 turn it on before step 2, so step 1 runs without and step 3 with (the ledger and the memory
+# are per step). ZeRO-3 cannot: it records the order its parameters are used in during the first
+# steps, and a recompute appearing later makes it gather everything again in every later step (step 3
+# moved 421392 B, not 224256), which no job with checkpointing from the start does: zero3 and hpz
+# (ZeRO-3 with hpZ) run without it, zero3_ac and hpz_ac with it from the start. The pipeline engine
+# applies it when it cuts the stages, at the first step: pp2 never, pp2_ac from the start. With
+# checkpointing ZeRO-3 gathers again for the recompute (when it released the parameters) and TP's
+# recompute repeats its exchanges.
+CHECKPOINTING = {"zero3": "never", "zero3_ac": "always", "hpz": "never", "hpz_ac": "always", "pp2": "never",
+                 "pp2_ac": "always", "tp2xpp2": "never"}
+CHECKPOINT_FROM = 2  # the others: "from" this step
+
+
+def checkpointed(name: str, step: int) -> bool:
+    mode = CHECKPOINTING.get(name, "from")
+    return mode == "always" or (mode == "from" and step >= CHECKPOINT_FROM)
+
+
+def plan_steps(name: str) -> tuple:
+    return (1, 3) if CHECKPOINTING.get(name, "from") == "from" else (1,)
+
+
+def job_args(name: str) -> list:
+    if name == "tp2xpp2":
+        return ["--model", "net"]  # the conv net: no GPT-2 blocks to checkpoint, no plan (no HF config)
+    mode = CHECKPOINTING.get(name, "from")
+    ac = {"always": ["--checkpoint-activations"], "never": [],
+          "from": ["--checkpoint-activations-from", CHECKPOINT_FROM]}[mode]
+    return ac + ["--track-memory", ",".join(map(str, plan_steps(name)))]
+
+
 # plan's memory against the peak of live tensor bytes the job measured (scripts/live_tensor_bytes.py)
-# in step 2. Tolerance 10% (the issue's bound). Why it holds and what the error is made of
-# (docs/plan.md): plan counts every gradient alongside every activation, the run frees a layer's
-# activations as its gradients appear (over by up to the gradients' share: +8.5% for ddp); backward's
-# temporaries (the logits' gradients) are not counted (under by a few %). TP (its gathered batch) and
-# the pipeline's stage 0 (what the engine keeps between steps) are not modelled yet: not checked.
-MEMORY_CHECKED = ("ddp", "zero1", "zero3", "hpz")
+# in the checked steps, the largest rank (plan predicts the largest rank: the pipeline's last stage holds
+# the head, under checkpointing more than stage 0). Tolerance 10% (the issue's bound). Why it holds and
+# what the error is made of (docs/plan.md): plan counts every gradient alongside every activation, the
+# run frees a layer's activations as its gradients appear (over by up to the gradients' share: +8.5%
+# for ddp); backward's temporaries (the logits' gradients) and small buffers (the pipeline's receive
+# buffers) are not counted (under by a few %).
 MEMORY_TOLERANCE = 0.10
 
 
@@ -51,10 +87,7 @@ def run_layout(tmp_path, name):
     config = tmp_path / "gpt2.json"
     config.write_text(json.dumps(GPT2))
     ledger = tmp_path / "ledger"
-    model = ["--model", "net"] if name == "tp2xpp2" else []
-    model += ["--checkpoint-activations"] if name in CHECKPOINTED else []
-    model += ["--track-memory"] if name in MEMORY_CHECKED else []
-    results = run_ranks(SCRIPT, nprocs, args=["--config", config, "--steps", STEPS, *model], out_dir=tmp_path,
+    results = run_ranks(SCRIPT, nprocs, args=["--config", config, "--steps", STEPS, *job_args(name)], out_dir=tmp_path,
                         env={"SM_HP_MP_PARAMETERS": json.dumps(options), "SMP_ADAPTER_COMM_LEDGER": str(ledger)})
     records = {r: [json.loads(line) for line in (ledger / f"rank{r}.jsonl").read_text().splitlines()]
                for r in range(nprocs)}
@@ -102,23 +135,30 @@ def test_ledger_equals_an_independent_count(tmp_path, name):
 
     if name == "tp2xpp2":
         return  # the conv net has no Hugging Face config for plan to read
-    # plan's prediction for the largest rank (rank 0: pipeline stage 0) equals its ledger within 5%
+    for step in plan_steps(name):
+        check_plan(name, step, results, records)
+
+
+def check_plan(name, step, results, records):
+    """plan's prediction for the largest rank against the job's step ``step``: bytes per group of rank 0
+    (pipeline stage 0, which plan's traffic describes) within 5%, memory within MEMORY_TOLERANCE."""
     options, nprocs = LAYOUTS[name]
+    ac = checkpointed(name, step)
     dims = ParallelDims.from_config(SMPConfig.from_dict(options), nprocs)
     predicted = costs.plan(model_spec(dict(GPT2, model_type="gpt2")), dims, cpu_cluster(nprocs),
-                           costs.Job(4, activation_checkpointing=name in CHECKPOINTED))
-    rows = compare(ledger_bytes_per_group(records[0]), plan_bytes_per_group(predicted))
+                           costs.Job(4, activation_checkpointing=ac))
+    tag = f"{name} step {step}{' checkpointed' if ac else ''}"
+    rows = compare(ledger_bytes_per_group([r for r in records[0] if r["step"] == step], skip_first=False),
+                   plan_bytes_per_group(predicted))
     for group, (measured, planned, error) in rows.items():
-        print(f"{name} {group}: ledger {measured:.0f} B/step, plan {planned:.0f} B/step ({error:+.1%})")
-        assert abs(error) <= 0.05, (group, measured, planned)
+        print(f"{tag} {group}: ledger {measured:.0f} B/step, plan {planned:.0f} B/step ({error:+.1%})")
+        assert abs(error) <= 0.05, (tag, group, measured, planned)
 
-    if name not in MEMORY_CHECKED:
-        return
-    measured = next(r["memory"]["peak_live_bytes"] for r in results if r["rank"] == 0)
+    measured = max(r["memory"]["peak_live_bytes"][str(step)] for r in results)
     error = (predicted.tensor_bytes - measured) / measured
     # ZeRO-1/3 allocate DeepSpeed's whole reduce bucket (2 GB at the default): the rest is checked on its own too
-    bucket = 0 if name == "ddp" else predicted.memory.get("gradient_buckets", 0)
+    bucket = predicted.memory.get("gradient_buckets", 0) if predicted.overlap == 0 else 0
     rest_error = (predicted.tensor_bytes - measured) / (measured - bucket)
-    print(f"{name} memory: measured peak {measured} B, plan {predicted.tensor_bytes} B ({error:+.1%}; "
+    print(f"{tag} memory: measured peak {measured} B, plan {predicted.tensor_bytes} B ({error:+.1%}; "
           f"without the reduce bucket {rest_error:+.1%})")
-    assert abs(error) <= MEMORY_TOLERANCE and abs(rest_error) <= MEMORY_TOLERANCE, predicted.memory
+    assert abs(error) <= MEMORY_TOLERANCE and abs(rest_error) <= MEMORY_TOLERANCE, (tag, predicted.memory)

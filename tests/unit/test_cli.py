@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -37,6 +38,10 @@ def test_translate_explain_each_config(path, tmp_path, capsys, parse_ds):
     assert sorted(p.name for p in out.iterdir()) == ["deepspeed_config.json", "explain.txt", "launch.json", "megatron.json"]
     table = (out / "explain.txt").read_text()
     assert table.startswith("smp key") and table.rstrip() in captured.out
+    # the layout line `plan` prints too (ParallelDims.describe), above the table
+    assert re.search(r"^Layout: pp \d+ x tp \d+ x rdp \d+, sdp \d+, ZeRO stage [013]", captured.out, re.M)
+    if path.name == "sdp2_bf16_hpz.yaml":  # 8 ranks, sdp 2: ZeRO-3 over rdp 8 with hpZ groups of 2
+        assert "Layout: pp 1 x tp 1 x rdp 8, sdp 2, ZeRO stage 3, hpZ groups of 2\n" in captured.out
     ds = json.loads((out / "deepspeed_config.json").read_text())
     megatron = json.loads((out / "megatron.json").read_text())
     parsed = parse_ds(ds, megatron["data_parallel_size"])

@@ -330,6 +330,9 @@ def test_batch_arithmetic():
     prescaled = ParallelDims.from_config(SMPConfig.from_dict({"ddp": True, "tensor_parallel_degree": 2,
                                                              "prescaled_batch": True}), 8)
     assert prescaled.global_batch_size(8) == 32
+    # spec §3.6: without prescaling a TP layer works on the group's exchanged batch [tp·B, S, H/tp];
+    # prescaled, the group's shared batch is only sliced [B, S, H/tp]
+    assert (dims.tp_region_batch(2), prescaled.tp_region_batch(2)) == (4, 2)
     with pytest.raises(SMPConfigError, match=r"microbatches = 4: must divide the per-rank batch size \(6\)"):
         dims.micro_batch_size(6)
 

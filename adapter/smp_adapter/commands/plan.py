@@ -162,7 +162,7 @@ def _text(spec, dims, cluster, job, result) -> str:
              f"cluster: {cluster.nodes} x {cluster.name} ({cluster.gpus_per_node} GPUs of {cluster.gpu_memory / GiB:.0f} GiB "
              f"per node), {cluster.world_size} ranks",
              f"layout: {dims.describe()}",
-             "", "memory of the largest rank (pipeline stage 0):"]
+             "", "memory of the largest rank (pipeline: stage 0, activations of the stage holding the most):"]
     for name, value in result.memory.items():
         lines.append(f"  {name:<30}{_gib(value)}")
     verdict = "fits" if result.peak_bytes <= cluster.gpu_memory else "does NOT fit"

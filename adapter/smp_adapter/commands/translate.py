@@ -116,7 +116,7 @@ def sagemaker_toolkit_section(job: JobSpec, bundle: dict[str, Any], script: str,
     return {"toolkit": TOOLKIT, "command": list(cmd.command), "notes": list(cmd.notes)}
 
 
-def _text(bundle: dict[str, Any], table: str | None) -> str:
+def _text(bundle: dict[str, Any], table: str | None, layout: str | None = None) -> str:
     parts = [f"# world size {bundle['world_size']} = {bundle['nnodes']} node(s) x {bundle['nprocs_per_node']} processes, "
              f"per-rank batch {bundle['per_rank_batch']}",
              "", "DeepSpeed config:", json.dumps(bundle["deepspeed"], indent=2),
@@ -130,7 +130,7 @@ def _text(bundle: dict[str, Any], table: str | None) -> str:
                   "  " + " ".join(shlex.quote(a) for a in toolkit["command"])]
         parts += [f"  note: {note}" for note in toolkit["notes"]]
     if table is not None:
-        parts += ["", "Mapping (smp -> engines):", table]
+        parts += ["", f"Layout: {layout}", "", "Mapping (smp -> engines):", table]
     return "\n".join(parts)
 
 
@@ -158,13 +158,17 @@ def run(args: argparse.Namespace) -> int:
     for warning in bundle["warnings"]:
         print(f"smp-adapter: warning: {warning}", file=sys.stderr)
     table = None
+    layout = None
     if args.explain:
         table = format_table([ExplainRow(**row) for row in bundle["explain"]])
+        # the layout line plan prints too (one model of a layout: ParallelDims.describe)
+        layout = ParallelDims.from_config(job.config(), bundle["world_size"]).describe()
     if args.format == "json":
         print(json.dumps(bundle, indent=2))
-    else:  # the toolkit's line is text only: --format json and --out keep the golden bundle's content
+    else:  # the toolkit's line and the layout line are text only: --format json and --out keep the golden
+        # bundle's content
         toolkit = sagemaker_toolkit_section(job, bundle, args.script, args.instance_type)
-        print(_text({**bundle, "sagemaker_toolkit": toolkit} if toolkit else bundle, table))
+        print(_text({**bundle, "sagemaker_toolkit": toolkit} if toolkit else bundle, table, layout))
     if args.out:
         for path in _write_outputs(args.out, bundle, table):
             print(f"wrote {path}", file=sys.stderr)

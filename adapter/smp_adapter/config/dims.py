@@ -102,9 +102,13 @@ class ParallelDims:
         """ZeRO++ hpZ secondary shard size: sdp when it is smaller than the rdp size, else 1 (off)."""
         return self.sdp if 1 < self.sdp < self.rdp else 1
 
+    def describe_grid(self) -> str:
+        """The rank grid (its product is the world size), as the layout line and explain's world-size row say it."""
+        return f"pp {self.pp} x tp {self.tp} x rdp {self.rdp}"
+
     def describe(self) -> str:
         """The layout in one line, as `plan` and `translate --explain` print it."""
-        return (f"pp {self.pp} x tp {self.tp} x rdp {self.rdp}, sdp {self.sdp}, ZeRO stage {self.zero_stage}"
+        return (f"{self.describe_grid()}, sdp {self.sdp}, ZeRO stage {self.zero_stage}"
                 + (f", hpZ groups of {self.hpz_partition_size}" if self.hpz_partition_size > 1 else ""))
 
     def micro_batch_size(self, per_rank_batch: int) -> int:
@@ -115,6 +119,15 @@ class ParallelDims:
                 "microbatches", f"must divide the per-rank batch size ({per_rank_batch})",
                 f"use a batch size that is a multiple of {mb} (DataLoader(..., drop_last=True))", mb)])
         return per_rank_batch // mb
+
+    def tp_region_batch(self, samples: int) -> int:
+        """Samples a tensor-parallel layer computes on when each rank passes ``samples`` (spec §3.6).
+
+        prescaled_batch false: the TP group's batches are all-gathered on entry of the TP region
+        ([B, S, H] -> [tp x B, S, H], each rank then holding 1/tp of the features) -> tp * samples.
+        prescaled_batch true: the group shares one batch, the library only slices -> samples.
+        """
+        return samples if self.cfg.prescaled_batch else self.tp * samples
 
     def global_batch_size(self, per_rank_batch: int) -> int:
         """Samples per optimizer step over the whole job (spec §3.6).

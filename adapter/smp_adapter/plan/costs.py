@@ -101,13 +101,14 @@ def stage_layers(spec, pp: int) -> int:
     return math.ceil(spec.layers / pp)
 
 
-def rank_tensors(spec, dims) -> list[int]:
+def rank_tensors(spec, dims, whole_model: bool = False) -> list[int]:
     """numel of each parameter tensor on the largest rank (stage 0 holds the embeddings; with
-    pp > 1 it holds ceil(L / pp) layers), tensor-parallel tensors divided by t."""
+    pp > 1 it holds ceil(L / pp) layers; ``whole_model``: every layer), tensor-parallel tensors
+    divided by t."""
     t = dims.tp
     per_layer = [n // t if split and t > 1 else n for n, split in spec.layer_tensors]
     outer = [n // t if split and t > 1 else n for n, split in spec.outer_tensors]
-    return per_layer * stage_layers(spec, dims.pp) + outer
+    return per_layer * (spec.layers if whole_model else stage_layers(spec, dims.pp)) + outer
 
 
 def persistent(numel: int, cfg) -> bool:
@@ -116,37 +117,46 @@ def persistent(numel: int, cfg) -> bool:
 
 
 # -- activations ----------------------------------------------------------------------------------
-def layer_activation_bytes(spec, b: int, t: int, a: int) -> int:
+def layer_activation_bytes(spec, b: int, r: int, t: int, a: int) -> int:
     """Tensors one transformer layer keeps for backward, per microbatch (scaled-dot-product attention:
     the kernel keeps its output and log-sum-exp, not the s x s scores), counted from the autograd
-    graph of Hugging Face's layers (the CPU runs measure it: docs/plan.md):
-      whole: layer input, LayerNorm 1 output, LayerNorm 2 input and output: 4 bsh
-      split by t: q k v (h + 2 kv), attention output, heads merged for the output projection: (3h + 2kv) bs/t
-      MLP: spec.mlp_saved tensors of bsf/t (2 for GELU, 4 for a gated SiLU, 5 for GPT-2's gelu_new,
+    graph of Hugging Face's layers (the CPU runs measure it: docs/plan.md). b = the rank's samples,
+    r = the samples a tensor-parallel unit computes on (ParallelDims.tp_region_batch: t x b when
+    smp gathers the TP group's batch, b when prescaled or t = 1), each tensor inside a unit holding
+    1/t of its features:
+      own batch: the layer input and LayerNorm 2's input: 2 bsh
+      each unit's (attention, MLP) input as its first matrix keeps it: 2 rsh (LayerNorm 1 and 2's
+      outputs when r = b; the TP group's gathered batch otherwise, the rank's own copy then unsaved)
+      attention: q k v (h + 2 kv), its output, heads merged for the output projection: (3h + 2kv) rs/t
+      MLP: spec.mlp_saved tensors of rsf/t (2 for GELU, 4 for a gated SiLU, 5 for GPT-2's gelu_new,
       a tanh formula of Python operators each keeping an input)
-      per LayerNorm its mean and rstd, b x s fp32 each; log-sum-exp: b x heads/t x s fp32."""
+      per LayerNorm its mean and rstd, b x s fp32 each; log-sum-exp: r x heads/t x s fp32."""
     s, h, f = spec.seq_len, spec.hidden, spec.intermediate
     kv = spec.kv_hidden or h
-    return (a * b * s * (4 * h + (3 * h + 2 * kv) // t + spec.mlp_saved * f // t) + 4 * b * spec.heads // t * s
-            + 2 * 2 * 4 * b * s)
+    return (a * s * (2 * b * h + 2 * r * h + r * ((3 * h + 2 * kv) + spec.mlp_saved * f) // t)
+            + 4 * r * spec.heads // t * s + 2 * 2 * 4 * b * s)
 
 
-def head_activation_bytes(spec, b: int, t: int, a: int) -> int:
-    """The final LayerNorm's input and output, then a token head's logits (vocabulary split by t),
-    the shifted copy the causal-LM loss takes and its fp32 log-probabilities, or a classifier's logits."""
-    norm = 2 * a * b * spec.seq_len * spec.hidden
+def head_activation_bytes(spec, b: int, r: int, a: int) -> int:
+    """The final LayerNorm's input, the head's input (the TP group's gathered batch, r samples, when
+    the head is vocabulary-parallel without prescaled_batch), then a token head's logits, the shifted
+    copy the causal-LM loss takes and its fp32 log-probabilities, or a classifier's logits. smp's
+    vocabulary-parallel head hands every rank the whole vocabulary of its own samples (all_to_all,
+    or a gather when prescaled), so the logits are b x s x V on every TP rank."""
+    norm = a * (b + r) * spec.seq_len * spec.hidden
     if spec.vocab:
-        return norm + b * spec.seq_len * spec.vocab // t * (2 * a + 4)
+        return norm + b * spec.seq_len * spec.vocab * (2 * a + 4)
     return norm + b * (spec.num_labels or 2) * (a + 4)
 
 
-def in_flight_microbatches(dims) -> int:
-    """Microbatches whose activations stage 0 holds at once: all m under the simple schedule (all
-    forwards, then all backwards), min(m, p) under interleaved (1F1B)."""
+def in_flight_microbatches(dims, stage: int = 0) -> int:
+    """Microbatches whose activations pipeline stage ``stage`` holds at once: all m under the simple
+    schedule (all forwards, then all backwards), min(m, p - stage) under interleaved (1F1B: stage i
+    runs p - i forwards before its first backward; the last stage one)."""
     m, p = dims.cfg.microbatches, dims.pp
     if p == 1:
         return 1  # microbatches run one after another, each backward before the next forward
-    return m if dims.cfg.pipeline == "simple" else min(m, p)
+    return m if dims.cfg.pipeline == "simple" else min(m, p - stage)
 
 
 # -- the plan ---------------------------------------------------------------------------------------
@@ -185,7 +195,9 @@ def plan(spec, dims, cluster: Cluster, job: Job) -> Plan:
         # optimizer is built, however small the model: 2 GB at smp's default 5e8 in fp32
         mem["gradient_buckets"] = int(cfg.sdp_reduce_bucket_size) * pb
     else:
-        mem["parameters"] = n_rank * pb
+        # pp > 1: every rank builds the whole model and the pipeline engine cuts its stages from it;
+        # the other stages' parameters stay allocated (gradients and optimizer state: the stage's only)
+        mem["parameters"] = (sum(rank_tensors(spec, dims, whole_model=True)) if p > 1 else n_rank) * pb
         mem["gradients"] = n_rank * pb
         mem["optimizer_state"] = math.ceil(n_rank / (rdp if stage == 1 else 1)) * opt_per_param
         if stage == 1 and rdp > 1:  # from backward's start to the step's end, fp32, two with overlap_comm
@@ -195,13 +207,22 @@ def plan(spec, dims, cluster: Cluster, job: Job) -> Plan:
             # after backward (so never alive with the activations: out.overlap below)
             mem["gradient_buckets"] = min(ZERO0_ALLREDUCE_BUFFER, n_rank) * pb
     layers = stage_layers(spec, p)
-    per_layer = layer_activation_bytes(spec, b, t, a)
+    r = dims.tp_region_batch(b)  # samples inside the TP layers (t x b: smp gathers the TP group's batch)
+    vocab_split = t > 1 and spec.vocab > 0 and any(split for _, split in spec.outer_tensors)
+    per_layer = layer_activation_bytes(spec, b, r, t, a)
     boundary = a * b * spec.seq_len * spec.hidden  # a layer's input, kept when the layer is checkpointed
-    if job.activation_checkpointing:
-        per_mb = layers * boundary + per_layer  # inputs of every layer + one layer recomputed in backward
-    else:
-        per_mb = layers * per_layer
-    mem["activations"] = per_mb * in_flight_microbatches(dims) + head_activation_bytes(spec, b, t, a)
+
+    def stage_activations(stage: int) -> int:
+        n = in_flight_microbatches(dims, stage)
+        if job.activation_checkpointing:  # every layer's input of each microbatch in flight, and one
+            body = layers * boundary * n + per_layer  # layer recomputed at a time in backward
+        else:
+            body = layers * per_layer * n
+        # the head runs on the last stage, one microbatch at a time (its backward follows its forward)
+        return body + (head_activation_bytes(spec, b, r if vocab_split else b, a) if stage == p - 1 else 0)
+
+    # stage 0 holds the most microbatches, the last stage the head: the larger of the two
+    mem["activations"] = max(stage_activations(0), stage_activations(p - 1))
     if stage == 0:
         out.overlap = min(mem["activations"], mem.get("gradient_buckets", 0))
     mem["cuda_context"] = CUDA_CONTEXT_BYTES if cluster.name != "cpu" else 0
@@ -247,13 +268,16 @@ def plan(spec, dims, cluster: Cluster, job: Job) -> Plan:
         # pair. A vocabulary-parallel embedding gathers the token ids and reduce-scatters its output;
         # the vocabulary-parallel head gathers the hidden states and redistributes logits (all_to_all)
         # for the loss. T = the TP group's activations of one microbatch.
-        T = a * b * spec.seq_len * spec.hidden * t
+        # With activation checkpointing each layer's recompute repeats its forward exchanges up to the
+        # last tensor backward needs (torch's non-reentrant checkpoint stops there): both units' gathers
+        # and the attention's reduce-scatter, not the MLP's, whose output nothing in the layer keeps.
+        T = a * r * spec.seq_len * spec.hidden
         units = 2 * layers * m
-        vocab_split = any(split for _, split in spec.outer_tensors) and spec.vocab > 0
         edges = 2 * m if vocab_split else 0
-        add("tp", "all_gather", (2 * units + edges) * T + (t * b * spec.seq_len * 8 * m if vocab_split else 0),
-            2 * units + edges + (m if vocab_split else 0), t)
-        add("tp", "reduce_scatter", (2 * units + edges) * T, 2 * units + edges, t)
+        regather, rescatter = (units, units // 2) if job.activation_checkpointing else (0, 0)
+        add("tp", "all_gather", (2 * units + edges + regather) * T + (r * spec.seq_len * 8 * m if vocab_split else 0),
+            2 * units + edges + regather + (m if vocab_split else 0), t)
+        add("tp", "reduce_scatter", (2 * units + edges + rescatter) * T, 2 * units + edges + rescatter, t)
         if vocab_split:
             add("tp", "all_to_all", 2 * m * b * spec.seq_len * spec.vocab * a, 2 * m, t)
     if p > 1:
@@ -275,7 +299,7 @@ def plan(spec, dims, cluster: Cluster, job: Job) -> Plan:
     # Each rank passes B samples to smp.step. Without prescaled_batch the TP group gathers its t
     # batches and each rank computes 1/t of t·B samples: B samples' worth; with prescaled_batch the
     # group shares one batch: B / t. A pipeline stage holds 1/p of the layers.
-    tokens = job.batch * spec.seq_len / (t if cfg.prescaled_batch else 1)
+    tokens = dims.tp_region_batch(job.batch) / t * spec.seq_len
     out.samples = dims.global_batch_size(job.batch)
     matmul = 2 * (spec.layers * sum(n for n, s in spec.layer_tensors if s) + (spec.vocab * spec.hidden))
     attention = 4 * spec.layers * spec.seq_len * spec.hidden  # q k^T and attention x v, per token

@@ -218,7 +218,7 @@ def _derived_rows(dims: ParallelDims, ds: Mapping[str, Any], mg: MegatronPlan) -
     why = {0: "plain data parallel (ddp, no sharding)", 1: "shard_optimizer_state", 3: "sharded_data_parallel_degree > 1"}
     rows = [
         ExplainRow("(derived) world size", dims.world_size, "derived", "launch processes", dims.world_size, "exact",
-                   f"pp {dims.pp} x tp {dims.tp} x rdp {dims.rdp}"),
+                   dims.describe_grid()),
         ExplainRow("(derived) rdp size", dims.rdp, "derived", "megatron data_parallel_size", mg.data_parallel_size, "exact",
                    "model replicas = world / (pp x tp)"),
         ExplainRow("(derived) ZeRO stage", stage, "derived", "deepspeed zero_optimization.stage", stage, "exact", why.get(stage, "")),

@@ -122,7 +122,12 @@ parser.add_argument("--steps", type=int, default=3)
 parser.add_argument("--per-rank-batch", type=int, default=4)
 parser.add_argument("--seq-len", type=int, default=16)
 parser.add_argument("--checkpoint-activations", action="store_true")
-parser.add_argument("--track-memory", action="store_true", help="measure the peak of live tensor bytes in step 2")
+parser.add_argument("--checkpoint-activations-from", type=int, default=None,
+                    help="turn activation checkpointing on before this step (pp = 1: the engine runs the module's "
+                         "forward each step; the pipeline engine applies it when it cuts the stages, at the first)")
+parser.add_argument("--track-memory", default="", metavar="STEPS",
+                    help="measure the peak of live tensor bytes in these steps (comma-separated; after the first: "
+                         "steady state, Adam's state and the engines' buffers exist)")
 args, _ = parser.parse_known_args()
 
 smp.init()
@@ -144,9 +149,15 @@ else:
     with smp.model_creation():
         model = GPT2LMHeadModel(config)
 model = smp.DistributedModel(model)
-if args.checkpoint_activations:
+
+
+def checkpoint_activations():
     for block in model.get_module().transformer.h:
         smp.set_activation_checkpointing(block)
+
+
+if args.checkpoint_activations:
+    checkpoint_activations()
 optimizer = smp.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-3))
 
 
@@ -166,13 +177,16 @@ def train_step(model, ids):
 from live_tensor_bytes import LiveTensorBytes  # noqa: E402
 
 per_step = []
-memory = LiveTensorBytes()
+peaks, live_between_steps = {}, {}
 model.train()
 for step in range(args.steps):
-    tracked = args.track_memory and step == 1  # steady state: Adam's state and the engines' buffers
-    if tracked:  # exist after the first step; one step is enough (the tracker costs ~1 s a step here)
+    if step == args.checkpoint_activations_from:
+        checkpoint_activations()
+    tracked = str(step) in args.track_memory.split(",")  # the tracker costs ~1 s a step here
+    if tracked:
+        memory = LiveTensorBytes()
         memory.start()
-        live_between_steps = memory.now
+        live_between_steps[step] = memory.now
     g = torch.Generator().manual_seed(100 + step)
     if args.model == "net":
         ids = batch("net", step, args.per_rank_batch)
@@ -185,8 +199,9 @@ for step in range(args.steps):
     count.on = False
     if tracked:
         memory.stop()
+        peaks[step] = memory.peak
     per_step.append({op: list(v) for op, v in count.take().items()})
 smp.barrier()
 write_result({"per_step": per_step, "rank": smp.rank(),
-              "memory": {"peak_live_bytes": memory.peak, "live_between_steps": live_between_steps}
+              "memory": {"peak_live_bytes": peaks, "live_between_steps": live_between_steps}
               if args.track_memory else None})
