@@ -33,10 +33,10 @@ g: &g [*f,*f,*f,*f,*f,*f,*f,*f,*f]
 
 
 def _refused(call, *fragments):
-    start = time.perf_counter()
+    start = time.process_time()  # CPU seconds, not wall-clock: shared cores must not fail the budget
     with pytest.raises(SMPConfigError) as err:
         call()
-    elapsed = time.perf_counter() - start
+    elapsed = time.process_time() - start
     message = str(err.value)
     assert elapsed < BUDGET_S, f"took {elapsed:.2f} s"
     assert len(message) < 2000, f"message of {len(message)} characters"
@@ -57,13 +57,13 @@ def test_a_huge_world_is_refused_naming_the_limit():
 
 
 def test_rank_grid_of_the_largest_world_answers_without_building_it():
-    start = time.perf_counter()
+    start = time.process_time()  # CPU seconds: the machine's load must not fail it
     grid = RankGrid.from_degrees(MAX_WORLD_SIZE, pp=8, tp=8, placement="cluster")
     coord = grid.coord(MAX_WORLD_SIZE - 1)
     assert (coord.rdp, coord.pp, coord.tp) == (grid.rdp - 1, 7, 7)
     assert grid.tp_group(9) == tuple(range(8, 16))
     assert len(grid.rdp_group(0)) == grid.rdp
-    assert time.perf_counter() - start < 0.05  # arithmetic on the asked-for ranks only
+    assert time.process_time() - start < 0.05  # arithmetic on the asked-for ranks only
 
 
 def test_yaml_alias_bomb_is_refused_with_a_short_message(tmp_path):
@@ -94,9 +94,9 @@ def test_inline_json_that_is_not_an_object_says_so():
 
 
 def _cli_refused(argv, *fragments, capsys):
-    start = time.perf_counter()
+    start = time.process_time()  # CPU seconds (the command runs in this process), not wall-clock
     code = main(argv)
-    elapsed = time.perf_counter() - start
+    elapsed = time.process_time() - start
     err = capsys.readouterr().err
     assert code == 2 and elapsed < BUDGET_S, (code, elapsed, err[-500:])
     assert len(err) < 2000 and "Traceback" not in err

