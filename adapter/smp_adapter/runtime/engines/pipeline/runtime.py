@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from smp_adapter.config.pipeline_schedule import SPLIT_BACKWARD
 from smp_adapter.errors import SMPUsageError, UnsupportedFeatureError
 from smp_adapter.runtime import activation_checkpoint
 from smp_adapter.runtime.engines.pipeline import partition as part, surgery, tied
@@ -344,6 +345,8 @@ class PipelineRunner:
                 # narrows them again for its matmuls
                 traced = next((p.dtype for p in mine.parameters() if p.is_floating_point()), torch.get_default_dtype())
                 mine.register_forward_hook(surgery.WidenAutocastOutputs(traced))
+                if i > 0 and cfg.pipeline in SPLIT_BACKWARD:  # the first stage's backward is not split
+                    mine.register_forward_hook(surgery.OwnViewOutputs())
         marked = [n for mine in self.stage_modules for n in surgery.checkpoint_marked(module, mine)]
         if marked:  # set_activation_checkpointing, lost by torch.export, applied again to the stages
             print(f"Activation checkpointing in the stage(s) of pipeline rank {self.stage_index}: {', '.join(marked)}")
