@@ -138,12 +138,13 @@ def worker(args) -> None:
     losses = {"smp": [], "deepspeed": []}
     counter = {"smp": 0, "deepspeed": 0}
 
-    held = SavedActivations()
+    held = SavedActivations(full.parameters())
 
     def smp_step():
         data, target = batches[counter["smp"] % len(batches)]
         counter["smp"] += 1
         optimizer.zero_grad()
+        held.skip(data)
         with held:
             losses["smp"].append(float(train_step(model, data, target).reduce_mean()))
         optimizer.step()
@@ -172,6 +173,18 @@ def worker(args) -> None:
                 h = torch.log_softmax(layer(h), 1) if name == "head" else torch.tanh(layer(h))
             h.sum().backward()
 
+    # one microbatch's activations through this rank's layers (the unit of the schedules' memory
+    # formulas, M_B): held after its forward, before its backward
+    one_mb = SavedActivations(plain.parameters())
+    h = stage_batches[0].clone().requires_grad_(not first)  # later stages: the received activation counts
+    if first:
+        one_mb.skip(h)
+    with one_mb:
+        for name, layer in zip(mine, plain):
+            h = torch.log_softmax(layer(h), 1) if name == "head" else torch.tanh(layer(h))
+    microbatch_bytes = one_mb.live
+    del h
+
     fns = {"smp": smp_step, "deepspeed": deepspeed_step, "stage": stage_step}
 
     def timed(fn) -> float:
@@ -194,30 +207,59 @@ def worker(args) -> None:
     # this rank's compute and schedule time of the measured smp steps (the engine's clock, idle_time.py)
     clock = model.runtime_engine.runner.clock.steps[-args.steps:]
     write_result({"times": times, "losses": losses, "smp_stage": mine, "peak_held_bytes": held.peak,
+                  "microbatch_bytes": microbatch_bytes,
                   "idle": [1 - busy / wall for wall, busy in clock],
                   "deepspeed_parts": [int(x) for x in ds_module.parts], "pp_rank": smp.pp_rank()})
     smp.barrier()
 
 
 class SavedActivations:
-    """Peak bytes of the tensors the autograd graphs of this rank hold for backward (activations;
-    parameters left out) during the smp steps: what a schedule's microbatches in flight cost in
-    memory. CPU has no allocator statistics, so the saved tensors are counted as the graph saves
-    them (saved_tensors_hooks) and released when the graph frees them."""
+    """Peak bytes of the storages the autograd graphs of this rank hold for backward (activations)
+    during the smp steps: what a schedule's microbatches in flight cost in memory. CPU has no
+    allocator statistics, so the saved tensors are counted as the graph saves them
+    (saved_tensors_hooks) and released when the graph frees them. Each storage counts once, however
+    many saved tensors view it (tanh saves its output, the next Linear saves it as its input), and
+    storages of parameters not at all (a Linear's matmul saves the transposed weight, a view of the
+    parameter: no memory of its own)."""
 
-    def __init__(self):
+    def __init__(self, params):
         import torch
 
+        self.skipped = {p.untyped_storage().data_ptr() for p in params}
         self.live = self.peak = 0
+        self.refs: dict[int, int] = {}  # storage address -> saved tensors holding it
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda held: held.tensor)
 
     def _pack(self, t):
-        if t.is_leaf and t.requires_grad:  # a parameter, held by the model anyway
-            return _Held(t, 0, self)
-        n = t.numel() * t.element_size()
-        self.live += n
-        self.peak = max(self.peak, self.live)
-        return _Held(t, n, self)
+        from torch._subclasses.fake_tensor import is_fake
+
+        if is_fake(t):  # torch.export tracing the model at the first step: no memory
+            return _Held(t, None, self)
+        # kept detached: a saved output holding its own grad_fn (node -> packed -> tensor -> node) is a
+        # cycle through C++ that no collector frees; without the hook autograd avoids it, and under the
+        # split backward (nodes of the input gradient kept by retain_graph) the cycle would keep them for ever
+        t = t.detach()
+        storage = t.untyped_storage()
+        key = storage.data_ptr()
+        if key in self.skipped:
+            return _Held(t, None, self)
+        if not self.refs.get(key):
+            self.live += storage.nbytes()
+            self.peak = max(self.peak, self.live)
+        self.refs[key] = self.refs.get(key, 0) + 1
+        return _Held(t, (key, storage.nbytes()), self)
+
+    def skip(self, tensor) -> None:
+        """Leave this tensor's storage out (the step's input batch: the caller holds it anyway; the
+        first stage's matmuls save views of it)."""
+        self.skipped.add(tensor.untyped_storage().data_ptr())
+
+    def release(self, entry) -> None:
+        key, nbytes = entry
+        self.refs[key] -= 1
+        if not self.refs[key]:
+            del self.refs[key]
+            self.live -= nbytes
 
     def __enter__(self):
         self._hooks.__enter__()
@@ -227,13 +269,14 @@ class SavedActivations:
 
 
 class _Held:
-    __slots__ = ("tensor", "nbytes", "owner")
+    __slots__ = ("tensor", "entry", "owner")
 
-    def __init__(self, tensor, nbytes, owner):
-        self.tensor, self.nbytes, self.owner = tensor, nbytes, owner
+    def __init__(self, tensor, entry, owner):
+        self.tensor, self.entry, self.owner = tensor, entry, owner
 
     def __del__(self):
-        self.owner.live -= self.nbytes
+        if self.entry is not None:
+            self.owner.release(self.entry)
 
 
 def predicted_idle(schedule: str, p: int, m: int, v: int, w: float) -> float:
@@ -277,6 +320,8 @@ def run_case(pp: int, m: int, args, out_root: Path) -> dict:
             "predicted_idle": predicted_idle(args.schedule, pp, m, {"interleaved_1f1b": 2, "zbv": 2, "dualpipev": 2}.get(
                 args.schedule, 1), 1 / 3),
             "peak_held_mib": [r["peak_held_bytes"] / 2**20 for r in sorted(results, key=lambda r: r["pp_rank"])],
+            "peak_held_microbatches": [r["peak_held_bytes"] / r["microbatch_bytes"]
+                                       for r in sorted(results, key=lambda r: r["pp_rank"])],
             "times": r0["times"]}
 
 
@@ -326,11 +371,12 @@ def main() -> int:
                   f"({f['smp_over_deepspeed_paired']:.2f}) | {f['loss_max_rel_diff']:.1e} |", flush=True)
     print()
     print("| pp | m | idle per rank (measured, median) | predicted idle (F:B:W = 1:2:1) | peak held activations "
-          "per rank (MiB) |")
+          "per rank, MiB (in microbatches: / one microbatch's activations of the rank's layers) |")
     print("| --- " * 5 + "|")
     for f in figures:
+        held = ", ".join(f"{x:.2f} ({n:.2f})" for x, n in zip(f["peak_held_mib"], f["peak_held_microbatches"]))
         print(f"| {f['pp']} | {f['microbatches']} | {', '.join(f'{x:.1%}' for x in f['idle'])} | "
-              f"{f['predicted_idle']:.1%} | {', '.join(f'{x:.1f}' for x in f['peak_held_mib'])} |")
+              f"{f['predicted_idle']:.1%} | {held} |")
     print()
     for f in figures:
         same = "same stages" if f["same_partition"] else "DIFFERENT stages"

@@ -167,12 +167,13 @@ def test_partial_checkpoint_resume_is_exact(tmp_path, model, nprocs, extra, cli)
             assert r["losses"] == full[0]["losses"][2:]
 
 
-@pytest.mark.parametrize("precision,dtype,loss_scale", [("fp16", torch.float16, 128.0), ("bf16", torch.bfloat16, 1.0)])
-def test_mixed_precision_matches_a_hand_written_reference(tmp_path, precision, dtype, loss_scale):
+@pytest.mark.parametrize("precision,dtype,loss_scale,schedule", [("fp16", torch.float16, 128.0, "interleaved"),
+                                                                   ("bf16", torch.bfloat16, 1.0, "zbv")])
+def test_mixed_precision_matches_a_hand_written_reference(tmp_path, precision, dtype, loss_scale, schedule):
     """fp16 / bf16 with pp 2: the model runs in half precision, Adam updates fp32 master weights, the
     loss is scaled (fp16). Compared with the same recipe written out in one process (train_pp_common):
     equal to the last bit, the same operations in the same order."""
-    options = {"pipeline_parallel_degree": 2, "microbatches": 2, "ddp": True, precision: True}
+    options = {"pipeline_parallel_degree": 2, "microbatches": 2, "ddp": True, precision: True, "pipeline": schedule}
     cli = ["--loss-scale", f"static:{loss_scale}"] if precision == "fp16" else []
     results = run_ranks(SCRIPT, 2, args=["--model", "six", "--steps", 3, "--optimizer", "adam", *cli],
                         env={"SM_HP_MP_PARAMETERS": json.dumps(options)}, out_dir=tmp_path, timeout=200)
@@ -184,6 +185,8 @@ def test_mixed_precision_matches_a_hand_written_reference(tmp_path, precision, d
     for name, ref in ref_state.items():
         torch.testing.assert_close(torch.tensor(results[0]["final_state"][name]), ref.float(), rtol=0.0, atol=0.0,
                                    msg=lambda m: f"{name}: {m}")
+    if schedule == "zbv":  # 4 stages in a V, split input/weight backward: still the same bf16 operations in order
+        assert "Partition assignments (auto, 4 stages" in (tmp_path / "log0.txt").read_text()
 
 
 def test_fp16_dynamic_loss_scale_skips_overflowing_steps(tmp_path):

@@ -49,9 +49,6 @@ BAD = [
     ({"pipeline": "zbv", "auto_partition": False, "default_partition": 0},
      r"auto_partition = False: must be true with pipeline: zbv and virtual_pipeline_degree 2: smp.partition / "
      r"set_partition name a pipeline rank.*Fix: set auto_partition: true .*or keep the marks with pipeline: zero_bubble"),
-    ({"pipeline": "zero_bubble", "tensor_parallel_degree": 2},
-     r"pipeline = 'zero_bubble': zero_bubble \(split input/weight backward\) is not supported with "
-     r"tensor_parallel_degree > 1 yet\. Fix: use pipeline: interleaved_1f1b or interleaved"),
     ({"pipeline": "pipedream"}, r"pipeline = 'pipedream': must be one of interleaved, simple, _only_forward, "
      r"interleaved_1f1b, zero_bubble, zbv, dualpipev"),
 ]
@@ -77,6 +74,13 @@ def test_pp1_ignores_the_schedule():
 
 def test_manual_partition_with_one_stage_per_rank():
     assert cfg(pipeline="zero_bubble", auto_partition=False, default_partition=0).auto_partition is False
+
+
+@pytest.mark.parametrize("schedule", ["zero_bubble", "zbv", "dualpipev"])
+def test_split_backward_with_tensor_parallelism(schedule):
+    # the split input/weight backward runs through the TP layers' autograd functions (tested at pp 2 x tp 2
+    # in tests/distributed/test_pipeline_schedules.py)
+    assert cfg(pipeline=schedule, tensor_parallel_degree=2, ddp=True).tensor_parallel_degree == 2
 
 
 def test_active_microbatches_equal_to_microbatches_is_fine():

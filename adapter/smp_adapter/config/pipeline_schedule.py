@@ -31,6 +31,9 @@ from smp_adapter.config.problems import ConfigProblem
 SMP_V1_SCHEDULES = ("interleaved", "simple")
 EXTENSION_SCHEDULES = ("interleaved_1f1b", "zero_bubble", "zbv", "dualpipev")
 V_SHAPED = ("zbv", "dualpipev")
+# schedules whose backward is split into input-gradient and weight-gradient steps (torch's
+# stage_backward_input / stage_backward_weight)
+SPLIT_BACKWARD = ("zero_bubble", *V_SHAPED)
 # virtual_pipeline_degree when not given
 DEFAULT_VIRTUAL = {"interleaved": 1, "simple": 1, "_only_forward": 1, "interleaved_1f1b": 2, "zero_bubble": 1,
                    "zbv": 2, "dualpipev": 2}
@@ -96,12 +99,6 @@ def schedule_problems(values: Mapping[str, Any], raw: Mapping[str, Any]) -> list
                           f"{'r and 2p-1-r' if schedule in V_SHAPED else 'r, r+p, ...'})",
                           "set auto_partition: true (marks are then ignored), or keep the marks with pipeline: "
                           "zero_bubble (one stage per rank) or interleaved", False))
-    if schedule in ("zero_bubble", *V_SHAPED) and values.get("tensor_parallel_degree", 1) > 1:
-        # the split backward (torch's stage_backward_input) fails on the Megatron-core TP layers'
-        # autograd functions (tested: pp 2 x tp 2, seed conv net); the full backward works
-        add(ConfigProblem("pipeline", f"{schedule} (split input/weight backward) is not supported with "
-                          "tensor_parallel_degree > 1 yet", "use pipeline: interleaved_1f1b or interleaved with "
-                          "tensor parallelism", schedule))
     if m < pp:
         add(ConfigProblem("microbatches", f"must be >= pipeline_parallel_degree ({pp}) with pipeline: {schedule} "
                           f"(fewer microbatches than ranks never fill the pipeline)",

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from smp_adapter.config.pipeline_schedule import SPLIT_BACKWARD
 from smp_adapter.errors import SMPUsageError, UnsupportedFeatureError
 from smp_adapter.runtime import activation_checkpoint
 from smp_adapter.runtime.engines.pipeline import partition as part, surgery, tied
@@ -71,6 +72,7 @@ class PipelineRunner:
         self._schedules: dict = {}
         self._last_schedule = None
         self._traced_training, self._mode_warned, self._mode = True, False, None
+        self._detach_results = True  # run_step sets it (the step's detach_outputs)
         self._autocast = None  # (device type, dtype) active around model(...) in the step body, or None
         self._replay = self._loss = None
         #: fp16/bf16: returns the current loss scale (set by the pipeline engine with the optimizer)
@@ -141,7 +143,7 @@ class PipelineRunner:
         # microbatches themselves (a smaller active_microbatches is refused by the option rules)
         smp_schedule = state.cfg.pipeline in ("interleaved", "simple", "_only_forward")
         group = active if smp_schedule and (simple or active < self.num_stages) else m
-        self._mode = "replay"
+        self._mode, self._detach_results = "replay", detach
         try:
             for start in range(0, m, group):
                 idx = list(range(start, min(start + group, m)))
@@ -231,7 +233,12 @@ class PipelineRunner:
     def _run_body(self, func, bound, output, results, mb):
         self._replay, self._loss = self._unflatten(output), None
         state.microbatch = mb
-        results[mb] = func(*bound.args, **bound.kwargs)
+        returned = func(*bound.args, **bound.kwargs)
+        # detached now when the caller gets detached values anyway: a returned tensor with its graph
+        # (the loss) would keep every microbatch's graph until the step ends, and under the split
+        # backward that graph still holds what only the input gradient needed (torch's retain_graph)
+        results[mb] = torch.utils._pytree.tree_map(
+            lambda t: t.detach() if isinstance(t, torch.Tensor) else t, returned) if self._detach_results else returned
         loss, self._loss, self._replay = self._loss, None, None
         return loss
 
@@ -344,6 +351,8 @@ class PipelineRunner:
                 # narrows them again for its matmuls
                 traced = next((p.dtype for p in mine.parameters() if p.is_floating_point()), torch.get_default_dtype())
                 mine.register_forward_hook(surgery.WidenAutocastOutputs(traced))
+            if i > 0 and cfg.pipeline in SPLIT_BACKWARD:  # the first stage's backward is not split
+                mine.register_forward_hook(surgery.OwnViewOutputs())
         marked = [n for mine in self.stage_modules for n in surgery.checkpoint_marked(module, mine)]
         if marked:  # set_activation_checkpointing, lost by torch.export, applied again to the stages
             print(f"Activation checkpointing in the stage(s) of pipeline rank {self.stage_index}: {', '.join(marked)}")

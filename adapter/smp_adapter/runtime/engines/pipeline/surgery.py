@@ -4,6 +4,7 @@ hooks the stage builder installs (runtime/engines/pipeline/runtime.py).
 * ``originals_swapped_in``: the pre-TP modules back in place while torch.export traces the model;
 * ``CarryInputs``: model inputs first read by a later stage, carried from stage 0;
 * ``WidenAutocastOutputs``: autocast activations cross stages in the traced dtype;
+* ``OwnViewOutputs``: stage outputs that are views copied, for the split backward;
 * ``checkpoint_marked``: ``smp.set_activation_checkpointing`` applied again to the traced stage.
 """
 
@@ -62,6 +63,18 @@ class WidenAutocastOutputs:
             return None
         return torch.utils._pytree.tree_map(
             lambda t: t.to(self.dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, output)
+
+
+class OwnViewOutputs:
+    """Forward hook of a stage whose backward is split (zero_bubble, zbv, dualpipev): an output that
+    is a view (a cut right after torch.flatten / view / transpose, as the seed conv net's when cut
+    into 4 stages) becomes a copy. torch's stage_backward_input detaches every stage output in place
+    after the input-gradient step to free the graph, and a view cannot be ("Can't detach views
+    in-place"). The copy has the same values; its gradient flows to the view unchanged."""
+
+    def __call__(self, module, args, output):
+        return torch.utils._pytree.tree_map(
+            lambda t: t.clone() if isinstance(t, torch.Tensor) and t._is_view() else t, output)
 
 
 def autocast_state():
