@@ -39,7 +39,13 @@ class DistributedModel(nn.Module):
         self.backward_passes_per_step = backward_passes_per_step
         self.average_grads_across_microbatches = average_grads_across_microbatches
         self.broadcast_buffers = broadcast_buffers
-        self.trace_device = trace_device  # no tracing pass here: accepted for compatibility
+        self.trace_device = trace_device  # accepted for compatibility; said once where it would matter
+        if trace_device == "cpu" and s.dims.pp > 1:
+            from smp_adapter.runtime.init import warn_once
+
+            warn_once(["DistributedModel(trace_device='cpu') is not carried out: the model is placed whole on each "
+                       "rank's device and traced there at the first step; if it does not fit one device, use "
+                       "tensor_parallel_degree or sharded_data_parallel_degree (README, pipeline parallelism)"], s.rank)
         self.partitioned = False
         self._post_partition_hooks: list = []
         self._post_step_hooks: list = []

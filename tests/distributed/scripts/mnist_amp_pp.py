@@ -55,7 +55,11 @@ def main():
 
     smp.init()
     torch.manual_seed(1)
-    model = smp.DistributedModel(Net())
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:  # trace_device="cpu": said not to be carried out
+        warnings.simplefilter("always")
+        model = smp.DistributedModel(Net(), trace_device="cpu")
     scaler = smp.amp.GradScaler()
     optimizer = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05))
 
@@ -80,7 +84,8 @@ def main():
         scaler.update()
         scales.append(scaler.get_scale())
     state = model.state_dict()
-    write_result({"losses": losses, "scales": scales, "pp_rank": smp.pp_rank(),
+    write_result({"losses": losses, "scales": scales, "pp_rank": smp.pp_rank(), "rank": smp.rank(),
+                  "trace_warnings": [str(w.message) for w in caught if "trace_device" in str(w.message)],
                   "final_state": {k: v.tolist() for k, v in state.items()} if smp.rank() == 0 else None})
 
 
