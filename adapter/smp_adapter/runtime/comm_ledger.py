@@ -307,6 +307,10 @@ def install_if_requested(dims, rank: int, local_size: int) -> None:
     atexit.register(close)
 
 
+def is_on() -> bool:
+    return _active is not None
+
+
 def close() -> None:
     """Write what is pending, restore torch.distributed's functions (smp.shutdown and exit)."""
     global _active

@@ -378,6 +378,16 @@ class PipelineRunner:
         try:
             pipe = pipeline(module, tuple(args), dict(kwargs), split_spec=spec)
         except Exception as e:  # noqa: BLE001 - export failures come in many types
+            from smp_adapter.runtime import comm_ledger
+
+            if comm_ledger.is_on() and state.dims.tp > 1:
+                # export maps torch.distributed's collectives to traceable ones by the function objects;
+                # the ledger's counting wrappers are other objects, so TP exchanges inside a stage fail
+                raise UnsupportedFeatureError(
+                    f"pipeline parallelism could not split {type(module).__name__} while the communication ledger is "
+                    f"on ({comm_ledger.ENV}): torch.export cannot trace the tensor-parallel exchanges inside the stages "
+                    "through the ledger's counting wrappers. Run this layout without the ledger (unset the variable, no "
+                    "--comm-ledger), or with prescaled_batch: true, whose exchanges the ledger can count") from e
             raise UnsupportedFeatureError(
                 f"pipeline parallelism could not split {type(module).__name__}: torch.export failed to trace it "
                 f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}). Make its forward traceable "
