@@ -37,8 +37,8 @@ LAYOUTS = {  # name -> (smp options, processes)
     "pp2": ({"ddp": True, "pipeline_parallel_degree": 2, "microbatches": 2}, 2),
     "pp2_ac": ({"ddp": True, "pipeline_parallel_degree": 2, "microbatches": 2}, 2),
     # prescaled_batch (the AWS templates' setting): without it the TP ranks exchange their rows inside the
-    # stages torch.export traces, as torch's functional collectives, which neither count sees (and
-    # which the wrapped torch.distributed functions keep export from producing: it fails)
+    # stages torch.export traces, and export maps torch.distributed's functions to functional collectives
+    # by identity: with them wrapped (the ledger, this count) it does not recognise them and fails
     "tp2xpp2": ({"ddp": True, "pipeline_parallel_degree": 2, "tensor_parallel_degree": 2, "microbatches": 2,
                  "prescaled_batch": True}, 4),
 }

@@ -155,7 +155,8 @@ def _gpt2(cfg, h, layers, heads, seq_len):
     # two factors of the last product and that product (the projection's input) are kept
     mlp_saved = 5 if cfg.get("activation_function", "gelu_new") == "gelu_new" else 2
     return ModelSpec("gpt2", layers, h, heads, inner, vocab, _seq(seq_len, cfg, "n_positions"), layer, outer,
-                     tied_embeddings=cfg.get("tie_word_embeddings", True), mlp_saved=mlp_saved, position_tables=1)
+                     tied_embeddings=cfg.get("tie_word_embeddings", True), mlp_saved=mlp_saved,
+                     position_tables=1)  # wpe
 
 
 def _llama(cfg, kind, h, layers, heads, seq_len):
