@@ -32,7 +32,7 @@ def main() -> None:
     from test_comm_ledger import GPT2, LAYOUTS, STEPS, checkpointed, job_args, plan_steps
 
     parser = argparse.ArgumentParser()
-    parser.add_argument("--layouts", default=",".join(n for n in LAYOUTS if n != "tp2xpp2"))
+    parser.add_argument("--layouts", default=",".join(LAYOUTS))
     args = parser.parse_args()
     spec = model_spec(dict(GPT2, model_type="gpt2"))
     print(f"{'layout':<16}{'group':<7}{'ledger B/step':>15}{'plan B/step':>13}{'error':>9}")

@@ -130,3 +130,17 @@ def test_a_recipe_is_a_model(tmp_path, capsys):
     code = main(["plan", '{"ddp": true}', "--model", str(built), "--batch-size", "4", "--instance-type", "ml.g5.12xlarge"])
     err = capsys.readouterr().err
     assert code == 2 and "is a recipe that names no model config plan can read" in err and "add model_config:" in err
+
+
+def test_prescaled_tensor_parallel_traffic_equals_a_ledger_run_with_the_head():
+    """prescaled_batch at pp 1 puts the head's exchanges on rank 0 as well (the ledger test checks
+    prescaled TP only under pp 2, where stage 0 has no head). Reference: the ledger of rank 0, step 1,
+    of tests/distributed/scripts/ledger_job.py with this layout and model (tp 2 on 2 ranks, batch 4,
+    one microbatch; 2026-11-25): tp all_reduce 11 calls, 83968 B; all_gather (the logits) 1, 16384 B."""
+    gpt2 = {"model_type": "gpt2", "vocab_size": 64, "n_positions": 16, "n_embd": 32, "n_layer": 2, "n_head": 4}
+    dims = ParallelDims.from_config(SMPConfig.from_dict({"ddp": True, "tensor_parallel_degree": 2,
+                                                         "prescaled_batch": True}), 2)
+    cluster = instance_cluster("ml.g4dn.12xlarge", 1)
+    p = costs.plan(model_spec(gpt2), dims, cluster, costs.Job(4))
+    assert {(t.op, t.calls, t.bytes) for t in p.comm if t.group == "tp"} == {("all_reduce", 11, 83968),
+                                                                             ("all_gather", 1, 16384)}

@@ -262,7 +262,27 @@ def plan(spec, dims, cluster: Cluster, job: Job) -> Plan:
         else:
             add("rdp", "all_gather", gathered + again, 2 * m, rdp)
         add("rdp", "reduce_scatter", grads * m, m, rdp)
-    if t > 1:
+    if t > 1 and cfg.prescaled_batch:
+        # prescaled_batch: the TP group shares one batch (r = b) and Megatron's pair surrounds each unit:
+        # its entry (copy_to) all-reduces the input's gradient in backward, its row layer (reduce_from)
+        # the output in forward, T = a x b x s x h each; a checkpointed layer's recompute repeats the
+        # attention's forward all-reduce (as above: not the MLP's). The vocabulary-parallel embedding
+        # (stage 0) all-reduces its output, T, and a split position table one sample's worth. The head
+        # (the last stage: rank 0's when p = 1) all-reduces its input's gradient and all-gathers the
+        # logits (b x s x V). Per microbatch, m of them.
+        T = a * b * spec.seq_len * spec.hidden
+        units = 2 * layers * m
+        calls = 2 * units + (units // 2 if job.activation_checkpointing else 0)
+        nbytes = calls * T
+        if vocab_split:
+            calls += m * (1 + spec.position_tables)
+            nbytes += m * (T + spec.position_tables * a * spec.seq_len * spec.hidden)
+            if p == 1:
+                calls += m
+                nbytes += m * T
+                add("tp", "all_gather", m * a * b * spec.seq_len * spec.vocab, m, t)
+        add("tp", "all_reduce", nbytes, calls, t)
+    elif t > 1:
         # smp's tensor parallelism without prescaled_batch: each unit (attention, MLP) gathers the TP
         # group's batch on entry and reduce-scatters the row layer's partial sums; backward swaps the
         # pair. A vocabulary-parallel embedding gathers the token ids and reduce-scatters its output;

@@ -37,6 +37,9 @@ class ModelSpec:
     kv_hidden: int = 0  # k/v projection width (grouped-query attention); 0: = hidden
     tied_embeddings: bool = False  # the token head shares the input embedding's weight
     mlp_saved: int = 2  # tensors of b x s x intermediate the MLP keeps for backward (its activation's)
+    # learned position tables looked up with 1 x s ids, broadcast over the batch (GPT-2's wpe), which
+    # smp's tensor parallelism splits like the vocabulary: their exchanges move one sample's worth
+    position_tables: int = 0
 
     @property
     def layer_params(self) -> int:
@@ -152,7 +155,8 @@ def _gpt2(cfg, h, layers, heads, seq_len):
     # two factors of the last product and that product (the projection's input) are kept
     mlp_saved = 5 if cfg.get("activation_function", "gelu_new") == "gelu_new" else 2
     return ModelSpec("gpt2", layers, h, heads, inner, vocab, _seq(seq_len, cfg, "n_positions"), layer, outer,
-                     tied_embeddings=cfg.get("tie_word_embeddings", True), mlp_saved=mlp_saved)
+                     tied_embeddings=cfg.get("tie_word_embeddings", True), mlp_saved=mlp_saved,
+                     position_tables=1)  # wpe
 
 
 def _llama(cfg, kind, h, layers, heads, seq_len):

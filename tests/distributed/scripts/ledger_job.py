@@ -114,10 +114,7 @@ c10d.batch_isend_irecv = dist.batch_isend_irecv = _wb
 import smdistributed.modelparallel.torch as smp  # noqa: E402
 
 parser = argparse.ArgumentParser()
-parser.add_argument("--config", help="GPT2Config JSON (the default model)")
-parser.add_argument("--model", default="gpt2", choices=["gpt2", "net"],
-                    help="net: the seed's conv + linear net with fc1 tensor-parallel (TP x PP: GPT-2's TP layers do not "
-                         "trace through torch.export)")
+parser.add_argument("--config", help="GPT2Config JSON")
 parser.add_argument("--steps", type=int, default=3)
 parser.add_argument("--per-rank-batch", type=int, default=4)
 parser.add_argument("--seq-len", type=int, default=16)
@@ -135,17 +132,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from transformers import GPT2Config, GPT2LMHeadModel  # noqa: E402
 
 torch.manual_seed(5)
-if args.model == "net":
-    from train_pp_common import batch, build
-
-    model = build("net", smp)
-    smp.set_tensor_parallelism(model.fc1, True)
-elif smp.tp_size() > 1:
-    config = GPT2Config(**json.loads(open(args.config).read()))
+config = GPT2Config(**json.loads(open(args.config).read()))
+if smp.tp_size() > 1:
     with smp.tensor_parallelism():
         model = GPT2LMHeadModel(config)
 else:
-    config = GPT2Config(**json.loads(open(args.config).read()))
     with smp.model_creation():
         model = GPT2LMHeadModel(config)
 model = smp.DistributedModel(model)
@@ -163,11 +154,6 @@ optimizer = smp.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-
 
 @smp.step
 def train_step(model, ids):
-    if args.model == "net":
-        data, target = ids
-        loss = F.nll_loss(model(data), target)
-        model.backward(loss)
-        return loss
     logits = model(input_ids=ids, use_cache=False)["logits"]
     loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
     model.backward(loss)
@@ -188,10 +174,7 @@ for step in range(args.steps):
         memory.start()
         live_between_steps[step] = memory.now
     g = torch.Generator().manual_seed(100 + step)
-    if args.model == "net":
-        ids = batch("net", step, args.per_rank_batch)
-    else:
-        ids = torch.randint(0, config.vocab_size, (args.per_rank_batch, args.seq_len), generator=g)
+    ids = torch.randint(0, config.vocab_size, (args.per_rank_batch, args.seq_len), generator=g)
     optimizer.zero_grad()
     count.on = True
     train_step(model, ids)
