@@ -161,3 +161,19 @@ def check_plan(name, step, results, records):
     print(f"{tag} memory: measured peak {measured} B, plan {predicted.tensor_bytes} B ({error:+.1%}; "
           f"without the reduce bucket {rest_error:+.1%})")
     assert abs(error) <= MEMORY_TOLERANCE and abs(rest_error) <= MEMORY_TOLERANCE, (tag, predicted.memory)
+
+
+def test_pipeline_x_tensor_parallel_without_prescaled_batch_names_the_ledger(tmp_path):
+    """Without prescaled_batch the TP exchanges run inside the traced stages, and torch.export cannot
+    trace them through the ledger's counting wrappers: the error must name the ledger and the two ways
+    out, not blame the model (it said "make its forward traceable ... use_cache=False")."""
+    options = dict(LAYOUTS["tp2xpp2"][0], prescaled_batch=False)
+    config = tmp_path / "gpt2.json"
+    config.write_text(json.dumps(GPT2))
+    with pytest.raises(AssertionError) as failed:
+        run_ranks(SCRIPT, 4, args=["--config", config, "--steps", 1], out_dir=tmp_path,
+                  env={"SM_HP_MP_PARAMETERS": json.dumps(options), "SMP_ADAPTER_COMM_LEDGER": str(tmp_path / "ledger")})
+    message = str(failed.value)
+    assert ("UnsupportedFeatureError: pipeline parallelism could not split GPT2LMHeadModel while the communication "
+            "ledger is on (SMP_ADAPTER_COMM_LEDGER): torch.export cannot trace the tensor-parallel exchanges") in message
+    assert "Run this layout without the ledger (unset the variable, no --comm-ledger), or with prescaled_batch: true" in message
