@@ -8,6 +8,7 @@ import json
 import pytest
 import torch
 
+from smp_adapter.cli import main
 from smp_adapter.errors import SMPCheckpointError, SMPUsageError
 from smp_adapter.runtime import checkpoint_digests as digests
 from smp_adapter.runtime.checkpoint_files import atomic_torch_save
@@ -181,10 +182,12 @@ def test_smp_load_refuses_a_damaged_smp_save_file(tmp_path, monkeypatch):
         smp.save({"w": torch.arange(100.0)}, str(tmp_path / "ckpt.pt"), partial=True)
         path = tmp_path / "ckpt.pt_0_0"
         assert torch.equal(smp.load(str(tmp_path / "ckpt.pt"))["w"], torch.arange(100.0))
+        assert main(["checkpoint", "verify", str(path)]) == 0  # one file smp.save wrote
         with open(path, "r+b") as f:
             f.truncate(path.stat().st_size - 1)
         with pytest.raises(SMPCheckpointError) as refused:
             smp.load(str(tmp_path / "ckpt.pt"))
+        assert main(["checkpoint", "verify", str(path)]) == 1
         assert str(refused.value).startswith(f"{tmp_path} is damaged; refusing to load it (1 problem):\n  {path}: size ")
         monkeypatch.setenv(digests.SKIP_ENV, "1")  # unchecked: torch's own error, still naming the file
         with pytest.raises(SMPCheckpointError, match=f"{path} is not a loadable checkpoint"):
