@@ -26,8 +26,12 @@ pp2 (two pipeline stages): "DS only" is then the pipeline engine's own stage fil
 (runtime/checkpoint_digests.py), --repeats times each; a second job resumes the checkpoint in the
 same layout alternately without (SMP_ADAPTER_SKIP_CHECKPOINT_VERIFY=1) and with the check, after one
 untimed resume (--cold: the checkpoint's pages dropped from the page cache before each resume, so it
-is read from the disk as after a copy). Medians, slowest rank. Targets: both within 1.05x.
---hash-speed: MB/s of the candidate hashes.
+is read from the disk as after a copy). Medians, slowest rank. Targets: both within 1.05x. Beside the
+resume's wall time: its CPU seconds (every thread of the rank, so the hashing thread's included), the
+hashing thread's own CPU seconds, and the MB one rank's share of the digests covers (chunks of a large
+file split among the ranks; SMP_ADAPTER_DIGEST_CHUNK_BYTES=1073741824 records whole files, as before
+chunks). Where the ranks use every core, the hashing's CPU seconds over the resume's are the least
+the check can cost. --hash-speed: MB/s of the candidate hashes.
 
     PYTHONPATH=adapter .venv/bin/python benchmarks/checkpoint.py --digests --modes zero3 zero0 pp2 --repeats 7
 """

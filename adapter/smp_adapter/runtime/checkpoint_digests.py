@@ -36,7 +36,7 @@ from pathlib import Path
 
 from smp_adapter.errors import SMPCheckpointError
 from smp_adapter.runtime.digest_records import (CHUNK_ENV, SKIP_ENV, default_algorithm, digest_file, hasher, unit_bytes,  # noqa: F401
-                                                unit_matches, unit_range, units, write_hashed)
+                                                damaged_units, unit_range, units, write_hashed)
 
 MANIFEST = "smp_manifest.json"
 FILES = "files"
@@ -208,11 +208,15 @@ def check_sizes(folder: Path, manifest: dict, items) -> list[Problem]:
 def check_contents(folder: Path, manifest: dict, items) -> list[Problem]:
     """The digests of ``items`` (names or units) of the recorded files (of the right size): one
     problem per file, naming its damaged chunks."""
-    algorithm, files, bad = manifest[ALGORITHM], manifest[FILES], {}
+    algorithm, files, by_file = manifest[ALGORITHM], manifest[FILES], {}
     for name, index in _units(files, items):
-        if not unit_matches(Path(folder) / name, algorithm, files[name], index):
-            bad.setdefault(name, []).append(index)
-    return [Problem(name, differs(algorithm, files[name], indices)) for name, indices in bad.items()]
+        by_file.setdefault(name, []).append(index)
+    problems = []
+    for name, indices in by_file.items():
+        bad = damaged_units(Path(folder) / name, algorithm, files[name], indices)
+        if bad:
+            problems.append(Problem(name, differs(algorithm, files[name], bad)))
+    return problems
 
 
 def differs(algorithm: str, record: dict, indices) -> str:

@@ -119,25 +119,32 @@ def digest_file(path, algorithm: str, chunk: int | None = None) -> dict:
     return _record(algorithm, size, chunk, chunks)
 
 
-def _hash_range(path, algorithm: str, offset: int, length: int) -> str:
-    h = hasher(algorithm)
-    if length:
-        with open(path, "rb", buffering=0) as f:
-            with mmap.mmap(f.fileno(), length, access=mmap.ACCESS_READ, offset=offset) as mapped:
-                h.update(mapped)
-    return h.hexdigest()
-
-
-def unit_matches(path, algorithm: str, record: dict, index: int | None) -> bool:
-    """Whether one unit of the file (a chunk, or the whole file when ``index`` is None) still has its
-    recorded digest. The caller has checked the size."""
-    if index is None:
-        return _hash_range(path, algorithm, 0, record["size"]) == record["digest"]
-    step = record["chunk_bytes"]
-    if step <= 0 or step % mmap.ALLOCATIONGRANULARITY or len(record["chunks"]) != -(-record["size"] // step):
-        return False  # a record edited out of shape (the manifest's own digest catches that first)
-    digest = _hash_range(path, algorithm, index * record["chunk_bytes"], unit_bytes(record, index))
-    return digest == record["chunks"][index]
+def damaged_units(path, algorithm: str, record: dict, indices) -> list:
+    """Which of the units ``indices`` of the file (chunk numbers, or None for the whole file) no longer
+    have their recorded digest. The caller has checked the size. The file is mapped once for all of
+    them: each unmap of a thread's mapping interrupts the process's other running threads (the TLB)."""
+    indices = list(indices)
+    if None in indices:
+        indices = [None]
+    elif indices:
+        step = record["chunk_bytes"]
+        if step <= 0 or step % mmap.ALLOCATIONGRANULARITY or len(record["chunks"]) != -(-record["size"] // step):
+            return indices  # a record edited out of shape (the manifest's own digest catches that first)
+    if not indices or not record["size"]:
+        return [i for i in indices if i is None and hasher(algorithm).hexdigest() != record["digest"]]
+    bad = []
+    with open(path, "rb", buffering=0) as f:
+        with mmap.mmap(f.fileno(), record["size"], access=mmap.ACCESS_READ) as mapped, memoryview(mapped) as view:
+            for index in indices:
+                h = hasher(algorithm)
+                if index is None:
+                    h.update(view)
+                else:
+                    start = index * record["chunk_bytes"]
+                    h.update(view[start:start + unit_bytes(record, index)])
+                if h.hexdigest() != (record["digest"] if index is None else record["chunks"][index]):
+                    bad.append(index)
+    return bad
 
 
 class HashingFile(io.RawIOBase):
