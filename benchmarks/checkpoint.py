@@ -27,8 +27,9 @@ pp2 (two pipeline stages): "DS only" is then the pipeline engine's own stage fil
 same layout alternately without (SMP_ADAPTER_SKIP_CHECKPOINT_VERIFY=1) and with the check, after one
 untimed resume (--cold: the checkpoint's pages dropped from the page cache before each resume, so it
 is read from the disk as after a copy). Medians, slowest rank. Targets: both within 1.05x. Beside the
-resume's wall time: its CPU seconds (every thread of the rank, so the hashing thread's included), the
-hashing thread's own CPU seconds, and the MB one rank's share of the digests covers (chunks of a large
+resume's wall time: its CPU seconds (every thread of the rank), the CPU seconds spent hashing (the
+bytes torch.load reads, hashed as read, and the files no rank read, after the load), and the MB one
+rank's share of the digests would cover if no file were read (chunks of a large
 file split among the ranks; SMP_ADAPTER_DIGEST_CHUNK_BYTES=1073741824 records whole files, as before
 chunks). Where the ranks use every core, the hashing's CPU seconds over the resume's are the least
 the check can cost. --hash-speed: MB/s of the candidate hashes.
@@ -156,10 +157,10 @@ def _timed(module, name: str, spent: list) -> None:
     setattr(module, name, timed)
 
 
-def _thread_cpu(cls, name: str, spent: list) -> None:
-    """Wrap the method ``cls.name``, which runs in a thread of its own, so that the CPU seconds of that
-    thread add up in ``spent[0]``: the hashing's own cost, whatever else runs on the cores."""
-    original = getattr(cls, name)
+def _cpu_timed(owner, name: str, spent: list) -> None:
+    """Wrap ``owner.name`` so that the CPU seconds of the thread running it add up in ``spent[0]``:
+    the hashing's own cost, whatever else runs on the cores."""
+    original = getattr(owner, name)
 
     def timed(*a, **k):
         start = time.thread_time()
@@ -168,7 +169,7 @@ def _thread_cpu(cls, name: str, spent: list) -> None:
         finally:
             spent[0] += time.thread_time() - start
 
-    setattr(cls, name, timed)
+    setattr(owner, name, timed)
 
 
 def digest_save_worker(args) -> None:
@@ -209,7 +210,11 @@ def digest_resume_worker(args) -> None:
     # the main thread's time in the check: the size pass, and waiting for the hashing thread at the end
     _timed(checkpoint_dirs.digests, "start_check", spent)
     _timed(checkpoint_dirs.digests.Check, "finish", spent)
-    _thread_cpu(checkpoint_dirs.digests.Check, "_hash", hashing)
+    # the hashing's own CPU seconds: of the bytes torch.load reads (HashingReader), and of the files no
+    # rank read, after the load (damaged_units)
+    from smp_adapter.runtime import digest_records
+    _cpu_timed(digest_records.HashingReader, "_feed", hashing)
+    _cpu_timed(checkpoint_dirs.digests, "damaged_units", hashing)
     smp.resume_from_checkpoint(args.ckpt, tag="don")
     folder = Path(args.ckpt) / "don_partial"
     files = [p for p in folder.rglob("*") if p.is_file()]
@@ -272,7 +277,7 @@ def digests_main(args, me: Path, size: list) -> None:
     print(f"{'mode':8} {'checkpoint':>10} {'save off':>9} {'save on':>8} {'ratio':>6} {'digesting':>9} | "
           f"{'resume off':>10} {'resume on':>9} {'ratio':>6} {'checking':>8} | {'cpu off':>8} {'cpu on':>7} {'ratio':>6} "
           f"{'hashing':>8} {'share':>8}   (medians of {args.repeats}, slowest rank; cpu: the resume's CPU seconds, "
-          "all threads; hashing: the hashing thread's CPU seconds; share: MB one rank hashes)")
+          "all threads; hashing: CPU seconds hashing; share: MB one rank would hash with no file read)")
     figures = {}
     for mode in args.modes:
         options, nprocs, _ = MODES[mode]

@@ -194,3 +194,25 @@ def test_smp_load_refuses_a_damaged_smp_save_file(tmp_path, monkeypatch):
             smp.load(str(tmp_path / "ckpt.pt"))
     finally:
         shutdown()
+
+
+def test_torch_load_through_the_hashing_reader_checks_every_chunk_it_reads(tmp_path, monkeypatch):
+    """A checked resume hands torch.load a reader that hashes what it reads: every chunk of a
+    torch.save file is checked (the zip's directory, read first, at close), a flipped bit fails its
+    chunk only, and what torch.load returns is what a load from the path returns."""
+    from smp_adapter.runtime.digest_records import HashingReader
+
+    monkeypatch.setenv(digests.CHUNK_ENV, "65536")
+    obj = {f"w{i}": torch.randn(20_000 + i) for i in range(6)}  # 480 KB: 8 chunks, 6 records
+    path = tmp_path / "m.pt"
+    record = digests.write_hashed(path, lambda f: torch.save(obj, f), "blake2b")
+    with HashingReader(path, "blake2b", record) as reader:
+        loaded = torch.load(reader, weights_only=True)
+    assert all(torch.equal(loaded[k], obj[k]) for k in obj)
+    assert reader.checked == {i: True for i in range(len(record["chunks"]))}
+    data = bytearray(path.read_bytes())
+    data[3 * 65536 + 100] ^= 0x10  # inside a tensor's bytes
+    path.write_bytes(bytes(data))
+    with HashingReader(path, "blake2b", record) as reader:
+        torch.load(reader, weights_only=True)
+    assert [i for i, ok in reader.checked.items() if not ok] == [3] and len(reader.checked) == len(record["chunks"])

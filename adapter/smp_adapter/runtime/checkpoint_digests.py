@@ -36,7 +36,8 @@ from pathlib import Path
 
 from smp_adapter.errors import SMPCheckpointError
 from smp_adapter.runtime.digest_records import (CHUNK_ENV, SKIP_ENV, default_algorithm, digest_file, hasher, unit_bytes,  # noqa: F401
-                                                damaged_units, unit_range, units, write_hashed)
+                                                HashingReader, damaged_units, unit_range, units,
+                                                write_hashed)
 
 MANIFEST = "smp_manifest.json"
 FILES = "files"
@@ -328,48 +329,96 @@ def agree(problems: list, world_size: int) -> list:
     return [Problem(file, "; ".join(whats)) for file, whats in sorted(by_file.items())]
 
 
+_reading = None  # the Check whose files torch.load reads through a HashingReader (``Check.reading``)
+
+
+@contextlib.contextmanager
+def checked_source(path):
+    """``with checked_source(path) as source: torch.load(source, ...)``: inside a resume's engine load
+    (``Check.reading``), a reader that hashes the bytes torch.load reads (``HashingReader``) when
+    ``path`` is a recorded file of the checkpoint being checked; otherwise the path itself."""
+    check, reader = _reading, None
+    if check is not None:
+        path_ = Path(path).resolve()
+        if path_.is_relative_to(check.root):
+            name = path_.relative_to(check.root).as_posix()
+            record = check.manifest[FILES].get(name)
+            if record is not None:
+                reader = HashingReader(path_, check.manifest[ALGORITHM], record)
+                check.readers.append((name, reader))
+    try:
+        yield reader if reader is not None else path
+    finally:
+        if reader is not None:
+            reader.close()
+
+
 class Check:
     """A resume's check, in two collective halves around the engine's load (``start_check``, then
     ``finish``): what costs no read (the manifest, every file there with its size, no file added)
-    is settled before the engine reads anything; the digests of this rank's share are computed in a
-    thread while the engine reads the same files (the hash releases the GIL), so the disk is read
-    once, by whichever comes first, and the verdict comes before the resume returns, i.e. before a
-    training step uses a value. On a node the ranks share the page cache."""
+    is settled before the engine reads anything. During the load (``reading``), torch.load reads
+    each recorded file through a reader that hashes the bytes just read, while they are in the
+    CPU's cache (a second pass through a memory map costs about 6x more here, and on a busy core
+    that is the whole cost of the check). ``finish`` gathers which chunks every rank has checked
+    that way, splits the rest (files the engine does not read: the layout-independent pieces, RNG,
+    user content) among the ranks, and gives every rank the verdict before the resume returns, i.e.
+    before a training step uses a value."""
 
     def __init__(self, folder: Path, manifest: dict, share, action: str, rank: int, world_size: int):
-        import threading
+        self.folder, self.manifest, self._action, self._world, self._rank = folder, manifest, action, world_size, rank
+        self.root = Path(folder).resolve()
+        self._share, self._problems, self.readers = list(share), [], []
+        self._active = manifest is not None and has_digests(manifest) and not skipped()
 
-        self.folder, self.manifest, self._action, self._world = folder, manifest, action, world_size
-        self._share, self._problems = list(share), []
-        self._thread = threading.Thread(target=self._hash, args=(self._share,), name="smp-checkpoint-digests",
-                                        daemon=True)
-        if self._share:
-            self._thread.start()
-
-    def _hash(self, share) -> None:
+    @contextlib.contextmanager
+    def reading(self):
+        global _reading
+        previous, _reading = _reading, (self if self._active else None)
         try:
-            self._problems = check_contents(self.folder, self.manifest, share)
-        except (OSError, ValueError, SMPCheckpointError) as exc:  # a file replaced while it was read
-            self._problems = [Problem(MANIFEST, f"could not be checked: {exc}")]
+            yield
+        finally:
+            _reading = previous
 
-    def local_problems(self) -> list:
-        """This rank's share's problems (not collective)."""
-        if self._thread.ident is not None:  # started
-            self._thread.join()
-        return self._problems
+    def _read_units(self) -> tuple[list, list]:
+        """(units checked while read, this rank's problems among them)."""
+        checked, bad = [], {}
+        for name, reader in self.readers:
+            for index, ok in reader.checked.items():
+                checked.append((name, index))
+                if not ok:
+                    bad.setdefault(name, []).append(index)
+        files, algorithm = self.manifest[FILES], self.manifest[ALGORITHM]
+        return checked, [Problem(name, differs(algorithm, files[name], idx)) for name, idx in bad.items()]
 
     def every_problem(self) -> list:
         """Not collective: every file checked by this rank alone, for a rank whose engine could not read a
         file (the other ranks may be inside the engine's collectives): it ends with the digest error."""
         if self.manifest is None or not has_digests(self.manifest) or skipped():
             return []
-        own = set(self._share)
-        others = [u for u in _units(self.manifest[FILES], sorted(self.manifest[FILES])) if u not in own]
-        return sorted(self.local_problems() + check_files(self.folder, self.manifest, others), key=lambda p: p.file)
+        return sorted(check_files(self.folder, self.manifest, sorted(self.manifest[FILES])), key=lambda p: p.file)
 
     def finish(self) -> dict:
         """Collective: every rank returns the manifest, or every rank raises the same error."""
-        problems = agree(self.local_problems(), self._world)
+        if not self._active:
+            problems = agree([], self._world)
+        else:
+            checked, problems = self._read_units()
+            views = [(checked, [(p.file, p.what) for p in problems])]
+            if self._world > 1:
+                import torch.distributed as dist
+
+                views = [None] * self._world
+                dist.all_gather_object(views, (checked, [(p.file, p.what) for p in problems]))
+            done = {tuple(u) for view in views for u in view[0]}
+            files = self.manifest[FILES]
+            rest = {name: files[name] for name in files if any(u not in done for u in units(name, files[name]))}
+            share = [u for u in shares(rest, self._world)[self._rank] if u not in done]
+            try:
+                problems = [Problem(*p) for view in views for p in view[1]] + \
+                    check_contents(self.folder, self.manifest, share)
+            except (OSError, ValueError, SMPCheckpointError) as exc:  # a file replaced while it was read
+                problems = [Problem(MANIFEST, f"could not be checked: {exc}")]
+            problems = agree(problems, self._world)
         if problems:
             raise refusal(self.folder, problems, self._action)
         return self.manifest

@@ -308,11 +308,21 @@ class DeepSpeedEngine(StartsThroughDeepSpeed, Engine):
         universal_checkpoint.load(self._ds, self.model.module, Path(folder), universal)
 
     def load_partial(self, folder, optimizer, strict: bool, load_optimizer: bool) -> None:
+        from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+
+        from smp_adapter.runtime.checkpoint_digests import checked_source
+
         checkpoint_engine = self._ds.checkpoint_engine
         read = checkpoint_engine.load
+        # its default engine (torch.load(path)) is handed a file object that hashes what it reads
+        # inside a checked resume (checkpoint_digests.Check); any other engine reads its path
+        torch_load_engine = type(checkpoint_engine).load is TorchCheckpointEngine.load
 
         def load(path, *args, **kwargs):
             try:
+                if torch_load_engine:
+                    with checked_source(path) as source:
+                        return read(source, *args, **kwargs)
                 return read(path, *args, **kwargs)
             except Exception as exc:  # noqa: BLE001 - torch's reader on a file cut short: "[Errno 22] Invalid argument"
                 raise SMPCheckpointError(  # read unchecked (the opt-out): still name the file, never a bare OSError
