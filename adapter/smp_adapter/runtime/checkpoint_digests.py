@@ -16,11 +16,12 @@ checkpoint engine is handed that file object instead of its path, ``noting_saves
 writer did not hash (the safetensors index, another checkpoint engine's files) is hashed right after.
 The digests are gathered, and rank 0 digests anything no rank claimed (DeepSpeed's
 ``zero_to_fp32.py``) before writing the manifest, all inside the staging folder that is renamed into
-place afterwards (the save stays atomic). Check (``start_check`` / ``Check.finish``, resume): the
-files' units (small files whole, large files chunk by chunk) are split among the ranks by size;
-sizes and the file list are checked before anything is read, the digests while the engine reads
-the same files, and one collective gives every rank the verdict before the resume returns, so all
-ranks raise the same error naming the file (none is left waiting in a later collective).
+place afterwards (the save stays atomic). Check (``start_check`` / ``Check.reading`` /
+``Check.finish``, resume): sizes and the file list are checked before anything is read; torch.load
+reads the engine's files through a reader that hashes them as it reads; the chunks no rank read
+are split among the ranks by size and hashed after, and one collective gives every rank the verdict
+before the resume returns, so all ranks raise the same error naming the file (none is left waiting
+in a later collective).
 ``smp.save`` / full checkpoints: a ``<file>.smp_digest`` record beside each file
 (runtime/checkpoint_sidecars.py).
 """
@@ -358,8 +359,8 @@ class Check:
     ``finish``): what costs no read (the manifest, every file there with its size, no file added)
     is settled before the engine reads anything. During the load (``reading``), torch.load reads
     each recorded file through a reader that hashes the bytes just read, while they are in the
-    CPU's cache (a second pass through a memory map costs about 6x more here, and on a busy core
-    that is the whole cost of the check). ``finish`` gathers which chunks every rank has checked
+    CPU's cache (a second pass through a memory map costs 2-3x more here, and on a busy core that
+    is the whole cost of the check). ``finish`` gathers which chunks every rank has checked
     that way, splits the rest (files the engine does not read: the layout-independent pieces, RNG,
     user content) among the ranks, and gives every rank the verdict before the resume returns, i.e.
     before a training step uses a value."""
