@@ -216,3 +216,12 @@ def test_torch_load_through_the_hashing_reader_checks_every_chunk_it_reads(tmp_p
     with HashingReader(path, "blake2b", record) as reader:
         torch.load(reader, weights_only=True)
     assert [i for i, ok in reader.checked.items() if not ok] == [3] and len(reader.checked) == len(record["chunks"])
+    # a file two ranks read whole (ZeRO 0's model file): each hashes every other chunk, together all of them
+    halves = []
+    for position in (0, 1):
+        with HashingReader(path, "blake2b", record, shared_by=(position, 2)) as reader:
+            torch.load(reader, weights_only=True)
+        halves.append(reader.checked)
+    assert sorted(halves[0]) == list(range(0, len(record["chunks"]), 2))
+    assert sorted(halves[1]) == list(range(1, len(record["chunks"]), 2))
+    assert {**halves[0], **halves[1]} == {i: i != 3 for i in range(len(record["chunks"]))}

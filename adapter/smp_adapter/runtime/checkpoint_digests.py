@@ -334,10 +334,12 @@ _reading = None  # the Check whose files torch.load reads through a HashingReade
 
 
 @contextlib.contextmanager
-def checked_source(path):
+def checked_source(path, shared_by: tuple[int, int] = (0, 1)):
     """``with checked_source(path) as source: torch.load(source, ...)``: inside a resume's engine load
     (``Check.reading``), a reader that hashes the bytes torch.load reads (``HashingReader``) when
-    ``path`` is a recorded file of the checkpoint being checked; otherwise the path itself."""
+    ``path`` is a recorded file of the checkpoint being checked; otherwise the path itself.
+    ``shared_by`` = (position, count): the engine reads this file whole on ``count`` ranks, and this
+    one hashes every count-th chunk (a chunk no rank hashed is checked after the load all the same)."""
     check, reader = _reading, None
     if check is not None:
         path_ = Path(path).resolve()
@@ -345,7 +347,7 @@ def checked_source(path):
             name = path_.relative_to(check.root).as_posix()
             record = check.manifest[FILES].get(name)
             if record is not None:
-                reader = HashingReader(path_, check.manifest[ALGORITHM], record)
+                reader = HashingReader(path_, check.manifest[ALGORITHM], record, shared_by)
                 check.readers.append((name, reader))
     try:
         yield reader if reader is not None else path

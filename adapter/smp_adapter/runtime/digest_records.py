@@ -221,12 +221,25 @@ class HashingReader(io.RawIOBase):
     the file's end is hashed at ``close`` when little of it is left. ``checked``: {chunk index (None
     for a record without chunks): whether it matched}; the chunks not in it are checked another way."""
 
-    def __init__(self, path, algorithm: str, record: dict):
+    def __init__(self, path, algorithm: str, record: dict, shared_by: tuple[int, int] = (0, 1)):
+        """``shared_by`` = (position, count): the file is read whole by ``count`` ranks (ZeRO 0's model
+        file, by a dp group); this one hashes chunks ``position``, ``position + count``, ..."""
         super().__init__()
         self._raw = open(path, "rb", buffering=0)
-        self._algorithm, self._record = algorithm, record
+        self._algorithm, self._record, (self._position, self._count) = algorithm, record, shared_by
         self._step = record.get("chunk_bytes") or max(record["size"], 1)
         self._hash, self._cursor, self.checked = hasher(algorithm), 0, {}
+
+    def _mine(self, index: int) -> bool:
+        return index % self._count == self._position
+
+    def _chunk_end(self, index: int) -> int:
+        return min((index + 1) * self._step, self._record["size"])
+
+    def _skip_others(self, end: int) -> None:
+        """Move the cursor past the chunks another rank hashes, up to ``end``."""
+        while self._cursor < end and not self._mine(self._cursor // self._step):
+            self._cursor = min(end, self._chunk_end(self._cursor // self._step))
 
     def readable(self) -> bool:
         return True
@@ -256,6 +269,7 @@ class HashingReader(io.RawIOBase):
         return total
 
     def _absorb(self, offset: int, data) -> None:
+        self._skip_others(offset)
         if offset > self._cursor:
             if offset - self._cursor > _GAP:
                 return  # read far ahead (the zip's directory): served unhashed
@@ -267,18 +281,24 @@ class HashingReader(io.RawIOBase):
     def _fill(self, end: int) -> None:
         """Hash the bytes from the cursor to ``end`` (read here; the reader skipped them)."""
         while self._cursor < end:
-            self._feed(os.pread(self._raw.fileno(), min(end - self._cursor, 256 << 10), self._cursor) or b"\0")
+            self._skip_others(end)
+            if self._cursor < end:
+                self._feed(os.pread(self._raw.fileno(), min(end - self._cursor, 256 << 10), self._cursor) or b"\0")
 
     def _feed(self, data) -> None:
         while data:
             index = self._cursor // self._step
-            room = min(len(data), (index + 1) * self._step - self._cursor)
-            self._hash.update(data[:room])
+            end = self._chunk_end(index)
+            room = min(len(data), end - self._cursor)
+            mine = self._mine(index)
+            if mine:
+                self._hash.update(data[:room])
             self._cursor += room
             data = data[room:]
-            if self._cursor == min((index + 1) * self._step, self._record["size"]):
-                want = self._record["chunks"][index] if "chunks" in self._record else self._record["digest"]
-                self.checked[index if "chunks" in self._record else None] = self._hash.hexdigest() == want
+            if self._cursor == end:
+                if mine:
+                    want = self._record["chunks"][index] if "chunks" in self._record else self._record["digest"]
+                    self.checked[index if "chunks" in self._record else None] = self._hash.hexdigest() == want
                 self._hash = hasher(self._algorithm)
 
     def close(self) -> None:
