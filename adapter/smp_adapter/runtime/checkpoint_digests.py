@@ -346,7 +346,7 @@ def checked_source(path, shared_by: tuple[int, int] = (0, 1)):
         if path_.is_relative_to(check.root):
             name = path_.relative_to(check.root).as_posix()
             record = check.manifest[FILES].get(name)
-            if record is not None:
+            if record is not None and (name, shared_by) not in check.read_whole:
                 reader = HashingReader(path_, check.manifest[ALGORITHM], record, shared_by)
                 check.readers.append((name, reader))
     try:
@@ -354,6 +354,12 @@ def checked_source(path, shared_by: tuple[int, int] = (0, 1)):
     finally:
         if reader is not None:
             reader.close()
+            # read again later (DeepSpeed reads its model file twice: once to check the mp size), it
+            # is not hashed again when this read checked every chunk it was to
+            position, count = shared_by
+            due = [u[1] for u in units(name, record) if u[1] is None or u[1] % count == position]
+            if all(i in reader.checked for i in due):
+                check.read_whole.add((name, shared_by))
 
 
 class Check:
@@ -370,7 +376,7 @@ class Check:
     def __init__(self, folder: Path, manifest: dict, share, action: str, rank: int, world_size: int):
         self.folder, self.manifest, self._action, self._world, self._rank = folder, manifest, action, world_size, rank
         self.root = Path(folder).resolve()
-        self._share, self._problems, self.readers = list(share), [], []
+        self._share, self._problems, self.readers, self.read_whole = list(share), [], [], set()
         self._active = manifest is not None and has_digests(manifest) and not skipped()
 
     @contextlib.contextmanager
