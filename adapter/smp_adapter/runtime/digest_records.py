@@ -230,6 +230,9 @@ class HashingReader(io.RawIOBase):
         self._step = record.get("chunk_bytes") or max(record["size"], 1)
         self._hash, self._cursor, self.checked = hasher(algorithm), 0, {}
 
+    def __str__(self) -> str:  # DeepSpeed's checkpoint engine logs what it loads from: the path, as before
+        return str(self._raw.name)
+
     def _mine(self, index: int) -> bool:
         return index % self._count == self._position
 
