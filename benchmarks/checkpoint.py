@@ -26,8 +26,13 @@ pp2 (two pipeline stages): "DS only" is then the pipeline engine's own stage fil
 (runtime/checkpoint_digests.py), --repeats times each; a second job resumes the checkpoint in the
 same layout alternately without (SMP_ADAPTER_SKIP_CHECKPOINT_VERIFY=1) and with the check, after one
 untimed resume (--cold: the checkpoint's pages dropped from the page cache before each resume, so it
-is read from the disk as after a copy). Medians, slowest rank. Targets: both within 1.05x.
---hash-speed: MB/s of the candidate hashes.
+is read from the disk as after a copy). Medians, slowest rank. Targets: both within 1.05x. Beside the
+resume's wall time: its CPU seconds (every thread of the rank), the CPU seconds spent hashing (the
+bytes torch.load reads, hashed as read, and the files no rank read, after the load), and the MB one
+rank's share of the digests would cover if no file were read (chunks of a large
+file split among the ranks; SMP_ADAPTER_DIGEST_CHUNK_BYTES=1073741824 records whole files, as before
+chunks). Where the ranks use every core, the hashing's CPU seconds over the resume's are the least
+the check can cost. --hash-speed: MB/s of the candidate hashes.
 
     PYTHONPATH=adapter .venv/bin/python benchmarks/checkpoint.py --digests --modes zero3 zero0 pp2 --repeats 7
 """
@@ -152,6 +157,21 @@ def _timed(module, name: str, spent: list) -> None:
     setattr(module, name, timed)
 
 
+def _cpu_timed(owner, name: str, spent: list) -> None:
+    """Wrap ``owner.name`` so that the CPU seconds of the thread running it add up in ``spent[0]``:
+    the hashing's own cost, whatever else runs on the cores."""
+    original = getattr(owner, name)
+
+    def timed(*a, **k):
+        start = time.thread_time()
+        try:
+            return original(*a, **k)
+        finally:
+            spent[0] += time.thread_time() - start
+
+    setattr(owner, name, timed)
+
+
 def digest_save_worker(args) -> None:
     smp, model, optimizer, train_step = _job(json.loads(args.options), _size(args))
     for step in range(2):
@@ -186,13 +206,23 @@ def digest_resume_worker(args) -> None:
     from smp_adapter.runtime import checkpoint_dirs
 
     smp, model, optimizer, _ = _job(json.loads(args.options), _size(args))
-    spent, work = [0.0], []
+    spent, work, hashing = [0.0], [], [0.0]
     # the main thread's time in the check: the size pass, and waiting for the hashing thread at the end
     _timed(checkpoint_dirs.digests, "start_check", spent)
     _timed(checkpoint_dirs.digests.Check, "finish", spent)
+    # the hashing's own CPU seconds: of the bytes torch.load reads (HashingReader), and of the files no
+    # rank read, after the load (damaged_units)
+    from smp_adapter.runtime import digest_records
+    _cpu_timed(digest_records.HashingReader, "_feed", hashing)
+    _cpu_timed(checkpoint_dirs.digests, "damaged_units", hashing)
     smp.resume_from_checkpoint(args.ckpt, tag="don")
-    files = [p for p in (Path(args.ckpt) / "don_partial").rglob("*") if p.is_file()]
-    times = {"off": [], "on": []}
+    folder = Path(args.ckpt) / "don_partial"
+    files = [p for p in folder.rglob("*") if p.is_file()]
+    recorded = json.loads((folder / checkpoint_dirs.digests.MANIFEST).read_text())["files"]
+    share = checkpoint_dirs.digests.shares(recorded, smp.size())[smp.rank()]
+    share_mb = max(smp.allgather(sum(checkpoint_dirs.digests.unit_bytes(recorded[n], i) for n, i in share) / 1e6,
+                                 smp.WORLD))
+    times, cpu, hash_cpu = {"off": [], "on": []}, {"off": [], "on": []}, []
     for i in range(args.repeats):
         for mode in ("off", "on") if i % 2 == 0 else ("on", "off"):
             os.environ[SKIP_ENV] = "1" if mode == "off" else "0"
@@ -204,12 +234,14 @@ def digest_resume_worker(args) -> None:
                     os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
                     os.close(fd)
             smp.barrier()
-            spent[0], start = 0.0, time.perf_counter()
+            spent[0], hashing[0], start, start_cpu = 0.0, 0.0, time.perf_counter(), time.process_time()
             smp.resume_from_checkpoint(args.ckpt, tag="don")
             times[mode].append(_slowest(smp, time.perf_counter() - start))
+            cpu[mode].append(_slowest(smp, time.process_time() - start_cpu))  # every thread of the rank
             if mode == "on":
                 work.append(_slowest(smp, spent[0]))
-    write_result({"times": times, "digest_work": work})
+                hash_cpu.append(_slowest(smp, hashing[0]))
+    write_result({"times": times, "digest_work": work, "cpu": cpu, "hash_cpu": hash_cpu, "share_mb": share_mb})
 
 
 def hash_speed() -> None:
@@ -239,11 +271,42 @@ def hash_speed() -> None:
             h.digest()
             best = min(best, time.perf_counter() - start)
         print(f"hash {name:9} {len(data) / best / 1e6:8.0f} MB/s")
+    _cache_vs_map()
+
+
+def _cache_vs_map() -> None:
+    """xxh3_128 over bytes still in the CPU's cache (a 256 KiB piece just read, as the resume's reader
+    hashes) against the same bytes hashed again through a memory map of a file in the page cache
+    (what checking a file after it was read costs). Best of 5."""
+    import mmap
+
+    from smp_adapter.runtime.digest_records import hasher
+
+    piece, total = memoryview(os.urandom(256 << 10)), 256 << 20
+    best = float("inf")
+    for _ in range(5):
+        start, h = time.perf_counter(), hasher("xxh3_128")
+        for _ in range(total // len(piece)):
+            h.update(piece)
+        best = min(best, time.perf_counter() - start)
+    print(f"xxh3_128 of a 256 KiB piece in the CPU's cache   {total / best / 1e6:8.0f} MB/s")
+    with tempfile.NamedTemporaryFile() as f:
+        f.write(os.urandom(total))
+        f.flush()
+        best = float("inf")
+        for _ in range(5):
+            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+                start, h = time.perf_counter(), hasher("xxh3_128")
+                h.update(mapped)
+                best = min(best, time.perf_counter() - start)
+    print(f"xxh3_128 of a 256 MiB file in the page cache, mapped {total / best / 1e6:8.0f} MB/s")
 
 
 def digests_main(args, me: Path, size: list) -> None:
     print(f"{'mode':8} {'checkpoint':>10} {'save off':>9} {'save on':>8} {'ratio':>6} {'digesting':>9} | "
-          f"{'resume off':>10} {'resume on':>9} {'ratio':>6} {'checking':>8}   (medians of {args.repeats}, slowest rank)")
+          f"{'resume off':>10} {'resume on':>9} {'ratio':>6} {'checking':>8} | {'cpu off':>8} {'cpu on':>7} {'ratio':>6} "
+          f"{'hashing':>8} {'share':>8}   (medians of {args.repeats}, slowest rank; cpu: the resume's CPU seconds, "
+          "all threads; hashing: CPU seconds hashing; share: MB one rank would hash with no file read)")
     figures = {}
     for mode in args.modes:
         options, nprocs, _ = MODES[mode]
@@ -260,10 +323,13 @@ def digests_main(args, me: Path, size: list) -> None:
         resume = {k: statistics.median(resumes[0]["times"][k]) for k in ("off", "on")}
         save["digesting"] = statistics.median(saves[0]["digest_work"])
         resume["checking"] = statistics.median(resumes[0]["digest_work"])
+        cpu = {k: statistics.median(resumes[0]["cpu"][k]) for k in ("off", "on")}
+        cpu["hash"] = statistics.median(resumes[0]["hash_cpu"])
         print(f"{mode:8} {mb:8.0f}MB {save['off']:8.3f}s {save['on']:7.3f}s {save['on'] / save['off']:6.2f} "
               f"{save['digesting']:8.3f}s | {resume['off']:9.3f}s {resume['on']:8.3f}s "
-              f"{resume['on'] / resume['off']:6.2f} {resume['checking']:7.3f}s")
-        figures[mode] = {"checkpoint_mb": mb, "save_s": save, "resume_s": resume,
+              f"{resume['on'] / resume['off']:6.2f} {resume['checking']:7.3f}s | {cpu['off']:7.3f}s {cpu['on']:7.3f}s "
+              f"{cpu['on'] / cpu['off']:6.2f} {cpu['hash']:7.3f}s {resumes[0]['share_mb']:6.0f}MB")
+        figures[mode] = {"checkpoint_mb": mb, "save_s": save, "resume_s": resume, "resume_cpu_s": cpu,
                          "save_all": saves[0]["times"], "resume_all": resumes[0]["times"]}
     if args.json:
         Path(args.json).write_text(json.dumps(figures, indent=1))

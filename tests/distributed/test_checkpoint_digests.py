@@ -5,7 +5,8 @@ largest tensor record of an engine file, of a layout-independent piece, of the u
 largest engine file cut short by one byte; a file removed; the manifest edited. `checkpoint verify`,
 `export --to hf`, `reshard` and resume's own check (the function every rank runs, here in one
 process) all refuse, naming the file. A multi-rank resume of one damaged engine file per layout
-refuses on every rank (none hangs). The intact checkpoint verifies clean and resumes bit-exactly:
+refuses on every rank (none hangs); under dp 2 that file is the model file both ranks read, recorded in
+64 KiB chunks that both ranks check. The intact checkpoint verifies clean and resumes bit-exactly:
 steps 5-8 equal the uninterrupted run's, the same layout reading the same files."""
 
 import json
@@ -35,6 +36,7 @@ LAYOUTS = {
              ["--model", "gpt2", "--per-rank-batch", 8]),
 }
 FOLDER = "step4_partial"
+CHUNK = 65536
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +49,9 @@ def init_weights(tmp_path_factory):
 def _run(layout, out, init_weights, *args, timeout=240):
     script, options, nprocs, script_args = LAYOUTS[layout]
     extra = ["--init-weights", init_weights, "--lr", "1e-3"] if script == VIT else []
-    return run_ranks(script, nprocs, out_dir=out, env={"SM_HP_MP_PARAMETERS": json.dumps(options)}, timeout=timeout,
+    # 64 KiB digest chunks: the tiny models' larger files are recorded chunk by chunk, as a large model's are
+    env = {"SM_HP_MP_PARAMETERS": json.dumps(options), digests.CHUNK_ENV: str(CHUNK)}
+    return run_ranks(script, nprocs, out_dir=out, env=env, timeout=timeout,
                      args=[*script_args, *extra, "--optimizer", "adam", *args])
 
 
@@ -178,6 +182,10 @@ def test_resume_of_a_damaged_checkpoint_ends_every_rank_with_the_error(tmp_path,
     nprocs = LAYOUTS[layout][2]
     assert logs.count(f"is damaged; refusing to resume from it (1 problem):\n  {copy / FOLDER / name}: ") == nprocs
     assert "OSError" not in logs and "[Errno 22]" not in logs
+    if layout == "dp 2":  # the model file both ranks read: its chunks are checked by both, the damaged one by one
+        files = json.loads((copy / FOLDER / digests.MANIFEST).read_text())["files"]
+        assert len(files[name]["chunks"]) > 2 and all(name in {n for n, _ in share} for share in digests.shares(files, 2))
+        assert f"{copy / FOLDER / name}: content differs from the save (xxh3_128 digest of bytes " in logs
 
 
 def test_smp_load_of_a_damaged_file_ends_every_rank_with_the_error(tmp_path, init_weights):

@@ -8,7 +8,8 @@ import json
 import pytest
 import torch
 
-from smp_adapter.errors import SMPCheckpointError
+from smp_adapter.cli import main
+from smp_adapter.errors import SMPCheckpointError, SMPUsageError
 from smp_adapter.runtime import checkpoint_digests as digests
 from smp_adapter.runtime.checkpoint_files import atomic_torch_save
 
@@ -73,8 +74,67 @@ def test_an_edited_manifest_is_refused_and_the_opt_out_lets_it_through(tmp_path,
 def test_files_are_split_among_ranks_by_size_the_same_on_every_rank():
     files = {f"f{i}": {"size": size} for i, size in enumerate([100, 60, 50, 10, 0])}
     split = digests.shares(files, 2)
-    assert split == [["f0", "f3", "f4"], ["f1", "f2"]]  # loads 110 and 110 bytes
-    assert sorted(sum(split, [])) == sorted(files) and digests.shares(dict(reversed(files.items())), 2) == split
+    assert split == [[("f0", None), ("f3", None), ("f4", None)], [("f1", None), ("f2", None)]]  # 110 and 110 bytes
+    assert digests.shares(dict(reversed(files.items())), 2) == split
+    # one large file read by every rank (ZeRO 0's model file), in 4 chunks of 40 bytes: two each
+    files["big"] = {"size": 150, "chunk_bytes": 40, "chunks": ["a", "b", "c", "d"]}
+    split = digests.shares(files, 2)
+    assert [sorted(i for n, i in share if n == "big") for share in split] == [[0, 2], [1, 3]]
+    assert sorted(sum(split, []), key=str) == sorted(digests._units(files, sorted(files)), key=str)
+
+
+def _bytes(n):
+    return bytes(range(256)) * (n // 256) + bytes(n % 256)
+
+
+@pytest.mark.parametrize("size", [3 * 65536, 3 * 65536 + 5])
+def test_a_large_file_records_one_digest_per_chunk(tmp_path, monkeypatch, size):
+    """Chunks of SMP_ADAPTER_DIGEST_CHUNK_BYTES: hashed while written, the same digests read back,
+    each the hash of its slice (against the hash library itself), and a damaged chunk named by its
+    byte range."""
+    monkeypatch.setenv(digests.CHUNK_ENV, "65536")
+    data = _bytes(size)
+    path = tmp_path / "big.bin"
+    record = digests.write_hashed(path, lambda f: [f.write(data[i:i + 50_000]) for i in range(0, size, 50_000)],
+                                  "blake2b")
+    slices = [data[i:i + 65536] for i in range(0, size, 65536)]
+    chunks = [hashlib.blake2b(c, digest_size=16).hexdigest() for c in slices]
+    top = hashlib.blake2b(b"".join(bytes.fromhex(c) for c in chunks), digest_size=16).hexdigest()
+    assert record == {"size": size, "digest": top, "chunk_bytes": 65536, "chunks": chunks}
+    assert digests.digest_file(path, "blake2b") == record
+    manifest = {digests.ALGORITHM: "blake2b", digests.FILES: {"big.bin": record}}
+    assert digests.check_files(tmp_path, manifest, ["big.bin"]) == []
+    damaged = bytearray(data)
+    damaged[65536 + 7] ^= 1
+    path.write_bytes(bytes(damaged))
+    assert [str(p) for p in digests.check_files(tmp_path, manifest, ["big.bin"])] == [
+        "big.bin: content differs from the save (blake2b digest of bytes 65536-131071 (chunk 2 of "
+        f"{len(chunks)})): damaged bytes"]
+    assert digests.check_contents(tmp_path, manifest, [("big.bin", 0), ("big.bin", 2)]) == []  # other chunks hold
+
+
+def test_a_checkpoint_saved_before_chunks_is_checked_whole(tmp_path, monkeypatch):
+    """A manifest from before per-chunk digests: a large file recorded by one whole-file digest
+    verifies, and a flipped bit in it is still refused."""
+    monkeypatch.setenv(digests.CHUNK_ENV, "65536")
+    data = _bytes(5 * 65536)
+    (tmp_path / "model.pt").write_bytes(data)
+    old = {"size": len(data), "digest": hashlib.blake2b(data, digest_size=16).hexdigest()}
+    digests.write_manifest(tmp_path, {"tag": "t", digests.ALGORITHM: "blake2b", digests.FILES: {"model.pt": old}})
+    assert digests.shares({"model.pt": old}, 2) == [[("model.pt", None)], []]
+    assert digests.verify(tmp_path)[1] == []
+    digests.require_intact_everywhere(tmp_path, "resume from it", 0, 1)
+    (tmp_path / "model.pt").write_bytes(data[:-1] + b"x")
+    assert [str(p) for p in digests.verify(tmp_path)[1]] == [
+        "model.pt: content differs from the save (blake2b digest): damaged bytes"]
+
+
+@pytest.mark.parametrize("value", ["1000", "-4096", "lots"])
+def test_a_chunk_size_that_cannot_be_mapped_is_refused(tmp_path, monkeypatch, value):
+    monkeypatch.setenv(digests.CHUNK_ENV, value)
+    with pytest.raises(SMPUsageError, match=f"SMP_ADAPTER_DIGEST_CHUNK_BYTES='{value}' is not a positive multiple "
+                                             "of 4096 bytes: set it to one"):
+        digests.write_hashed(tmp_path / "x", lambda f: f.write(b"x"))
 
 
 @pytest.mark.parametrize("zipfile", [True, False])
@@ -122,13 +182,46 @@ def test_smp_load_refuses_a_damaged_smp_save_file(tmp_path, monkeypatch):
         smp.save({"w": torch.arange(100.0)}, str(tmp_path / "ckpt.pt"), partial=True)
         path = tmp_path / "ckpt.pt_0_0"
         assert torch.equal(smp.load(str(tmp_path / "ckpt.pt"))["w"], torch.arange(100.0))
+        assert main(["checkpoint", "verify", str(path)]) == 0  # one file smp.save wrote
         with open(path, "r+b") as f:
             f.truncate(path.stat().st_size - 1)
         with pytest.raises(SMPCheckpointError) as refused:
             smp.load(str(tmp_path / "ckpt.pt"))
+        assert main(["checkpoint", "verify", str(path)]) == 1
         assert str(refused.value).startswith(f"{tmp_path} is damaged; refusing to load it (1 problem):\n  {path}: size ")
         monkeypatch.setenv(digests.SKIP_ENV, "1")  # unchecked: torch's own error, still naming the file
         with pytest.raises(SMPCheckpointError, match=f"{path} is not a loadable checkpoint"):
             smp.load(str(tmp_path / "ckpt.pt"))
     finally:
         shutdown()
+
+
+def test_torch_load_through_the_hashing_reader_checks_every_chunk_it_reads(tmp_path, monkeypatch):
+    """A checked resume hands torch.load a reader that hashes what it reads: every chunk of a
+    torch.save file is checked (the zip's directory, read first, at close), a flipped bit fails its
+    chunk only, and what torch.load returns is what a load from the path returns."""
+    from smp_adapter.runtime.digest_records import HashingReader
+
+    monkeypatch.setenv(digests.CHUNK_ENV, "65536")
+    obj = {f"w{i}": torch.randn(20_000 + i) for i in range(6)}  # 480 KB: 8 chunks, 6 records
+    path = tmp_path / "m.pt"
+    record = digests.write_hashed(path, lambda f: torch.save(obj, f), "blake2b")
+    with HashingReader(path, "blake2b", record) as reader:
+        loaded = torch.load(reader, weights_only=True)
+    assert all(torch.equal(loaded[k], obj[k]) for k in obj)
+    assert reader.checked == {i: True for i in range(len(record["chunks"]))}
+    data = bytearray(path.read_bytes())
+    data[3 * 65536 + 100] ^= 0x10  # inside a tensor's bytes
+    path.write_bytes(bytes(data))
+    with HashingReader(path, "blake2b", record) as reader:
+        torch.load(reader, weights_only=True)
+    assert [i for i, ok in reader.checked.items() if not ok] == [3] and len(reader.checked) == len(record["chunks"])
+    # a file two ranks read whole (ZeRO 0's model file): each hashes every other chunk, together all of them
+    halves = []
+    for position in (0, 1):
+        with HashingReader(path, "blake2b", record, shared_by=(position, 2)) as reader:
+            torch.load(reader, weights_only=True)
+        halves.append(reader.checked)
+    assert sorted(halves[0]) == list(range(0, len(record["chunks"]), 2))
+    assert sorted(halves[1]) == list(range(1, len(record["chunks"]), 2))
+    assert {**halves[0], **halves[1]} == {i: i != 3 for i in range(len(record["chunks"]))}

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import smdistributed.modelparallel.torch as smp
+from smp_adapter.cli import main
 from smp_adapter.errors import NotInitializedError, SMPCheckpointError, SMPUsageError
 from smp_adapter.runtime.init import shutdown
 
@@ -178,7 +179,7 @@ def test_checkpoint_round_trip_and_bad_files(fresh, tmp_path):
         smp.resume_from_checkpoint(str(tmp_path), tag="t1")
 
 
-def test_full_checkpoint_digests_and_a_deepspeed_file_cut_short_read_unchecked(fresh, tmp_path, monkeypatch):
+def test_full_checkpoint_digests_and_a_deepspeed_file_cut_short_read_unchecked(fresh, tmp_path, monkeypatch, capsys):
     """A full checkpoint (partial=False) records each file's digest beside it and a resume refuses a
     damaged one, naming it; a partial checkpoint read unchecked (the opt-out) whose DeepSpeed file is
     cut short names that file instead of torch's bare error."""
@@ -192,6 +193,8 @@ def test_full_checkpoint_digests_and_a_deepspeed_file_cut_short_read_unchecked(f
     smp.save_checkpoint(str(tmp_path), tag="full.pt", partial=False, user_content={"epoch": 3})
     assert (tmp_path / f"full.pt{SIDECAR}").is_file() and (tmp_path / f"user_content_full.pt{SIDECAR}").is_file()
     assert smp.resume_from_checkpoint(str(tmp_path), partial=False) == {"epoch": 3}
+    assert main(["checkpoint", "verify", str(tmp_path)]) == 0  # DIR's newest tag: the model file and user content
+    assert capsys.readouterr().out == f"{tmp_path}: 2 files match their {SIDECAR} records\n"
     intact = (tmp_path / "full.pt").read_bytes()
     damaged = bytearray(intact)
     damaged[len(damaged) // 2] ^= 0x10
@@ -206,6 +209,10 @@ def test_full_checkpoint_digests_and_a_deepspeed_file_cut_short_read_unchecked(f
         "Use an older complete checkpoint")
     assert "smp-adapter checkpoint verify" in str(refused.value) and f"{SKIP_ENV}=1" in str(refused.value)
     assert (tmp_path / "full.pt").read_bytes() == bytes(damaged)  # nothing rewritten
+    assert main(["checkpoint", "verify", str(tmp_path)]) == 1
+    assert capsys.readouterr().out == (
+        f"{tmp_path / 'full.pt'}: content differs from the save ({digests.default_algorithm()} digest): damaged bytes\n"
+        f"{tmp_path / 'user_content_full.pt'}: missing (recorded at the save, not in the folder now)\n")
     smp.save_checkpoint(str(tmp_path), tag="t", partial=True)
     ds_file = tmp_path / "t_partial" / "ds" / "mp_rank_00_model_states.pt"
     with open(ds_file, "r+b") as f:

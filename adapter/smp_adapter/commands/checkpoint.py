@@ -11,6 +11,8 @@ directory, or the directory ``save_checkpoint`` wrote into (its ``newest`` tag i
   (commands/checkpoint_reshard.py);
 * verify: every file checked against the digests recorded at the save (runtime/checkpoint_digests.py),
   one line per problem; export and reshard make the same check first and refuse a damaged checkpoint.
+  A full checkpoint (``partial=False``: DIR's ``newest`` tag is a model file) or a file smp.save wrote
+  is checked against its ``<file>.smp_digest`` records (runtime/checkpoint_sidecars.py).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from pathlib import Path
 from smp_adapter.commands import checkpoint_reshard
 from smp_adapter.errors import SMPCheckpointError
 from smp_adapter.runtime import checkpoint_digests as digests
+from smp_adapter.runtime import checkpoint_sidecars as sidecars
 
 MANIFEST = digests.MANIFEST
 
@@ -38,7 +41,8 @@ def add_parser(subparsers):
     export.add_argument("--to", choices=("hf",), required=True, help="hf: Hugging Face save_pretrained layout")
     export.add_argument("out", metavar="OUT")
     checkpoint_reshard.add_parser(sub)
-    verify = sub.add_parser("verify", help="check every file against the digests the manifest recorded at the save")
+    verify = sub.add_parser("verify", help="check every file against the digests recorded at the save (the manifest; "
+                            "a full checkpoint's or an smp.save file's <file>.smp_digest)")
     verify.add_argument("dir", metavar="DIR")
     return p
 
@@ -83,10 +87,13 @@ def _summary(folder: Path, manifest: dict) -> dict:
 
 def _verify(path: str) -> int:
     """One line per problem (the file, what is wrong); exit 0 only when every file holds."""
+    full = _full_files(path)
+    if full is not None:
+        return _verify_full(path, full)
     folder = _find(path)
     if not folder.is_dir():
-        raise SMPCheckpointError(f"{path} is not a directory: give a <tag>_partial directory, or the directory "
-                                 "save_checkpoint wrote into")
+        raise SMPCheckpointError(f"{path} is not a directory: give a <tag>_partial directory, the directory "
+                                 "save_checkpoint wrote into, or a file smp.save wrote")
     manifest, problems = digests.verify(folder)
     for problem in problems:
         print(f"{folder / problem.file}: {problem.what}")
@@ -100,6 +107,40 @@ def _verify(path: str) -> int:
         return 1
     print(f"{folder}: {len(manifest[digests.FILES])} files and the manifest match their "
           f"{manifest[digests.ALGORITHM]} digests")
+    return 0
+
+
+def _full_files(path: str) -> list[Path] | None:
+    """The files of a full checkpoint (``save_checkpoint(partial=False)`` into DIR: its ``newest`` tag's
+    model file and user content), or the one file smp.save wrote; None for a partial checkpoint."""
+    given = Path(path)
+    if given.is_file():
+        return [given]
+    newest = given / "newest"
+    if (given / MANIFEST).exists() or not newest.is_file():
+        return None
+    tag = newest.read_text().strip()
+    if (given / f"{tag}_partial").is_dir() or not (given / tag).is_file():
+        return None
+    uc = given / f"user_content_{tag}"
+    return [given / tag, *([uc] if uc.exists() or Path(f"{uc}{sidecars.SIDECAR}").exists() else [])]
+
+
+def _verify_full(path: str, files: list[Path]) -> int:
+    problems = []
+    for file in files:
+        manifest, bad = sidecars.read_sidecar(file)
+        if manifest is None and not bad:
+            bad = [digests.Problem(file.name, f"has no {sidecars.SIDECAR} record (written by torch.save, or by an "
+                                              "smp-adapter before digests existed): nothing to check it against")]
+        problems += bad or sidecars.sidecar_problems(file)
+    for problem in problems:
+        print(f"{files[0].parent / problem.file}: {problem.what}")
+    if problems:
+        print(f"{path}: {len(problems)} problem{'s' if len(problems) > 1 else ''}: do not load it; use an older "
+              "checkpoint, or copy it again from its source", file=sys.stderr)
+        return 1
+    print(f"{path}: {len(files)} file{'s' if len(files) > 1 else ''} match their {sidecars.SIDECAR} records")
     return 0
 
 

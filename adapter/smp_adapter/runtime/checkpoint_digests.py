@@ -4,14 +4,11 @@ no engine is imported here; the engines' writers only tell ``note_written`` what
 
 Manifest fields (``smp_manifest.json``):
     digest_algorithm   "xxh3_128" (the ``xxhash`` package) or "blake2b" (hashlib, when xxhash is absent)
-    files              {path relative to the folder: {"size": bytes, "digest": hex}} for every file but
-                       the manifest: the engine's files (DeepSpeed's ``ds/`` included), the
+    files              {path relative to the folder: a record (runtime/digest_records.py: size, digest,
+                       and per-chunk digests for a file over one chunk)} for every file but the
+                       manifest: the engine's files (DeepSpeed's ``ds/`` included), the
                        layout-independent pieces, RNG states, user content
     manifest_digest    the digest of the manifest's own JSON without this field (sorted keys)
-
-The hash: xxh3_128, 22 GB/s on one core of the development machine against 0.94 GB/s for blake2b
-and 4.7 GB/s for blake3 (benchmarks/checkpoint.py --hash-speed); a checksum against damage, not a
-signature against an adversary (docs/checkpoints.md says so).
 
 Save: the files are hashed as they are written (``write_hashed``: torch.save into a file object that
 hashes each 1 MiB before writing it, while those bytes are in the CPU's cache; DeepSpeed's default
@@ -19,71 +16,34 @@ checkpoint engine is handed that file object instead of its path, ``noting_saves
 writer did not hash (the safetensors index, another checkpoint engine's files) is hashed right after.
 The digests are gathered, and rank 0 digests anything no rank claimed (DeepSpeed's
 ``zero_to_fp32.py``) before writing the manifest, all inside the staging folder that is renamed into
-place afterwards (the save stays atomic). Check (``start_check`` / ``Check.finish``, resume): every
-file is split among the ranks by size; sizes and the file list are checked before anything is read,
-the digests while the engine reads the same files, and one collective gives every rank the verdict
+place afterwards (the save stays atomic). Check (``start_check`` / ``Check.reading`` /
+``Check.finish``, resume): sizes and the file list are checked before anything is read; torch.load
+reads the engine's files through a reader that hashes them as it reads; the chunks no rank read
+are split among the ranks by size and hashed after, and one collective gives every rank the verdict
 before the resume returns, so all ranks raise the same error naming the file (none is left waiting
-in a later collective). ``smp.save`` / full checkpoints: a ``<file>.smp_digest`` record beside each
-file (runtime/checkpoint_sidecars.py).
+in a later collective).
+``smp.save`` / full checkpoints: a ``<file>.smp_digest`` record beside each file
+(runtime/checkpoint_sidecars.py).
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import io
 import json
-import mmap
 import os
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 from smp_adapter.errors import SMPCheckpointError
+from smp_adapter.runtime.digest_records import (CHUNK_ENV, SKIP_ENV, default_algorithm, digest_file, hasher, unit_bytes,  # noqa: F401
+                                                HashingReader, damaged_units, unit_range, units,
+                                                write_hashed)
 
 MANIFEST = "smp_manifest.json"
 FILES = "files"
 ALGORITHM = "digest_algorithm"
 SELF = "manifest_digest"
-SKIP_ENV = "SMP_ADAPTER_SKIP_CHECKPOINT_VERIFY"
-
-
-def _xxhash():
-    try:
-        import xxhash
-    except ImportError:
-        return None
-    return xxhash
-
-
-def default_algorithm() -> str:
-    return "xxh3_128" if _xxhash() is not None else "blake2b"
-
-
-def hasher(algorithm: str):
-    if algorithm == "blake2b":
-        return hashlib.blake2b(digest_size=16)
-    if algorithm == "xxh3_128":
-        xxhash = _xxhash()
-        if xxhash is None:
-            raise SMPCheckpointError("this checkpoint's digests are xxh3_128, and the xxhash package is not "
-                                     "installed: pip install xxhash (an smp-adapter dependency), or set "
-                                     f"{SKIP_ENV}=1 to use it unchecked")
-        return xxhash.xxh3_128()
-    raise SMPCheckpointError(f"unknown checkpoint digest algorithm {algorithm!r}: it was written by a newer "
-                             f"smp-adapter; upgrade, or set {SKIP_ENV}=1 to use it unchecked")
-
-
-def digest_file(path, algorithm: str) -> dict:
-    """{"size", "digest"} of one file, hashed through a memory map (no copy out of the page cache:
-    12 ms for 200 MB here, against 17 ms read in chunks into a buffer)."""
-    h = hasher(algorithm)
-    with open(path, "rb", buffering=0) as f:
-        size = os.fstat(f.fileno()).st_size
-        if size:
-            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
-                h.update(mapped)
-    return {"size": size, "digest": h.hexdigest()}
 
 
 def skipped() -> bool:
@@ -91,61 +51,6 @@ def skipped() -> bool:
 
 
 # -- save ------------------------------------------------------------------------------------------
-_CHUNK = 1 << 20  # hash, then write, 1 MiB at a time: the write copies the bytes the hash just pulled into the CPU's cache
-
-
-class _HashingFile(io.RawIOBase):
-    """The file object ``torch.save`` writes into: every write is hashed on its way to the file, so a
-    file's digest costs no second pass over its bytes. torch's zip writer only appends; a seek
-    (not expected) makes ``record`` None and the file is hashed after it is written."""
-
-    def __init__(self, raw, algorithm: str):
-        super().__init__()
-        self._raw, self._hash, self._size, self._appended = raw, hasher(algorithm), 0, True
-
-    def writable(self) -> bool:
-        return True
-
-    @property
-    def name(self) -> str:  # the path being written, as a file object's name is (tools and scripts read it)
-        return self._raw.name
-
-    def write(self, data) -> int:
-        view = memoryview(data).cast("B")
-        for start in range(0, len(view), _CHUNK):
-            chunk = view[start:start + _CHUNK]
-            if self._appended:
-                self._hash.update(chunk)
-            while chunk:  # a raw write may take fewer bytes than asked
-                chunk = chunk[self._raw.write(chunk):]
-        self._size += len(view)
-        return len(view)
-
-    def tell(self) -> int:
-        return self._raw.tell()
-
-    def seek(self, offset: int, whence: int = 0) -> int:
-        position = self._raw.seek(offset, whence)
-        self._appended = self._appended and position == self._size
-        return position
-
-    def flush(self) -> None:
-        self._raw.flush()
-
-    def record(self) -> dict | None:
-        return {"size": self._size, "digest": self._hash.hexdigest()} if self._appended else None
-
-
-def write_hashed(path, write, algorithm: str | None = None) -> dict:
-    """Create ``path`` with ``write(file_object)`` (``torch.save(obj, f)``) and return its {"size",
-    "digest"}, hashed while it was written."""
-    algorithm = algorithm or default_algorithm()
-    with open(path, "wb", buffering=0) as raw:
-        f = _HashingFile(raw, algorithm)
-        write(f)
-    return f.record() or digest_file(path, algorithm)
-
-
 _written: list | None = None  # (path, its default-algorithm digest or None) per file written in a ``written_files`` block
 
 
@@ -283,11 +188,16 @@ def has_digests(manifest: dict) -> bool:
     return FILES in manifest
 
 
-def check_sizes(folder: Path, manifest: dict, names) -> list[Problem]:
-    """The recorded files ``names`` are there with their recorded sizes (a stat each: a file cut
-    short or missing is refused before any byte is read)."""
+def _units(files: dict, items) -> list:
+    """``items``: file names (every unit of each) or ``(name, chunk index)`` units, as units."""
+    return [u for item in items for u in (units(item, files[item]) if isinstance(item, str) else [tuple(item)])]
+
+
+def check_sizes(folder: Path, manifest: dict, items) -> list[Problem]:
+    """The recorded files of ``items`` (names or units) are there with their recorded sizes (a stat
+    each: a file cut short or missing is refused before any byte is read)."""
     problems, files = [], manifest[FILES]
-    for name in names:
+    for name in dict.fromkeys(u[0] for u in _units(files, items)):
         path, want = Path(folder) / name, files[name]
         if not path.is_file():
             problems.append(Problem(name, "missing (recorded at the save, not in the folder now)"))
@@ -297,17 +207,32 @@ def check_sizes(folder: Path, manifest: dict, names) -> list[Problem]:
     return problems
 
 
-def check_contents(folder: Path, manifest: dict, names) -> list[Problem]:
-    """The digests of the recorded files ``names`` (those of the right size)."""
-    algorithm, files = manifest[ALGORITHM], manifest[FILES]
-    return [Problem(name, f"content differs from the save ({algorithm} digest): damaged bytes") for name in names
-            if digest_file(Path(folder) / name, algorithm)["digest"] != files[name]["digest"]]
+def check_contents(folder: Path, manifest: dict, items) -> list[Problem]:
+    """The digests of ``items`` (names or units) of the recorded files (of the right size): one
+    problem per file, naming its damaged chunks."""
+    algorithm, files, by_file = manifest[ALGORITHM], manifest[FILES], {}
+    for name, index in _units(files, items):
+        by_file.setdefault(name, []).append(index)
+    problems = []
+    for name, indices in by_file.items():
+        bad = damaged_units(Path(folder) / name, algorithm, files[name], indices)
+        if bad:
+            problems.append(Problem(name, differs(algorithm, files[name], bad)))
+    return problems
 
 
-def check_files(folder: Path, manifest: dict, names) -> list[Problem]:
-    """Size, then digest, of each recorded file of ``names``."""
-    return [p for name in names for p in (check_sizes(folder, manifest, [name]) or
-                                          check_contents(folder, manifest, [name]))]
+def differs(algorithm: str, record: dict, indices) -> str:
+    ranges = ", ".join(unit_range(record, i) for i in indices if i is not None)
+    return f"content differs from the save ({algorithm} digest{' of ' + ranges if ranges else ''}): damaged bytes"
+
+
+def check_files(folder: Path, manifest: dict, items) -> list[Problem]:
+    """Size, then digest, of the recorded files of ``items`` (names or units)."""
+    by_file: dict = {}
+    for unit in _units(manifest[FILES], items):
+        by_file.setdefault(unit[0], []).append(unit)
+    return [p for name, own in by_file.items() for p in (check_sizes(folder, manifest, [name]) or
+                                                         check_contents(folder, manifest, own))]
 
 
 def extra_files(folder: Path, manifest: dict) -> list[Problem]:
@@ -331,13 +256,16 @@ def verify(folder: Path) -> tuple[dict | None, list[Problem]]:
         return manifest, [Problem(MANIFEST, str(exc))]
 
 
-def shares(files: dict, world_size: int) -> list[list[str]]:
-    """The recorded files split among the ranks, largest first to the least loaded (the same on every rank)."""
+def shares(files: dict, world_size: int) -> list[list[tuple]]:
+    """The recorded files' units (whole small files, chunks of large ones) split among the ranks,
+    largest first to the least loaded (the same on every rank): one large file read by every rank
+    (ZeRO 0's model file) is checked by all of them, a chunk each in turn."""
     load, out = [0] * world_size, [[] for _ in range(world_size)]
-    for name in sorted(files, key=lambda n: (-files[n]["size"], n)):
+    every = _units(files, sorted(files))
+    for name, index in sorted(every, key=lambda u: (-unit_bytes(files[u[0]], u[1]), u[0], u[1] or 0)):
         r = load.index(min(load))
-        out[r].append(name)
-        load[r] += files[name]["size"]
+        out[r].append((name, index))
+        load[r] += unit_bytes(files[name], index)
     return out
 
 
@@ -389,56 +317,117 @@ def require_intact(folder: Path, action: str) -> dict:
 
 
 def agree(problems: list, world_size: int) -> list:
-    """Every rank's problems, on every rank (collective)."""
-    if world_size == 1:
-        return problems
-    import torch.distributed as dist
+    """Every rank's problems, on every rank (collective), one per file, sorted by file."""
+    views = [[(p.file, p.what) for p in problems]]
+    if world_size > 1:
+        import torch.distributed as dist
 
-    views = [None] * world_size
-    dist.all_gather_object(views, [(p.file, p.what) for p in problems])
-    return sorted({Problem(*p) for view in views for p in view}, key=lambda p: p.file)
+        views = [None] * world_size
+        dist.all_gather_object(views, [(p.file, p.what) for p in problems])
+    by_file: dict = {}  # one problem per file: two ranks may each find a damaged chunk of one file
+    for file, what in (p for view in views for p in view):
+        by_file.setdefault(file, {})[what] = None
+    return [Problem(file, "; ".join(whats)) for file, whats in sorted(by_file.items())]
+
+
+_reading = None  # the Check whose files torch.load reads through a HashingReader (``Check.reading``)
+
+
+@contextlib.contextmanager
+def checked_source(path, shared_by: tuple[int, int] = (0, 1)):
+    """``with checked_source(path) as source: torch.load(source, ...)``: inside a resume's engine load
+    (``Check.reading``), a reader that hashes the bytes torch.load reads (``HashingReader``) when
+    ``path`` is a recorded file of the checkpoint being checked; otherwise the path itself.
+    ``shared_by`` = (position, count): the engine reads this file whole on ``count`` ranks, and this
+    one hashes every count-th chunk (a chunk no rank hashed is checked after the load all the same)."""
+    check, reader = _reading, None
+    if check is not None:
+        path_ = Path(path).resolve()
+        if path_.is_relative_to(check.root):
+            name = path_.relative_to(check.root).as_posix()
+            record = check.manifest[FILES].get(name)
+            if record is not None and (name, shared_by) not in check.read_whole:
+                reader = HashingReader(path_, check.manifest[ALGORITHM], record, shared_by)
+                check.readers.append((name, reader))
+    try:
+        yield reader if reader is not None else path
+    finally:
+        if reader is not None:
+            reader.close()
+            # read again later (DeepSpeed reads its model file twice: once to check the mp size), it
+            # is not hashed again when this read checked every chunk it was to
+            position, count = shared_by
+            due = [u[1] for u in units(name, record) if u[1] is None or u[1] % count == position]
+            if all(i in reader.checked for i in due):
+                check.read_whole.add((name, shared_by))
 
 
 class Check:
     """A resume's check, in two collective halves around the engine's load (``start_check``, then
     ``finish``): what costs no read (the manifest, every file there with its size, no file added)
-    is settled before the engine reads anything; the digests of this rank's share are computed in a
-    thread while the engine reads the same files (the hash releases the GIL), so the disk is read
-    once, by whichever comes first, and the verdict comes before the resume returns, i.e. before a
-    training step uses a value. On a node the ranks share the page cache."""
+    is settled before the engine reads anything. During the load (``reading``), torch.load reads
+    each recorded file through a reader that hashes the bytes just read, while they are in the
+    CPU's cache (a second pass through a memory map costs 2-3x more here, and on a busy core that
+    is the whole cost of the check). ``finish`` gathers which chunks every rank has checked
+    that way, splits the rest (files the engine does not read: the layout-independent pieces, RNG,
+    user content) among the ranks, and gives every rank the verdict before the resume returns, i.e.
+    before a training step uses a value."""
 
-    def __init__(self, folder: Path, manifest: dict, names, action: str, rank: int, world_size: int):
-        import threading
+    def __init__(self, folder: Path, manifest: dict, share, action: str, rank: int, world_size: int):
+        self.folder, self.manifest, self._action, self._world, self._rank = folder, manifest, action, world_size, rank
+        self.root = Path(folder).resolve()
+        self._share, self._problems, self.readers, self.read_whole = list(share), [], [], set()
+        self._active = manifest is not None and has_digests(manifest) and not skipped()
 
-        self.folder, self.manifest, self._action, self._world = folder, manifest, action, world_size
-        self._names, self._problems = list(names), []
-        self._thread = threading.Thread(target=self._hash, args=(names,), name="smp-checkpoint-digests", daemon=True)
-        if names:
-            self._thread.start()
-
-    def _hash(self, names) -> None:
+    @contextlib.contextmanager
+    def reading(self):
+        global _reading
+        previous, _reading = _reading, (self if self._active else None)
         try:
-            self._problems = check_contents(self.folder, self.manifest, names)
-        except (OSError, SMPCheckpointError) as exc:  # a file replaced while it was read
-            self._problems = [Problem(MANIFEST, f"could not be checked: {exc}")]
+            yield
+        finally:
+            _reading = previous
 
-    def local_problems(self) -> list:
-        """This rank's share's problems (not collective)."""
-        if self._thread.ident is not None:  # started
-            self._thread.join()
-        return self._problems
+    def _read_units(self) -> tuple[list, list]:
+        """(units checked while read, this rank's problems among them)."""
+        checked, bad = [], {}
+        for name, reader in self.readers:
+            for index, ok in reader.checked.items():
+                checked.append((name, index))
+                if not ok:
+                    bad.setdefault(name, []).append(index)
+        files, algorithm = self.manifest[FILES], self.manifest[ALGORITHM]
+        return checked, [Problem(name, differs(algorithm, files[name], idx)) for name, idx in bad.items()]
 
     def every_problem(self) -> list:
         """Not collective: every file checked by this rank alone, for a rank whose engine could not read a
         file (the other ranks may be inside the engine's collectives): it ends with the digest error."""
         if self.manifest is None or not has_digests(self.manifest) or skipped():
             return []
-        others = [n for n in sorted(self.manifest[FILES]) if n not in set(self._names)]
-        return sorted(self.local_problems() + check_files(self.folder, self.manifest, others), key=lambda p: p.file)
+        return sorted(check_files(self.folder, self.manifest, sorted(self.manifest[FILES])), key=lambda p: p.file)
 
     def finish(self) -> dict:
         """Collective: every rank returns the manifest, or every rank raises the same error."""
-        problems = agree(self.local_problems(), self._world)
+        if not self._active:
+            problems = agree([], self._world)
+        else:
+            checked, problems = self._read_units()
+            views = [(checked, [(p.file, p.what) for p in problems])]
+            if self._world > 1:
+                import torch.distributed as dist
+
+                views = [None] * self._world
+                dist.all_gather_object(views, (checked, [(p.file, p.what) for p in problems]))
+            done = {tuple(u) for view in views for u in view[0]}
+            files = self.manifest[FILES]
+            rest = {name: files[name] for name in files if any(u not in done for u in units(name, files[name]))}
+            share = [u for u in shares(rest, self._world)[self._rank] if u not in done]
+            try:
+                problems = [Problem(*p) for view in views for p in view[1]] + \
+                    check_contents(self.folder, self.manifest, share)
+            except (OSError, ValueError, SMPCheckpointError) as exc:  # a file replaced while it was read
+                problems = [Problem(MANIFEST, f"could not be checked: {exc}")]
+            problems = agree(problems, self._world)
         if problems:
             raise refusal(self.folder, problems, self._action)
         return self.manifest
@@ -449,20 +438,20 @@ def start_check(folder: Path, action: str, rank: int, world_size: int) -> Check:
     then start hashing this rank's share (``Check``)."""
     folder = Path(folder)
     manifest, problems = read_manifest(folder)
-    names = []
+    share = []
     if manifest is not None and _unchecked(folder, manifest, problems, rank):
         problems = []
     elif not problems:
         try:
             hasher(manifest[ALGORITHM])  # an algorithm this process cannot compute: refused now
-            names = shares(manifest[FILES], world_size)[rank]
-            problems = check_sizes(folder, manifest, names) + (extra_files(folder, manifest) if rank == 0 else [])
+            share = shares(manifest[FILES], world_size)[rank]
+            problems = check_sizes(folder, manifest, share) + (extra_files(folder, manifest) if rank == 0 else [])
         except SMPCheckpointError as exc:
             problems = [Problem(MANIFEST, str(exc))]
     problems = agree(problems, world_size)
     if problems:
         raise refusal(folder, problems, action)
-    return Check(folder, manifest, names, action, rank, world_size)
+    return Check(folder, manifest, share, action, rank, world_size)
 
 
 def require_intact_everywhere(folder: Path, action: str, rank: int, world_size: int) -> dict:

@@ -157,17 +157,18 @@ def resume_from_checkpoint(path, tag=None, partial: bool = True, strict: bool = 
         raise SMPUsageError("resume a partial checkpoint after creating smp.DistributedOptimizer (the optimizer "
                             "state is restored into it)")
     # every file checked before a step uses any value, and all ranks refuse together: the manifest, file
-    # list and sizes now; the digests while the engine reads the same files (read once), the verdict after
+    # list and sizes now; the digests as the engine reads the files (read once), the rest and the verdict after
     check = digests.start_check(folder, "resume from it", s.rank, s.world_size)
     manifest = check.manifest
     difference = ckpt.layout_difference(manifest.get("layout", {}))
     try:
-        if difference is None and manifest.get(ckpt.ENGINE_FILES, True):
-            model.runtime_engine.load_partial(folder, s.optimizer, strict,
-                                              load_optimizer and load_sharded_optimizer_state)
-        else:  # another layout, or rewritten by `checkpoint reshard`: the universal pieces, or a clear refusal
-            difference = difference or f"rewritten by smp-adapter checkpoint reshard from {manifest.get('resharded_from')}"
-            model.runtime_engine.load_partial_from_other_layout(folder, s.optimizer, manifest, difference)
+        with check.reading():  # torch.load hashes the recorded files as it reads them (checkpoint_digests.Check)
+            if difference is None and manifest.get(ckpt.ENGINE_FILES, True):
+                model.runtime_engine.load_partial(folder, s.optimizer, strict,
+                                                  load_optimizer and load_sharded_optimizer_state)
+            else:  # another layout, or rewritten by `checkpoint reshard`: the universal pieces, or a clear refusal
+                difference = difference or f"rewritten by smp-adapter checkpoint reshard from {manifest.get('resharded_from')}"
+                model.runtime_engine.load_partial_from_other_layout(folder, s.optimizer, manifest, difference)
     except SMPCheckpointError:  # the engine could not read a file: name the damage when the digests show it
         problems = check.every_problem()
         if problems:

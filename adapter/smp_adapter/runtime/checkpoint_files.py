@@ -140,7 +140,8 @@ def safe_torch_load(path: str, map_location=None, weights_only: bool = True):
     if not weights_only or _trusted():
         return _load(path, map_location, weights_only=False)
     try:
-        return torch.load(path, map_location=map_location, weights_only=True)
+        with digests.checked_source(path) as source:  # hashed as read, inside a checked resume
+            return torch.load(source, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError:
         pass  # other Python objects in the file: see whether they are plain data
     except Exception as exc:  # noqa: BLE001 - zip/format errors: not a torch checkpoint
@@ -168,7 +169,8 @@ def safe_torch_load(path: str, map_location=None, weights_only: bool = True):
 
 def _load(path: str, map_location, weights_only: bool):
     try:
-        return torch.load(path, map_location=map_location, weights_only=weights_only)
+        with digests.checked_source(path) as source:
+            return torch.load(source, map_location=map_location, weights_only=weights_only)
     except Exception as exc:  # noqa: BLE001 - pickle / zip errors: the file is not a torch checkpoint
         _not_a_checkpoint(path, exc)
 

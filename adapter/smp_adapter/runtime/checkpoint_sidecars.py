@@ -1,6 +1,7 @@
 """One file's digest beside it, ``<file>.smp_digest``: what ``smp.save`` and full checkpoints
-(``save_checkpoint(partial=False)``) record, and what ``smp.load`` and a full checkpoint's resume
-check before reading (runtime/checkpoint_digests.py has the hash, the checks and the refusal)."""
+(``save_checkpoint(partial=False)``) record, and what ``smp.load``, a full checkpoint's resume and
+``smp-adapter checkpoint verify`` check before reading (runtime/digest_records.py has the record,
+runtime/checkpoint_digests.py the checks and the refusal)."""
 
 from __future__ import annotations
 
@@ -9,10 +10,11 @@ import os
 from pathlib import Path
 
 from smp_adapter.errors import SMPCheckpointError
-from smp_adapter.runtime.checkpoint_digests import (ALGORITHM, FILES, Problem, agree, check_files, default_algorithm,
-                                                    digest_file, refusal, skipped)
+from smp_adapter.runtime.checkpoint_digests import (ALGORITHM, FILES, Problem, agree, check_contents, check_files,
+                                                    check_sizes, default_algorithm, digest_file, hasher, refusal,
+                                                    shares, skipped)
 
-SIDECAR = ".smp_digest"  # <file>.smp_digest: {"digest_algorithm", "size", "digest"}
+SIDECAR = ".smp_digest"  # <file>.smp_digest: {"digest_algorithm", "size", "digest"[, "chunk_bytes", "chunks"]}
 
 
 def write_sidecar(path: str, written: dict | None = None) -> None:
@@ -25,22 +27,31 @@ def write_sidecar(path: str, written: dict | None = None) -> None:
     os.replace(tmp, f"{path}{SIDECAR}")
 
 
-def sidecar_problems(path) -> list[Problem]:
-    """What is wrong with ``path`` against its ``.smp_digest`` record (none when it has no record:
-    saved by torch.save, or before digests existed)."""
+def read_sidecar(path) -> tuple[dict | None, list[Problem]]:
+    """``path``'s record as a one-file manifest ({algorithm, files: {name: record}}; None when it has
+    none: saved by torch.save, or before digests existed), and what is wrong with the record itself."""
     sidecar = Path(f"{path}{SIDECAR}")
     if not sidecar.is_file():
-        return []
-    folder, name = Path(path).parent, Path(path).name
+        return None, []
     try:
         record = json.loads(sidecar.read_text())
-        manifest = {ALGORITHM: record[ALGORITHM], FILES: {name: {"size": record["size"], "digest": record["digest"]}}}
-    except (ValueError, KeyError, TypeError):
-        return [Problem(sidecar.name, "not a valid digest record: damaged or edited")]
-    try:
-        return check_files(folder, manifest, [name])
+        algorithm = record.pop(ALGORITHM)
+        if not isinstance(record["size"], int) or not isinstance(record["digest"], str):
+            raise TypeError
+        hasher(algorithm)
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return None, [Problem(sidecar.name, "not a valid digest record: damaged or edited")]
     except SMPCheckpointError as exc:
-        return [Problem(sidecar.name, str(exc))]
+        return None, [Problem(sidecar.name, str(exc))]
+    return {ALGORITHM: algorithm, FILES: {Path(path).name: record}}, []
+
+
+def sidecar_problems(path) -> list[Problem]:
+    """What is wrong with ``path`` against its ``.smp_digest`` record (none when it has no record)."""
+    manifest, problems = read_sidecar(path)
+    if manifest is None:
+        return problems
+    return check_files(Path(path).parent, manifest, [Path(path).name])
 
 
 def check_sidecar(path: str) -> None:
@@ -52,11 +63,24 @@ def check_sidecar(path: str) -> None:
 
 
 def require_sidecars_everywhere(paths, action: str, rank: int, world_size: int) -> None:
-    """Collective, before a full checkpoint (``<path>/<tag>``, ``user_content_<tag>``) is read: the
-    files split among the ranks, each checks its share against the records, one all_gather, and
+    """Collective, before a full checkpoint (``<path>/<tag>``, ``user_content_<tag>``, one folder) is
+    read: every rank reads the records and checks the sizes (a stat each), the files' units (chunks
+    of the large model file) are split among the ranks, each hashes its share, one all_gather, and
     every rank raises the same error or none does."""
-    paths = [str(p) for p in paths]
-    problems = [] if skipped() else [p for path in paths[rank::world_size] for p in sidecar_problems(path)]
+    paths = [Path(p) for p in paths]
+    folder, problems, algorithms, files = paths[0].parent, [], {}, {}
+    if not skipped():
+        for path in paths:
+            manifest, bad = read_sidecar(path)
+            problems += bad
+            if manifest is not None:
+                algorithms[path.name], files[path.name] = manifest[ALGORITHM], manifest[FILES][path.name]
+        sized = check_sizes(folder, {FILES: files}, list(files))
+        problems += sized
+        share = [u for u in shares(files, world_size)[rank] if u[0] not in {p.file for p in sized}]
+        for algorithm in sorted(set(algorithms.values())):
+            problems += check_contents(folder, {ALGORITHM: algorithm, FILES: files},
+                                       [u for u in share if algorithms[u[0]] == algorithm])
     problems = agree(problems, world_size)
     if problems:
-        raise refusal(Path(paths[0]).parent, problems, action)
+        raise refusal(folder, problems, action)

@@ -20,6 +20,7 @@ gradients are reduced when the step function returns, as smp v1 guarantees.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import torch
@@ -324,11 +325,21 @@ class DeepSpeedEngine(StartsThroughDeepSpeed, Engine):
         universal_checkpoint.load(self._ds, self.model.module, Path(folder), universal)
 
     def load_partial(self, folder, optimizer, strict: bool, load_optimizer: bool) -> None:
+        from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+
+        from smp_adapter.runtime.checkpoint_digests import checked_source
+
         checkpoint_engine = self._ds.checkpoint_engine
         read = checkpoint_engine.load
+        # its default engine (torch.load(path)) is handed a file object that hashes what it reads
+        # inside a checked resume (checkpoint_digests.Check); any other engine reads its path
+        torch_load_engine = type(checkpoint_engine).load is TorchCheckpointEngine.load
 
         def load(path, *args, **kwargs):
             try:
+                if torch_load_engine:
+                    with checked_source(path, _shared_by(path)) as source:
+                        return read(source, *args, **kwargs)
                 return read(path, *args, **kwargs)
             except Exception as exc:  # noqa: BLE001 - torch's reader on a file cut short: "[Errno 22] Invalid argument"
                 raise SMPCheckpointError(  # read unchecked (the opt-out): still name the file, never a bare OSError
@@ -349,6 +360,16 @@ class DeepSpeedEngine(StartsThroughDeepSpeed, Engine):
                 del checkpoint_engine.load
         if loaded is None:
             raise SMPCheckpointError(f"DeepSpeed could not load {folder}/ds: the checkpoint is incomplete")
+
+
+def _shared_by(path) -> tuple[int, int]:
+    """Who reads a DeepSpeed file whole on a same-layout resume: ``mp_rank_XX_model_states.pt`` (ZeRO
+    0/1/2's module weights, and ZeRO 0's optimizer state) by every rank of the rdp group (the same
+    tp coordinate), so each hashes its every rdp-th chunk; ZeRO-3's and the optimizer's files
+    (``zero_pp_rank_...``) by their own rank alone."""
+    if os.path.basename(str(path)).startswith("mp_rank_"):
+        return state.coord.rdp, state.dims.rdp
+    return 0, 1
 
 
 def _broadcast_buffers(buffers) -> None:
