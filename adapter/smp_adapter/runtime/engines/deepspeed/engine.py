@@ -375,8 +375,6 @@ def _shared_by(path) -> tuple[int, int]:
 def _broadcast_buffers(buffers) -> None:
     """broadcast_buffers=True (DDP behaviour, spec §3.2.8): floating buffers (BatchNorm statistics)
     follow dp rank 0 at every training forward."""
-    import torch.distributed as dist
-
     from smp_adapter.runtime.engines.base import broadcast_from_first_rank
 
     broadcast_from_first_rank(buffers, state.groups.dp)
