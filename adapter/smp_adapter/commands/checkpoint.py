@@ -95,11 +95,7 @@ def _verify(path: str) -> int:
         raise SMPCheckpointError(f"{path} is not a directory: give a <tag>_partial directory, the directory "
                                  "save_checkpoint wrote into, or a file smp.save wrote")
     manifest, problems = digests.verify(folder)
-    for problem in problems:
-        print(f"{folder / problem.file}: {problem.what}")
-    if problems:
-        print(f"{folder}: {len(problems)} problem{'s' if len(problems) > 1 else ''}: do not resume or export it; "
-              "use an older tag, or copy it again from its source", file=sys.stderr)
+    if _said_problems(problems, folder, folder, "do not resume or export it; use an older tag"):
         return 1
     if not digests.has_digests(manifest):
         print(f"{folder}: records no file digests (saved before smp-adapter recorded them): nothing to check "
@@ -108,6 +104,16 @@ def _verify(path: str) -> int:
     print(f"{folder}: {len(manifest[digests.FILES])} files and the manifest match their "
           f"{manifest[digests.ALGORITHM]} digests")
     return 0
+
+
+def _said_problems(problems, folder: Path, subject, advice: str) -> bool:
+    """One line per problem (the file's path, what is wrong), then the verdict on stderr."""
+    for problem in problems:
+        print(f"{folder / problem.file}: {problem.what}")
+    if problems:
+        print(f"{subject}: {len(problems)} problem{'s' if len(problems) > 1 else ''}: {advice}, or copy it again "
+              "from its source", file=sys.stderr)
+    return bool(problems)
 
 
 def _full_files(path: str) -> list[Path] | None:
@@ -134,11 +140,7 @@ def _verify_full(path: str, files: list[Path]) -> int:
             bad = [digests.Problem(file.name, f"has no {sidecars.SIDECAR} record (written by torch.save, or by an "
                                               "smp-adapter before digests existed): nothing to check it against")]
         problems += bad or sidecars.sidecar_problems(file)
-    for problem in problems:
-        print(f"{files[0].parent / problem.file}: {problem.what}")
-    if problems:
-        print(f"{path}: {len(problems)} problem{'s' if len(problems) > 1 else ''}: do not load it; use an older "
-              "checkpoint, or copy it again from its source", file=sys.stderr)
+    if _said_problems(problems, files[0].parent, path, "do not load it; use an older checkpoint"):
         return 1
     print(f"{path}: {len(files)} file{'s' if len(files) > 1 else ''} match their {sidecars.SIDECAR} records")
     return 0
