@@ -41,6 +41,8 @@ LAYOUTS = {  # name -> (smp options, processes)
     # by identity: with them wrapped (the ledger, this count) it does not recognise them and fails
     "tp2xpp2": ({"ddp": True, "pipeline_parallel_degree": 2, "tensor_parallel_degree": 2, "microbatches": 2,
                  "prescaled_batch": True}, 4),
+    "tp2xpp2_ac": ({"ddp": True, "pipeline_parallel_degree": 2, "tensor_parallel_degree": 2, "microbatches": 2,
+                    "prescaled_batch": True}, 4),
 }
 STEPS = 4  # the first step holds one-time traffic; the plan is checked against later ones
 # Plan is checked with and without activation checkpointing, in one job where it can be: ddp, ZeRO-1
@@ -53,7 +55,7 @@ STEPS = 4  # the first step holds one-time traffic; the plan is checked against 
 # checkpointing ZeRO-3 gathers again for the recompute (when it released the parameters) and TP's
 # recompute repeats its exchanges.
 CHECKPOINTING = {"zero3": "never", "zero3_ac": "always", "hpz": "never", "hpz_ac": "always", "pp2": "never",
-                 "pp2_ac": "always", "tp2xpp2": "never"}
+                 "pp2_ac": "always", "tp2xpp2": "never", "tp2xpp2_ac": "always"}
 CHECKPOINT_FROM = 2  # the others: "from" this step
 
 
