@@ -142,32 +142,19 @@ def _digests_at_save(on: bool) -> None:
     digests.complete = complete if on else (lambda *a: {})
 
 
-def _timed(module, name: str, spent: list) -> None:
-    """Wrap ``module.name`` so that its seconds add up in ``spent[0]``: the digest work itself, a
-    figure the disk's write-back does not blur as it blurs the ratio of whole saves."""
-    original = getattr(module, name)
-
-    def timed(*a, **k):
-        start = time.perf_counter()
-        try:
-            return original(*a, **k)
-        finally:
-            spent[0] += time.perf_counter() - start
-
-    setattr(module, name, timed)
-
-
-def _cpu_timed(owner, name: str, spent: list) -> None:
-    """Wrap ``owner.name`` so that the CPU seconds of the thread running it add up in ``spent[0]``:
-    the hashing's own cost, whatever else runs on the cores."""
+def _timed(owner, name: str, spent: list, clock=time.perf_counter) -> None:
+    """Wrap ``owner.name`` so that its seconds add up in ``spent[0]``. Wall seconds by default: the
+    digest work itself, a figure the disk's write-back does not blur as it blurs the ratio of whole
+    saves; with ``clock=time.thread_time`` the CPU seconds of the thread running it: the hashing's own
+    cost, whatever else runs on the cores."""
     original = getattr(owner, name)
 
     def timed(*a, **k):
-        start = time.thread_time()
+        start = clock()
         try:
             return original(*a, **k)
         finally:
-            spent[0] += time.thread_time() - start
+            spent[0] += clock() - start
 
     setattr(owner, name, timed)
 
@@ -213,8 +200,8 @@ def digest_resume_worker(args) -> None:
     # the hashing's own CPU seconds: of the bytes torch.load reads (HashingReader), and of the files no
     # rank read, after the load (damaged_units)
     from smp_adapter.runtime import digest_records
-    _cpu_timed(digest_records.HashingReader, "_feed", hashing)
-    _cpu_timed(checkpoint_dirs.digests, "damaged_units", hashing)
+    _timed(digest_records.HashingReader, "_feed", hashing, time.thread_time)
+    _timed(checkpoint_dirs.digests, "damaged_units", hashing, time.thread_time)
     smp.resume_from_checkpoint(args.ckpt, tag="don")
     folder = Path(args.ckpt) / "don_partial"
     files = [p for p in folder.rglob("*") if p.is_file()]

@@ -25,32 +25,24 @@ class ComputeClock:
         for stage in stages:
             for name in ACTIONS:
                 if hasattr(stage, name):
-                    setattr(stage, name, self._timed(getattr(stage, name)))
+                    setattr(stage, name, self._timed(getattr(stage, name), "busy"))
 
-    def _timed(self, fn):
+    def _timed(self, fn, counter: str):
+        """``fn``, adding the seconds each call takes to ``self.<counter>`` ("busy" or "wall")."""
         def timed(*args, **kwargs):
             start = time.perf_counter()
             try:
                 return fn(*args, **kwargs)
             finally:
-                self.busy += time.perf_counter() - start
+                setattr(self, counter, getattr(self, counter) + time.perf_counter() - start)
 
         return timed
 
     def attach(self, schedule) -> None:
         """Time this schedule's runs (wall) and its loss computation (the step body on the last
         stage, counted as compute)."""
-        schedule._maybe_compute_loss = self._timed(schedule._maybe_compute_loss)
-        run = schedule.run_microbatches
-
-        def timed_run(*args, **kwargs):
-            start = time.perf_counter()
-            try:
-                return run(*args, **kwargs)
-            finally:
-                self.wall += time.perf_counter() - start
-
-        schedule.run_microbatches = timed_run
+        schedule._maybe_compute_loss = self._timed(schedule._maybe_compute_loss, "busy")
+        schedule.run_microbatches = self._timed(schedule.run_microbatches, "wall")
 
     def finish_step(self, training: bool) -> tuple[float, float] | None:
         """Close the step: (wall, busy) of a training step (None for evaluation), counters reset."""
