@@ -187,10 +187,13 @@ def worker(args) -> None:
 
     fns = {"smp": smp_step, "deepspeed": deepspeed_step, "stage": stage_step}
 
+    local = {name: [] for name in ENGINES}  # this rank's own time of each call (up to its end)
+
     def timed(fn) -> float:
         dist.barrier()
         t0 = time.perf_counter()
         fn()
+        local[fn.__name__[:-5]].append(time.perf_counter() - t0)
         dist.barrier()
         t = torch.tensor(time.perf_counter() - t0)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
@@ -204,11 +207,28 @@ def worker(args) -> None:
         order = ENGINES[i % 3:] + ENGINES[:i % 3]
         for name in order:
             times[name].append(timed(fns[name]))
+    # one microbatch's activation sent from rank 0 to rank 1 and back, both ranks otherwise idle:
+    # the transfer cost each pipeline step pays per microbatch and stage boundary, without waiting
+    one_way = []
+    activation = torch.randn(args.batch // m, args.width)
+    for _ in range(args.warmup + 20):
+        dist.barrier()
+        t0 = time.perf_counter()
+        if dist.get_rank() == 0:
+            dist.send(activation, 1)
+            dist.recv(activation, 1)
+        elif dist.get_rank() == 1:
+            dist.recv(activation, 0)
+            dist.send(activation, 0)
+        one_way.append((time.perf_counter() - t0) / 2)
     # this rank's compute and schedule time of the measured smp steps (the engine's clock, idle_time.py)
     clock = model.runtime_engine.runner.clock.steps[-args.steps:]
     write_result({"times": times, "losses": losses, "smp_stage": mine, "peak_held_bytes": held.peak,
                   "microbatch_bytes": microbatch_bytes,
                   "idle": [1 - busy / wall for wall, busy in clock],
+                  "send_recv_s": statistics.median(one_way[args.warmup:]),
+                  "busy_s": [busy for _, busy in clock], "wall_s": [wall for wall, _ in clock],
+                  "local_times": {name: t[-args.steps:] for name, t in local.items()},
                   "deepspeed_parts": [int(x) for x in ds_module.parts], "pp_rank": smp.pp_rank()})
     smp.barrier()
 
@@ -319,6 +339,9 @@ def run_case(pp: int, m: int, args, out_root: Path) -> dict:
             "idle": [statistics.median(r["idle"]) for r in sorted(results, key=lambda r: r["pp_rank"])],
             "predicted_idle": predicted_idle(args.schedule, pp, m, {"interleaved_1f1b": 2, "zbv": 2, "dualpipev": 2}.get(
                 args.schedule, 1), 1 / 3),
+            "send_recv_ms": 1e3 * r0["send_recv_s"],
+            "busy_ms": [1e3 * statistics.median(r["busy_s"]) for r in sorted(results, key=lambda r: r["pp_rank"])],
+            "stage_ms": [1e3 * statistics.median(r["local_times"]["stage"]) for r in sorted(results, key=lambda r: r["pp_rank"])],
             "peak_held_mib": [r["peak_held_bytes"] / 2**20 for r in sorted(results, key=lambda r: r["pp_rank"])],
             "peak_held_microbatches": [r["peak_held_bytes"] / r["microbatch_bytes"]
                                        for r in sorted(results, key=lambda r: r["pp_rank"])],
@@ -377,6 +400,13 @@ def main() -> int:
         held = ", ".join(f"{x:.2f} ({n:.2f})" for x, n in zip(f["peak_held_mib"], f["peak_held_microbatches"]))
         print(f"| {f['pp']} | {f['microbatches']} | {', '.join(f'{x:.1%}' for x in f['idle'])} | "
               f"{f['predicted_idle']:.1%} | {held} |")
+    print()
+    print("| pp | m | smp compute per rank, ms (busy: its stages' chunks + step body) | plain stage per rank, ms "
+          "(no communication) | one microbatch's activation sent one way, ms (ranks 0 -> 1, both idle) |")
+    print("| --- " * 5 + "|")
+    for f in figures:
+        print(f"| {f['pp']} | {f['microbatches']} | {', '.join(f'{x:.1f}' for x in f['busy_ms'])} | "
+              f"{', '.join(f'{x:.1f}' for x in f['stage_ms'])} | {f['send_recv_ms']:.2f} |")
     print()
     for f in figures:
         same = "same stages" if f["same_partition"] else "DIFFERENT stages"

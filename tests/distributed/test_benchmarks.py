@@ -52,6 +52,9 @@ def test_pipeline_matches_deepspeed_pipeline_engine(tmp_path, schedule, held):
     assert f["loss_max_rel_diff"] <= 1e-6
     assert f["first_loss"] != f["last_loss"]  # the steps did train
     assert 0 < f["median_s"]["smp"] and 0 < f["median_s"]["deepspeed"] and 0 < f["median_s"]["stage"]
+    # each rank's compute inside the smp step, its plain stage and the one-way transfer were measured
+    assert len(f["busy_ms"]) == len(f["stage_ms"]) == 2 and min(f["busy_ms"] + f["stage_ms"]) > 0
+    assert 0 < f["send_recv_ms"] < 1e3 * f["median_s"]["smp"]
 
 
 @pytest.mark.parametrize("mode", ["zero1", "zero3"])
