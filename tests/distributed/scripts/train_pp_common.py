@@ -20,6 +20,16 @@ class SixLayer(nn.Module):
         return F.log_softmax(self.layers[-1](x), 1)
 
 
+class SixLayerTied(SixLayer):
+    """SixLayer with layers 3 and 4 sharing one weight: at pp 2 both uses fall in stage 1, whose backward
+    the split-backward schedules split (pytorch #180952: a weight used twice inside a stage counted
+    twice by the weight-gradient step)."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers[4].weight = self.layers[3].weight
+
+
 class GroupedNet(Net):
     """The seed's manual-partition net: Net's layers and forward, its children created inside
     smp.partition(0) / smp.partition(1)."""
@@ -45,12 +55,14 @@ def build(name, smp=None):
         return GroupedNet(smp)
     if name == "six":
         return SixLayer()
+    if name == "sixtied":
+        return SixLayerTied()
     return tiny_gpt2()
 
 
 def batch(name, step, size):
     g = torch.Generator().manual_seed(700 + step)
-    if name == "six":
+    if name in ("six", "sixtied"):
         return torch.randn(size, 16, generator=g), torch.randint(0, 8, (size,), generator=g)
     if name == "gpt2":
         ids = torch.randint(0, 64, (size, 12), generator=g)

@@ -361,6 +361,9 @@ class PipelineRunner:
         self.tied = tied.tie_groups(self, owners)
         self.stages = [build_stage(mine, i, pipe.info(), state.device, group=self.group)
                        for i, mine in zip(ids, self.stage_modules)]
+        if cfg.pipeline in SPLIT_BACKWARD:
+            for stage in self.stages:
+                surgery.merge_weight_groups(stage)
         if self.layout.v_shaped:
             for stage in self.stages:
                 stage.stage_index_to_group_rank = dict(enumerate(self.layout.ranks))

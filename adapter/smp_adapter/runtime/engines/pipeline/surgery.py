@@ -77,6 +77,45 @@ class OwnViewOutputs:
             lambda t: t.clone() if isinstance(t, torch.Tensor) and t._is_view() else t, output)
 
 
+def merge_weight_groups(stage) -> None:
+    """A stage whose backward is split: torch's input-gradient step groups the stage's parameters by
+    the graph nodes (intermediates) their gradients flow through, and the weight-gradient step runs one
+    autograd call per group. A weight used twice inside the stage (tied; pytorch #180952) reaches two
+    intermediates, and torch's grouping (get_param_groups) merges the groups of those two only when it
+    meets them in one order of a set: in the other it leaves the weight in two groups, and the weight
+    step adds its gradient twice (seen: 3 of 8 microbatches at pp 2, loss off by 2e-4 at step 2) or walks
+    a freed graph ("backward through the graph a second time"). Merge groups that share a parameter or
+    an intermediate before the weight step: each weight then has one group, which sums both uses."""
+    original = stage.backward_maybe_with_nosync
+
+    def backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward=False):
+        if backward_type == "weight":
+            bwd_kwargs = {**bwd_kwargs, "param_groups": merged_param_groups(bwd_kwargs["param_groups"])}
+        return original(backward_type, bwd_kwargs, last_backward=last_backward)
+
+    stage.backward_maybe_with_nosync = backward_maybe_with_nosync
+
+
+def merged_param_groups(groups: list[dict]) -> list[dict]:
+    """torch's parameter groups (params: gradient-accumulator nodes; intermediates with the gradients
+    the input step saved for them, index by index) with every two that share a parameter or an
+    intermediate made one. An intermediate in both keeps one entry (both saved the same gradients)."""
+    merged: list[dict] = []
+    for group in groups:
+        group = {"params": set(group["params"]), "intermediates": list(group["intermediates"]),
+                 "grads": list(group["grads"])}
+        for other in [m for m in merged if m["params"] & group["params"]
+                      or set(m["intermediates"]) & set(group["intermediates"])]:
+            merged.remove(other)
+            group["params"] |= other["params"]
+            for intermediate, grads in zip(other["intermediates"], other["grads"]):
+                if intermediate not in group["intermediates"]:
+                    group["intermediates"].append(intermediate)
+                    group["grads"].append(grads)
+        merged.append(group)
+    return merged
+
+
 def autocast_state():
     for device_type in ("cuda", "cpu"):
         if torch.is_autocast_enabled(device_type):
