@@ -32,9 +32,9 @@ from torch import nn
 from smp_adapter.config.pipeline_schedule import SPLIT_BACKWARD
 from smp_adapter.errors import SMPUsageError, UnsupportedFeatureError
 from smp_adapter.runtime import activation_checkpoint
-from smp_adapter.runtime.engines.pipeline import partition as part, surgery, tied
+from smp_adapter.runtime.engines.pipeline import partition as part, pass_through, surgery, tied
 from smp_adapter.runtime.engines.pipeline.idle_time import ComputeClock
-from smp_adapter.runtime.engines.pipeline.virtual_stages import StageLayout, refuse_skip_connections, skip_self_warmup
+from smp_adapter.runtime.engines.pipeline.virtual_stages import StageLayout, skip_self_warmup
 from smp_adapter.runtime.partition import partition_mark
 from smp_adapter.runtime.state import state
 
@@ -352,6 +352,7 @@ class PipelineRunner:
                 traced = next((p.dtype for p in mine.parameters() if p.is_floating_point()), torch.get_default_dtype())
                 mine.register_forward_hook(surgery.WidenAutocastOutputs(traced))
             if i > 0 and cfg.pipeline in SPLIT_BACKWARD:  # the first stage's backward is not split
+                surgery.own_outputs_read_inside(mine)
                 mine.register_forward_hook(surgery.OwnViewOutputs())
         marked = [n for mine in self.stage_modules for n in surgery.checkpoint_marked(module, mine)]
         if marked:  # set_activation_checkpointing, lost by torch.export, applied again to the stages
@@ -410,9 +411,12 @@ class PipelineRunner:
                 f"splitting {type(module).__name__} produced {pipe.num_stages} stages instead of {self.layout.total}: "
                 "the split points were not on the traced path. Partition manually (auto_partition: false, "
                 "smp.partition / smp.set_partition) at modules that run at the top level of forward")
+        # values read past the next stage (GPT-2's causal mask) go through the stages in between:
+        # torch's multi-stage schedules send only to the next stage, and no torch stage takes the
+        # backward of an output read by several stages (pass_through.py)
+        pass_through.thread_skipped_values(pipe.split_gm)
         self._stage_calls = [n for n in pipe.split_gm.graph.nodes if n.op == "call_module"]
-        if self.layout.v > 1:
-            refuse_skip_connections(module, self._stage_calls, state.cfg.pipeline)
+        pass_through.refuse_unthreaded(module, self._stage_calls)
         return pipe
 
     def _late_inputs(self) -> dict[int, list[str]]:

@@ -5,6 +5,7 @@ hooks the stage builder installs (runtime/engines/pipeline/runtime.py).
 * ``CarryInputs``: model inputs first read by a later stage, carried from stage 0;
 * ``WidenAutocastOutputs``: autocast activations cross stages in the traced dtype;
 * ``OwnViewOutputs``: stage outputs that are views copied, for the split backward;
+* ``own_outputs_read_inside``: stage outputs the stage also reads copied, for the split backward;
 * ``checkpoint_marked``: ``smp.set_activation_checkpointing`` applied again to the traced stage.
 """
 
@@ -114,6 +115,71 @@ def merged_param_groups(groups: list[dict]) -> list[dict]:
                     group["grads"].append(grads)
         merged.append(group)
     return merged
+
+
+def own_outputs_read_inside(stage: torch.fx.GraphModule) -> list[str]:
+    """Under the split backward (zero_bubble, zbv, dualpipev), a stage output that the stage's own
+    operations also read becomes a copy in the stage graph: GPT-2's residual stream when a stage
+    ends before ln_2 (the stage returns it and layer-normalises it). torch's input-gradient step
+    detaches the stage outputs in place, and the weight-gradient step that follows needs what those
+    operations saved (layer norm and linear save their input for the weight gradient): "Trying to
+    use a saved tensor that has been detached in-place". The copy is what gets detached; its
+    gradient flows to the value unchanged. A stage input returned as it is (a value passed on,
+    pass_through.py) needs no copy even when the stage reads it: it is a leaf, and detaching a
+    leaf in place leaves what was saved of it usable (tests/unit/test_pipeline_pass_through.py
+    runs both). Returns the names of the values copied."""
+    graph = stage.graph
+    out = next(n for n in graph.nodes if n.op == "output")
+    single = not isinstance(out.args[0], (tuple, list))
+    values = (out.args[0],) if single else tuple(out.args[0])
+    copied, owned = [], []
+    for value in values:
+        if isinstance(value, torch.fx.Node) and value.op != "placeholder" and _read_inside(stage, value, {out}):
+            with graph.inserting_before(out):
+                copy = graph.call_function(torch.clone, (value,))
+            copy.meta.update({k: v for k, v in value.meta.items() if k in ("val", "tensor_meta")})
+            copied.append(value.name)
+            value = copy
+        owned.append(value)
+    if copied:
+        out.args = (owned[0] if single else tuple(owned),)
+        stage.recompile()
+    return copied
+
+
+def _read_inside(gm, value, returned_by: set) -> bool:
+    """Whether ``value`` of ``gm``'s graph is read by a node other than ``returned_by``. torch.export
+    keeps the module tree: a value a nested traced module returns (``transformer(...)[k]``) is
+    followed into that module, and an input it returns unchanged back out to what gm gave it. The
+    output of an untraced module (a tensor-parallel layer put back into the stage) is read by that
+    module's own backward at most, whose saved tensors are its inputs. True when unsure."""
+    import operator
+
+    if any(user not in returned_by for user in value.users):
+        return True
+    if value.op == "call_function" and value.target is operator.getitem and value.args[0].op == "call_module":
+        call, k = value.args
+    elif value.op == "call_module":
+        call, k = value, None
+    else:
+        return False
+    graph = getattr(gm.get_submodule(call.target), "graph", None)
+    if not isinstance(graph, torch.fx.Graph):
+        return False
+    if call.kwargs:
+        return True
+    sub_out = next(n for n in graph.nodes if n.op == "output")
+    returned = sub_out.args[0]
+    inner = returned[k] if k is not None and isinstance(returned, (tuple, list)) else returned if k is None else None
+    if not isinstance(inner, torch.fx.Node):
+        return True
+    sub = gm.get_submodule(call.target)
+    if _read_inside(sub, inner, {sub_out}):
+        return True
+    if inner.op == "placeholder":  # returned unchanged: does gm read what it gave the module?
+        given = call.args[[n for n in graph.nodes if n.op == "placeholder"].index(inner)]
+        return isinstance(given, torch.fx.Node) and _read_inside(gm, given, {call, *returned_by})
+    return False
 
 
 def autocast_state():

@@ -67,31 +67,3 @@ def skip_self_warmup(stage) -> None:
 
     stage._get_init_p2p_neighbors_ops = ops
 
-
-def refuse_skip_connections(module, stage_calls: list, schedule: str) -> None:
-    """torch's multi-stage schedules pass values only from a stage to the next one; a stage reading a
-    value of an earlier, non-adjacent stage (a residual stream or attention mask crossing a stage)
-    would fail inside torch at the first step. Refuse it here, on every rank alike, with the fix."""
-    import operator
-
-    import torch
-
-    index = {n: i for i, n in enumerate(stage_calls)}
-
-    def producer(a):
-        while a.op == "call_function" and a.target is operator.getitem:
-            a = a.args[0]
-        return index.get(a)
-
-    for i, node in enumerate(stage_calls):
-        used = []
-        torch.fx.node.map_arg((node.args, node.kwargs), lambda a: used.append(a) or a)
-        skipped = sorted({j for j in map(producer, used) if j is not None and j != i - 1})
-        if skipped:
-            from smp_adapter.errors import UnsupportedFeatureError
-
-            raise UnsupportedFeatureError(
-                f"pipeline: {schedule} cannot run {type(module).__name__} cut into {len(stage_calls)} stages: stage {i} "
-                f"reads values of stage(s) {skipped} directly, and torch's schedules with several stages per rank pass "
-                "values only from one stage to the next. Use pipeline: zero_bubble (one stage per rank) or "
-                "interleaved, or a smaller virtual_pipeline_degree")
