@@ -6,6 +6,25 @@ Losses and final weights (gathered with model.state_dict(), so every stage's gra
 equal the single-process plain-PyTorch run within 1e-5 relative (fp32 sums in another order).
 SGD runs are the ones that catch a uniformly scaled gradient (Adam normalises it away): a weight
 gradient counted twice or skipped by the split backward changes the SGD update.
+
+The schedule x layout matrix, cell by cell (2 training steps; pp 2 is 2 ranks, pp 2 x dp 2 and
+pp 2 x tp 2 are 4). Models: gpt2 = tiny GPT2LMHeadModel with tied embeddings, whose causal mask is
+read past the next stage when cut into 4 stages; net = the seed's conv + linear net, fc1 split by TP;
+six = six Linear layers; skip = train_pp_common.SkipNet, a float value read past the next stage.
+* interleaved_1f1b: pp 2: six, test_six_layers_sgd_pp2; pp 2 x dp 2: gpt2,
+  test_gpt2_tied_embeddings_every_schedule; pp 2 x tp 2: net, test_seed_convnet_pp2_tp2.
+* zero_bubble (ZB-H1, v = 1): pp 2: six, test_six_layers_sgd_pp2; pp 2 x dp 2: gpt2 with
+  shard_optimizer_state, test_gpt2_tied_embeddings_every_schedule; pp 2 x tp 2: net, test_seed_convnet_pp2_tp2.
+* zero_bubble, v = 2: pp 2: six, test_six_layers_sgd_pp2; pp 2 x dp 2: skip, test_float_values_crossing_stages;
+  pp 2 x tp 2: gpt2, test_gpt2_tied_embeddings_every_schedule.
+* zbv: pp 2: six, test_six_layers_sgd_pp2 and (fp16, clipping, activation checkpointing)
+  test_zbv_fp16_clipping_activation_checkpointing; pp 2 x dp 2: gpt2, test_gpt2_tied_embeddings_every_schedule;
+  pp 2 x tp 2: net, test_seed_convnet_pp2_tp2.
+* dualpipev: pp 2: six, test_six_layers_sgd_pp2; pp 2 x dp 2: skip, test_float_values_crossing_stages;
+  pp 2 x tp 2: gpt2, test_gpt2_tied_embeddings_every_schedule.
+
+Elsewhere: test_pipeline.py runs bf16 under zbv and resumes a 1F1B checkpoint under zbv (six, pp 2);
+test_float_values_crossing_stages also runs skip at pp 4 under 1F1B (smp's `interleaved`).
 """
 
 import json
@@ -13,7 +32,7 @@ import json
 import pytest
 import torch
 from launch_util import run_ranks
-from test_pipeline import SCRIPT, _check, _run
+from test_pipeline import RTOL, SCRIPT, _check, _run
 from train_pp_common import reference
 
 SCHEDULES = [("interleaved_1f1b", {}), ("zero_bubble", {}), ("zero_bubble", {"virtual_pipeline_degree": 2}),
@@ -38,33 +57,73 @@ def test_six_layers_sgd_pp2(tmp_path, schedule, extra):
     assert f"Partition assignments (auto, {2 * v} stages" in log0
 
 
-def test_gpt2_tied_embeddings_pp2_dp2_zb_h1(tmp_path):
-    """Tiny GPT2LMHeadModel (wte tied to lm_head), pp 2 x dp 2, ZB-H1 (split backward), SGD, with
-    shard_optimizer_state (each dp rank steps its share of the stage's parameters and broadcasts
-    them): losses and final weights equal one process; the tied weight's two uses are on two ranks
-    (summed over them)."""
-    options = _options("zero_bubble", {}, microbatches=2, shard_optimizer_state=True)
-    results = run_ranks(SCRIPT, 4, args=["--model", "gpt2", "--steps", 2, "--optimizer", "sgd", "--final-state"],
+TP2 = {"tensor_parallel_degree": 2}  # 4 ranks: pp 2 x tp 2 (train_pp.py does not mark GPT-2: replicated layers)
+DP2 = {}  # 4 ranks: pp 2 x dp 2
+GPT2_CELLS = [  # (schedule, its options, the layout's options); see the matrix in the module docstring
+    pytest.param("zero_bubble", {}, {**DP2, "shard_optimizer_state": True}, id="zb_h1-pp2xdp2-sharded"),
+    pytest.param("interleaved_1f1b", {}, DP2, id="interleaved_1f1b-pp2xdp2"),
+    pytest.param("zbv", {}, DP2, id="zbv-pp2xdp2"),
+    pytest.param("dualpipev", {}, TP2, id="dualpipev-pp2xtp2"),
+    pytest.param("zero_bubble", {"virtual_pipeline_degree": 2}, TP2, id="zb_v2-pp2xtp2"),
+]
+
+
+@pytest.mark.parametrize("schedule,extra,layout", GPT2_CELLS)
+def test_gpt2_tied_embeddings_every_schedule(tmp_path, schedule, extra, layout):
+    """Tiny GPT2LMHeadModel (wte tied to lm_head, held by the first and the last stage, its gradient
+    summed over them), 4 ranks, SGD, clip_master_grads: losses, the global gradient norm before
+    clipping and the final weights equal one process within 1e-5 (fp32 sums in another order).
+    Cut into 4 stages (v = 2), stage 0's causal mask is read by stage 2: it is passed through
+    stage 1 (pass_through.py; without it every rank failed with UnsupportedFeatureError), and the
+    residual stream that stages 1 and 2 return and also layer-normalise is copied under the split
+    backward (surgery.own_outputs_read_inside; without it zbv fails with "Trying to use a saved
+    tensor that has been detached in-place"). ZB-H1 (2 stages) also with shard_optimizer_state
+    (each dp rank steps its share of the stage's parameters and broadcasts them)."""
+    microbatches = 4 if schedule == "dualpipev" else 2  # dualpipev needs microbatches >= 2 pp
+    options = _options(schedule, {**extra, **layout}, microbatches=microbatches)
+    clip = 0.5  # below the norms (about 1.2): every step clipped, so the final weights depend on the norm
+    results = run_ranks(SCRIPT, 4, args=["--model", "gpt2", "--steps", 2, "--optimizer", "sgd", "--final-state",
+                                         "--clip", clip],
                         env={"SM_HP_MP_PARAMETERS": json.dumps(options)}, out_dir=tmp_path, timeout=300)
-    _check(results, "gpt2", 2)
+    norms = []
+    ref_losses, ref_state = reference("gpt2", 2, 8 * results[0]["dp_size"], microbatches, "sgd", clip=clip,
+                                      norms=norms)
+    assert min(norms) > clip
+    for r in results:
+        torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(ref_losses), rtol=RTOL, atol=0.0)
+        torch.testing.assert_close(torch.tensor(r["grad_norms"]), torch.tensor(norms), rtol=RTOL, atol=0.0)
+    for name, ref in ref_state.items():
+        torch.testing.assert_close(torch.tensor(results[0]["final_state"][name]), ref, rtol=RTOL, atol=1e-6,
+                                   msg=lambda m: f"{name}: {m}")
+    stages = 2 if schedule == "zero_bubble" and not extra else 4
+    assert f"Partition assignments (auto, {stages} stages" in (tmp_path / "log0.txt").read_text()
 
 
-def test_gpt2_four_stages_refused_with_the_fix(tmp_path):
-    """GPT-2 cut into 4 stages passes values past a stage (the residual stream), which torch's
-    multi-stage schedules cannot: every rank raises UnsupportedFeatureError naming the fix."""
-    options = _options("zbv", {}, microbatches=2)
-    with pytest.raises(AssertionError) as e:
-        run_ranks(SCRIPT, 2, args=["--model", "gpt2", "--steps", 1], env={"SM_HP_MP_PARAMETERS": json.dumps(options)},
-                  out_dir=tmp_path, timeout=200)
-    assert str(e.value).count("UnsupportedFeatureError: pipeline: zbv cannot run GPT2LMHeadModel") == 2
-    assert "Use pipeline: zero_bubble (one stage per rank) or interleaved" in str(e.value)
+@pytest.mark.parametrize("schedule,extra", [("dualpipev", {}), ("zero_bubble", {"virtual_pipeline_degree": 2}),
+                                            ("interleaved", {"pipeline_parallel_degree": 4})],
+                         ids=["dualpipev-pp2xdp2", "zb_v2-pp2xdp2", "1f1b-pp4"])
+def test_float_values_crossing_stages(tmp_path, schedule, extra):
+    """train_pp_common.SkipNet: layer 0's output is read by the stages of layers 1, 2 and 3 (float,
+    with gradients), so it is passed through stages 1 and 2 (once each, although two later stages
+    read it; in the V order stages 1 and 2 share rank 1 and hand it over in memory). 4 ranks (pp 2 x
+    dp 2, or pp 4 under 1F1B, where torch's stage refused the backward of an output read by several
+    stages: "Backward of skip connections not supported yet"), SGD, an evaluation step between the
+    training steps: losses, final weights and the evaluation output equal one process.
+    Mutation check: with the pass-through output detached (pass_through._pass_on; its gradient
+    dropped) the pp 2 x dp 2 cells fail, the step-2 loss off by 1.8e-3 relative (measured)."""
+    options = _options(schedule, extra, microbatches=4)
+    results = _run(tmp_path, "skip", 4, options)
+    _check(results, "skip", 4)
+    log0 = (tmp_path / "log0.txt").read_text()
+    assert "Partition assignments (auto, 4 stages" in log0 and "layers.3 -> 3" in log0
 
 
-@pytest.mark.parametrize("schedule", ["interleaved_1f1b", "zbv"])
-def test_seed_convnet_pp2_tp2_four_stages(tmp_path, schedule):
+@pytest.mark.parametrize("schedule", ["interleaved_1f1b", "zbv", "zero_bubble"])
+def test_seed_convnet_pp2_tp2(tmp_path, schedule):
     """The seed's conv + linear Net, pp 2 x tp 2 (fc1 split: Megatron-core's linear autograd function),
-    4 stages (2 per rank), SGD. Under zbv the backward is split: fc1's stage (2, on rank 1) runs the
-    input-gradient step and later the weight-gradient step through the TP layer, and stage 1's output
+    4 stages (2 per rank; 2 under zero_bubble, ZB-H1), SGD. Under zbv the backward is split: fc1's
+    stage (2, on rank 1) runs the input-gradient step and later the weight-gradient step through the
+    TP layer, and stage 1's output
     is torch.flatten's view, which torch's input-gradient step cannot detach in place (copied:
     surgery.OwnViewOutputs). Mutation: with the weight-gradient step skipped the step-2 loss is off by
     7e-4 relative; without the copy every rank fails with "Can't detach views in-place"."""
@@ -72,7 +131,10 @@ def test_seed_convnet_pp2_tp2_four_stages(tmp_path, schedule):
     results = _run(tmp_path, "net", 4, options)
     _check(results, "net", 4)
     log0 = (tmp_path / "log0.txt").read_text()
-    assert "Partition assignments (auto, 4 stages" in log0 and "fc1 -> 2 (rank" in log0
+    if schedule == "zero_bubble":  # one stage per rank: fc1's stage (1) has its backward split
+        assert "Partition assignments (auto, 2 stages" in log0 and "fc1 -> 1" in log0
+    else:
+        assert "Partition assignments (auto, 4 stages" in log0 and "fc1 -> 2 (rank" in log0
 
 
 def test_zbv_fp16_clipping_activation_checkpointing(tmp_path):

@@ -80,9 +80,10 @@ def _run_stages(pipe, x, split: bool):
             weight_steps.append(lambda params=params, groups=groups: stage_backward_weight(iter(params), groups))
         else:
             dinputs = stage_backward(stage_out, out_grads, inputs)
-        for arg, g in zip(calls[i].args, dinputs):
+        for arg, g in zip(calls[i].args, dinputs, strict=True):
             if g is not None and arg.op != "placeholder":
-                key = (calls.index(arg.args[0]), arg.args[1]) if arg.target is operator.getitem else (calls.index(arg), 0)
+                producer = arg.args[0] if arg.target is operator.getitem else arg
+                key = (calls.index(producer), arg.args[1] if arg.target is operator.getitem else 0)
                 grads[key] = g if key not in grads else grads[key] + g
     for step in weight_steps:  # after every input step, as zero-bubble schedules defer them
         step()

@@ -30,6 +30,21 @@ class SixLayerTied(SixLayer):
         self.layers[4].weight = self.layers[3].weight
 
 
+class SkipNet(nn.Module):
+    """Four linear layers; the first one's output h0 is read again by the last two (values read past
+    the next stage when cut into 4 stages: threaded through the stages between, float, with gradients)."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(16, 16) for _ in range(3)] + [nn.Linear(16, 8)])
+
+    def forward(self, x):
+        h0 = torch.tanh(self.layers[0](x))
+        h = torch.tanh(self.layers[1](h0))
+        h = torch.tanh(self.layers[2](h)) + h0
+        return F.log_softmax(self.layers[3](h) + h0[:, :8], 1)
+
+
 class GroupedNet(Net):
     """The seed's manual-partition net: Net's layers and forward, its children created inside
     smp.partition(0) / smp.partition(1)."""
@@ -57,12 +72,14 @@ def build(name, smp=None):
         return SixLayer()
     if name == "sixtied":
         return SixLayerTied()
+    if name == "skip":
+        return SkipNet()
     return tiny_gpt2()
 
 
 def batch(name, step, size):
     g = torch.Generator().manual_seed(700 + step)
-    if name in ("six", "sixtied"):
+    if name in ("six", "sixtied", "skip"):
         return torch.randn(size, 16, generator=g), torch.randint(0, 8, (size,), generator=g)
     if name == "gpt2":
         ids = torch.randint(0, 64, (size, 12), generator=g)
