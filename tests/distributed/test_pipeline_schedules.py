@@ -94,7 +94,7 @@ def test_gpt2_tied_embeddings_every_schedule(tmp_path, schedule, extra, layout):
         torch.testing.assert_close(torch.tensor(r["grad_norms"]), torch.tensor(norms), rtol=RTOL, atol=0.0)
     for name, ref in ref_state.items():
         torch.testing.assert_close(torch.tensor(results[0]["final_state"][name]), ref, rtol=RTOL, atol=1e-6,
-                                   msg=lambda m: f"{name}: {m}")
+                                   msg=lambda m, name=name: f"{name}: {m}")
     stages = 2 if schedule == "zero_bubble" and not extra else 4
     assert f"Partition assignments (auto, {stages} stages" in (tmp_path / "log0.txt").read_text()
 
