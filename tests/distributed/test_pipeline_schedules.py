@@ -9,7 +9,7 @@ gradient counted twice or skipped by the split backward changes the SGD update.
 
 The schedule x layout matrix, cell by cell (2 training steps; pp 2 is 2 ranks, pp 2 x dp 2 and
 pp 2 x tp 2 are 4). Models: gpt2 = tiny GPT2LMHeadModel with tied embeddings, whose causal mask is
-read past the next stage when cut into 4 stages; net = the seed's conv + linear net, fc1 split by TP;
+read past the next stage when cut into 4 stages (at pp 2 x tp 2 its layers split over the TP ranks); net = the seed's conv + linear net, fc1 split by TP;
 six = six Linear layers (sixtied, layers 3 and 4 sharing a weight, under ZB-H1 and zbv at pp 2);
 skip = train_pp_common.SkipNet, a float value read past the next stage.
 * interleaved_1f1b: pp 2: six, test_six_layers_sgd_pp2; pp 2 x dp 2: gpt2,
@@ -34,7 +34,7 @@ import pytest
 import torch
 from launch_util import run_ranks
 from test_pipeline import RTOL, SCRIPT, _check, _run
-from train_pp_common import reference
+from train_pp_common import build, reference
 
 SCHEDULES = [("interleaved_1f1b", {}), ("zero_bubble", {}), ("zero_bubble", {"virtual_pipeline_degree": 2}),
              ("zbv", {}), ("dualpipev", {})]
@@ -58,7 +58,7 @@ def test_six_layers_sgd_pp2(tmp_path, schedule, extra):
     assert f"Partition assignments (auto, {2 * v} stages" in log0
 
 
-TP2 = {"tensor_parallel_degree": 2}  # 4 ranks: pp 2 x tp 2 (train_pp.py does not mark GPT-2: replicated layers)
+TP2 = {"tensor_parallel_degree": 2}  # 4 ranks: pp 2 x tp 2 (GPT-2 created inside smp.tensor_parallelism())
 DP2 = {}  # 4 ranks: pp 2 x dp 2
 GPT2_CELLS = [  # (schedule, its options, the layout's options); see the matrix in the module docstring
     pytest.param("zero_bubble", {}, {**DP2, "shard_optimizer_state": True}, id="zb_h1-pp2xdp2-sharded"),
@@ -72,7 +72,8 @@ GPT2_CELLS = [  # (schedule, its options, the layout's options); see the matrix 
 @pytest.mark.parametrize("schedule,extra,layout", GPT2_CELLS)
 def test_gpt2_tied_embeddings_every_schedule(tmp_path, schedule, extra, layout):
     """Tiny GPT2LMHeadModel (wte tied to lm_head, held by the first and the last stage, its gradient
-    summed over them), 4 ranks, SGD, clip_master_grads: losses, the global gradient norm before
+    summed over them), 4 ranks (at pp 2 x tp 2 created inside smp.tensor_parallelism(), so its layers
+    are Megatron-core TP layers), SGD, clip_master_grads: losses, the global gradient norm before
     clipping and the final weights equal one process within 1e-5 (fp32 sums in another order).
     Cut into 4 stages (v = 2), stage 0's causal mask is read by stage 2: it is passed through
     stage 1 (pass_through.py; without it every rank failed with UnsupportedFeatureError), and the
@@ -82,9 +83,10 @@ def test_gpt2_tied_embeddings_every_schedule(tmp_path, schedule, extra, layout):
     (each dp rank steps its share of the stage's parameters and broadcasts them)."""
     microbatches = 4 if schedule == "dualpipev" else 2  # dualpipev needs microbatches >= 2 pp
     options = _options(schedule, {**extra, **layout}, microbatches=microbatches)
-    clip = 0.5  # below the norms (about 1.2): every step clipped, so the final weights depend on the norm
+    clip = 0.5  # below the norms (0.8-1.2): every step clipped, so the final weights depend on the norm
+    tp = ["--tp"] if layout is TP2 else []
     results = run_ranks(SCRIPT, 4, args=["--model", "gpt2", "--steps", 2, "--optimizer", "sgd", "--final-state",
-                                         "--clip", clip],
+                                         "--clip", clip, *tp],
                         env={"SM_HP_MP_PARAMETERS": json.dumps(options)}, out_dir=tmp_path, timeout=300)
     norms = []
     ref_losses, ref_state = reference("gpt2", 2, 8 * results[0]["dp_size"], microbatches, "sgd", clip=clip,
@@ -98,6 +100,9 @@ def test_gpt2_tied_embeddings_every_schedule(tmp_path, schedule, extra, layout):
                                    msg=lambda m, name=name: f"{name}: {m}")
     stages = 2 if schedule == "zero_bubble" and not extra else 4
     assert f"Partition assignments (auto, {stages} stages" in (tmp_path / "log0.txt").read_text()
+    if tp:  # the layers are split over the TP ranks: each stage's two TP ranks hold less than it twice
+        whole = sum(p.numel() * p.element_size() for p in build("gpt2").parameters())
+        assert sum(r["local_bytes"] for r in results) < 2 * whole
 
 
 @pytest.mark.parametrize("schedule,extra", [("dualpipev", {}), ("zero_bubble", {"virtual_pipeline_degree": 2}),

@@ -38,12 +38,15 @@ parser.add_argument("--loss-scale", default=None, help="fp16: static:<scale> or 
 parser.add_argument("--final-state", action="store_true",
                     help="report model.state_dict() at the end (also for gpt2) and right after --save-at")
 parser.add_argument("--clip", type=float, default=None, help="optimizer.clip_master_grads(max_norm) before each step")
+parser.add_argument("--tp", action="store_true",
+                    help="create the model inside smp.tensor_parallelism() (GPT-2's layers split over the TP ranks)")
 parser.add_argument("--act-ckpt", action="store_true",
                     help="smp.set_activation_checkpointing on every Linear layer of the six-layer model")
 args, _ = parser.parse_known_args()
 
 smp.init()
-model = build(args.model, smp)
+with smp.tensor_parallelism(enabled=args.tp):
+    model = build(args.model, smp)
 if args.model == "net" and smp.tp_size() > 1:
     smp.set_tensor_parallelism(model.fc1, True)  # as the seed
 if args.act_ckpt:  # recomputed in the backward: the same gradients, less activation memory
