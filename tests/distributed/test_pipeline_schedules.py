@@ -9,9 +9,10 @@ gradient counted twice or skipped by the split backward changes the SGD update.
 
 The schedule x layout matrix, cell by cell (2 training steps; pp 2 is 2 ranks, pp 2 x dp 2 and
 pp 2 x tp 2 are 4). Models: gpt2 = tiny GPT2LMHeadModel with tied embeddings, whose causal mask is
-read past the next stage when cut into 4 stages (at pp 2 x tp 2 its layers split over the TP ranks); net = the seed's conv + linear net, fc1 split by TP;
-six = six Linear layers (sixtied, layers 3 and 4 sharing a weight, under ZB-H1 and zbv at pp 2);
-skip = train_pp_common.SkipNet, a float value read past the next stage.
+read past the next stage when cut into 4 stages (at pp 2 x tp 2 its layers split over the TP ranks);
+net = the seed's conv + linear net, fc1 split by TP; six = six Linear layers (sixtied, layers 3 and 4
+sharing a weight, under ZB-H1 and zbv at pp 2); skip = train_pp_common.SkipNet, a float value read past
+the next stage.
 * interleaved_1f1b: pp 2: six, test_six_layers_sgd_pp2; pp 2 x dp 2: gpt2,
   test_gpt2_tied_embeddings_every_schedule; pp 2 x tp 2: net, test_seed_convnet_pp2_tp2.
 * zero_bubble (ZB-H1, v = 1): pp 2: six, test_six_layers_sgd_pp2; pp 2 x dp 2: gpt2 with
