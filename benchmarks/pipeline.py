@@ -1,15 +1,19 @@
-"""Pipeline efficiency: smp pipeline steps against the pipeline ideal and against DeepSpeed's own
-pipeline engine running the same job.
+"""Pipeline efficiency: smp's pipeline schedules against each other, against the pipeline ideal and
+against DeepSpeed's own pipeline engine running the same job.
 
-Job: an MLP of ``--layers`` Linear(width, width) + tanh layers and a Linear(width, 10) head with
-log_softmax, NLL loss, SGD, batch ``--batch`` per step (data parallel degree 1: every rank is one
-stage). Swept over pp in ``--pp`` (default 2,4) and microbatches in ``--microbatches`` (default
-4,8,16); one job of pp processes (one CPU thread each, OMP_NUM_THREADS=1) per (pp, m).
+Job: a model from benchmarks/_pipeline_models.py (``--model gpt``, the default: GPT-2-style
+transformer blocks, cross entropy over every token; ``--model mlp``: Linear + tanh layers, NLL),
+SGD, batch ``--batch`` per step (data parallel degree 1: every rank is one pipeline rank). Swept
+over pp in ``--pp`` (default 2,4), microbatches in ``--microbatches`` (default 4,8,16) and smp
+schedules in ``--schedule`` (comma-separated, or ``all``); one job of pp processes (one CPU thread
+each, OMP_NUM_THREADS=1) per (pp, m, schedule), ``--rounds`` times, the schedules of each (pp, m)
+one right after the other in rotating order, so the summary compares each schedule with the 1F1B
+job (``interleaved``) of the same round.
 
 Three things run in each job, in the same processes, on the same data, in rotating order every step
 (so drift on a shared machine hits all three):
-  smp        @smp.step (forward + backward of every microbatch through all stages, 1F1B:
-             ``pipeline: interleaved``) + optimizer.step();
+  smp        @smp.step (forward + backward of every microbatch through all stages, under the
+             job's schedule) + optimizer.step();
   DeepSpeed  the same model written as a ``deepspeed.pipe.PipelineModule`` layer list (what a user
              rewriting the script by hand for DeepSpeed would do), ``engine.train_batch()`` with
              gradient_accumulation_steps = m (DeepSpeed's TrainSchedule, also 1F1B, optimizer step
@@ -33,13 +37,15 @@ Machine note: pp 4 on a 2-core machine runs 4 single-threaded ranks on 2 cores. 
 with all 4 ranks busy, as in the pipeline's steady state; during fill and drain fewer ranks are busy
 and run faster than t_s / m per microbatch, so measured/ideal can fall below 1 there.
 
-    PYTHONPATH=adapter .venv/bin/python benchmarks/pipeline.py                       # ~1.5 min on 2 cores
+    PYTHONPATH=adapter .venv/bin/python benchmarks/pipeline.py --pp 2 --schedule all --rounds 2   # RESULTS §11.4
     PYTHONPATH=adapter .venv/bin/python benchmarks/pipeline.py --pp 2 --microbatches 8 --steps 10
+    PYTHONPATH=adapter .venv/bin/python benchmarks/pipeline.py --model mlp --pp 2 --schedule zero_bubble  # §11-11.3
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import statistics
@@ -49,95 +55,59 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _pipeline_models as models  # noqa: E402
 from _common import quiet, run_ranks, write_result  # noqa: E402
 
 LR = 1e-3
 ENGINES = ("smp", "deepspeed", "stage")
 
 
-def build(width: int, layers: int):
-    import torch
-    from torch import nn
-
-    class MLP(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.layers = nn.ModuleList([nn.Linear(width, width) for _ in range(layers)])
-            self.head = nn.Linear(width, 10)
-
-        def forward(self, x):
-            for layer in self.layers:
-                x = torch.tanh(layer(x))
-            return torch.log_softmax(self.head(x), 1)
-
-    torch.manual_seed(0)
-    return MLP()
-
-
-def as_layer_list(model) -> list:
-    """The MLP as the flat layer list DeepSpeed's PipelineModule wants (copies of the same weights)."""
-    import copy
-
-    from torch import nn
-
-    layers = []
-    for linear in model.layers:
-        layers += [copy.deepcopy(linear), nn.Tanh()]
-    return layers + [copy.deepcopy(model.head), nn.LogSoftmax(dim=1)]
-
-
-def deepspeed_engine(model, pp: int, microbatches: int, batch: int):
+def deepspeed_engine(model, args):
     import deepspeed
     import torch
-    import torch.nn.functional as F
     from deepspeed.pipe import PipelineModule
 
-    module = PipelineModule(layers=as_layer_list(model), num_stages=pp, loss_fn=F.nll_loss,
+    import _pipeline_models as models
+
+    # the same cuts as smp's auto-partition where it cuts at the chain's modules (printed and compared)
+    module = PipelineModule(layers=models.layer_list(model, args.model, args.layers), num_stages=args.pp,
+                            loss_fn=lambda out, target: models.loss(args.model, out, target),
                             partition_method="parameters", activation_checkpoint_interval=0)
+    m = args.microbatches
     # batch arithmetic: train_batch_size (batch) = micro batch (batch / m) x gradient_accumulation_steps (m) x dp (1)
-    config = {"train_batch_size": batch, "train_micro_batch_size_per_gpu": batch // microbatches,
-              "gradient_accumulation_steps": microbatches, "steps_per_print": 10**9,
+    config = {"train_batch_size": args.batch, "train_micro_batch_size_per_gpu": args.batch // m,
+              "gradient_accumulation_steps": m, "steps_per_print": 10**9,
               "zero_optimization": {"stage": 0}, "wall_clock_breakdown": False}
     optimizer = torch.optim.SGD(module.parameters(), lr=LR)
     engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, config=config)
     return engine, module
 
 
-def stage_layer_names(model, local_names) -> list[str]:
-    """Names of the MLP's Linear layers whose weights live on this rank, in order."""
-    local = set(local_names)
-    names = [f"layers.{i}" for i in range(len(model.layers))] + ["head"]
-    return [n for n in names if f"{n}.weight" in local]
-
-
 def worker(args) -> None:
     quiet()
     import torch
     import torch.distributed as dist
-    import torch.nn.functional as F
 
+    import _pipeline_models as models
     import smdistributed.modelparallel.torch as smp
 
     pp, m = args.pp, args.microbatches
     smp.init({"pipeline_parallel_degree": pp, "microbatches": m, "ddp": True, "pipeline": args.schedule})
     quiet()
-    full = build(args.width, args.layers)
-    ds_engine, ds_module = deepspeed_engine(full, pp, m, args.batch)
+    full = models.build(args.model, args.width, args.layers, args.seq, args.vocab)
+    ds_engine, ds_module = deepspeed_engine(full, args)
     model = smp.DistributedModel(full)
     optimizer = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=LR))
 
     @smp.step
     def train_step(model, data, target):
-        loss = F.nll_loss(model(data), target)
+        loss = models.loss(args.model, model(data), target)
         model.backward(loss)
         return loss
 
-    g = torch.Generator().manual_seed(1)
-    batches = [(torch.randn(args.batch, args.width, generator=g), torch.randint(0, 10, (args.batch,), generator=g))
-               for _ in range(4)]
+    batches = models.batches(args.model, args.batch, args.width, args.seq, args.vocab)
     losses = {"smp": [], "deepspeed": []}
     counter = {"smp": 0, "deepspeed": 0}
-
     held = SavedActivations(full.parameters())
 
     def smp_step():
@@ -155,33 +125,32 @@ def worker(args) -> None:
         microbatches = iter(zip(data.chunk(m), target.chunk(m)))
         losses["deepspeed"].append(float(ds_engine.train_batch(data_iter=microbatches)))
 
-    # the first smp step partitions the model; after it, this rank's stage layers are known. Both
+    # the first smp step partitions the model; after it, this rank's chain modules are known. Both
     # engines take one step here so that they go on seeing the same batches in the same order.
     smp_step()
     deepspeed_step()
-    mine = stage_layer_names(full, [n for n, _ in model.local_named_parameters()])
-    plain = torch.nn.ModuleList([torch.nn.Linear(args.width, 10 if n == "head" else args.width) for n in mine])
-    first = smp.pp_rank() == 0
-    stage_batches = [x.detach().clone() for x in batches[0][0].chunk(m)]
+    mine = models.local_chain(full, args.model, args.layers, [n for n, _ in model.local_named_parameters()])
+    plain = torch.nn.ModuleList([copy.deepcopy(full.get_submodule(n)) for n in mine])
+    first = smp.pp_rank() == 0  # holds stage 0 in the looped and the V order
+    stage_batches = [models.stage_input(args.model, first, x, args.width) for x in batches[0][0].chunk(m)]
 
     def stage_step():
         for p in plain.parameters():
             p.grad = None
-        for x in stage_batches:
-            h = x.requires_grad_(not first)
-            for name, layer in zip(mine, plain):
-                h = torch.log_softmax(layer(h), 1) if name == "head" else torch.tanh(layer(h))
+        for h in stage_batches:
+            for layer in plain:
+                h = layer(h)
             h.sum().backward()
 
     # one microbatch's activations through this rank's layers (the unit of the schedules' memory
     # formulas, M_B): held after its forward, before its backward
     one_mb = SavedActivations(plain.parameters())
-    h = stage_batches[0].clone().requires_grad_(not first)  # later stages: the received activation counts
-    if first:
+    h = stage_batches[0] if first else stage_batches[0].detach().clone().requires_grad_(True)
+    if first:  # the step's input batch: not counted (the caller holds it); a received activation is
         one_mb.skip(h)
     with one_mb:
-        for name, layer in zip(mine, plain):
-            h = torch.log_softmax(layer(h), 1) if name == "head" else torch.tanh(layer(h))
+        for layer in plain:
+            h = layer(h)
     microbatch_bytes = one_mb.live
     del h
 
@@ -210,7 +179,7 @@ def worker(args) -> None:
     # one microbatch's activation sent from rank 0 to rank 1 and back, both ranks otherwise idle:
     # the transfer cost each pipeline step pays per microbatch and stage boundary, without waiting
     one_way = []
-    activation = torch.randn(args.batch // m, args.width)
+    activation = torch.randn(args.batch // m, *((args.seq, args.width) if args.model == "gpt" else (args.width,)))
     for _ in range(args.warmup + 20):
         dist.barrier()
         t0 = time.perf_counter()
@@ -307,45 +276,84 @@ def predicted_idle(schedule: str, p: int, m: int, v: int, w: float) -> float:
     return b / (m + b)
 
 
-def _linear_names(parts: list[int], stage: int, layers: int) -> list[str]:
-    """Which of the MLP's Linear layers DeepSpeed's partition puts on ``stage`` (layer list: Linear,
-    Tanh, ..., head, LogSoftmax)."""
-    names = []
-    for i in range(parts[stage], parts[stage + 1]):
-        if i % 2 == 0:
-            names.append(f"layers.{i // 2}" if i // 2 < layers else "head")
-    return names
-
-
-def run_case(pp: int, m: int, args, out_root: Path) -> dict:
+def run_case(pp: int, m: int, schedule: str, args, out_dir: Path) -> dict:
     cmd = ["--worker", "--pp", pp, "--microbatches", m, "--steps", args.steps, "--warmup", args.warmup,
-           "--width", args.width, "--layers", args.layers, "--batch", args.batch, "--schedule", args.schedule]
-    results = run_ranks(Path(__file__).resolve(), pp, cmd, out_root / f"pp{pp}_m{m}", timeout=args.timeout)
+           "--model", args.model, "--width", args.width, "--layers", args.layers, "--batch", args.batch,
+           "--seq", args.seq, "--vocab", args.vocab, "--schedule", schedule]
+    results = sorted(run_ranks(Path(__file__).resolve(), pp, cmd, out_dir, timeout=args.timeout),
+                     key=lambda r: r["pp_rank"])
     r0 = results[0]
     med = {name: statistics.median(r0["times"][name]) for name in ENGINES}
     ideal = (m + pp - 1) / m * med["stage"]
-    ds_parts = [_linear_names(r0["deepspeed_parts"], s, args.layers) for s in range(pp)]
-    smp_parts = [r["smp_stage"] for r in sorted(results, key=lambda r: r["pp_rank"])]
+    chain, cuts = models.chain_names(args.model, args.layers), r0["deepspeed_parts"]
+    ds_parts = [chain[cuts[s]:cuts[s + 1]] for s in range(pp)]  # DeepSpeed's layer list is the chain
+    smp_parts = [r["smp_stage"] for r in results]
     a, b = r0["losses"]["smp"], r0["losses"]["deepspeed"]
     n = min(len(a), len(b))
     loss_diff = max(abs(x - y) / abs(y) for x, y in zip(a[:n], b[:n]))
-    return {"pp": pp, "microbatches": m, "median_s": med, "ideal_s": ideal, "no_overlap_s": pp * med["stage"],
+    v = {"interleaved_1f1b": 2, "zbv": 2, "dualpipev": 2}.get(schedule, 1)
+    return {"schedule": schedule, "pp": pp, "microbatches": m, "median_s": med, "ideal_s": ideal,
+            "no_overlap_s": pp * med["stage"],
             "smp_over_ideal": med["smp"] / ideal, "deepspeed_over_ideal": med["deepspeed"] / ideal,
             "smp_over_deepspeed": med["smp"] / med["deepspeed"],
             "smp_over_deepspeed_paired": statistics.median(
                 s / d for s, d in zip(r0["times"]["smp"], r0["times"]["deepspeed"])),
             "same_partition": smp_parts == ds_parts, "smp_parts": smp_parts, "deepspeed_parts": ds_parts,
             "loss_max_rel_diff": loss_diff, "losses_compared": n, "first_loss": a[0], "last_loss": a[n - 1],
-            "idle": [statistics.median(r["idle"]) for r in sorted(results, key=lambda r: r["pp_rank"])],
-            "predicted_idle": predicted_idle(args.schedule, pp, m, {"interleaved_1f1b": 2, "zbv": 2, "dualpipev": 2}.get(
-                args.schedule, 1), 1 / 3),
+            "idle": [statistics.median(r["idle"]) for r in results],
+            "predicted_idle": predicted_idle(schedule, pp, m, v, 1 / 3),
             "send_recv_ms": 1e3 * r0["send_recv_s"],
-            "busy_ms": [1e3 * statistics.median(r["busy_s"]) for r in sorted(results, key=lambda r: r["pp_rank"])],
-            "stage_ms": [1e3 * statistics.median(r["local_times"]["stage"]) for r in sorted(results, key=lambda r: r["pp_rank"])],
-            "peak_held_mib": [r["peak_held_bytes"] / 2**20 for r in sorted(results, key=lambda r: r["pp_rank"])],
-            "peak_held_microbatches": [r["peak_held_bytes"] / r["microbatch_bytes"]
-                                       for r in sorted(results, key=lambda r: r["pp_rank"])],
+            "busy_ms": [1e3 * statistics.median(r["busy_s"]) for r in results],
+            "stage_ms": [1e3 * statistics.median(r["local_times"]["stage"]) for r in results],
+            "peak_held_mib": [r["peak_held_bytes"] / 2**20 for r in results],
+            "peak_held_microbatches": [r["peak_held_bytes"] / r["microbatch_bytes"] for r in results],
             "times": r0["times"]}
+
+
+def print_tables(figures: list[dict]) -> None:
+    print()
+    print("| schedule | pp | m | idle per rank (measured, median) | predicted idle (F:B:W = 1:2:1) | peak held "
+          "activations per rank, MiB (in microbatches: / one microbatch's activations of the rank's layers) |")
+    print("| --- " * 6 + "|")
+    for f in figures:
+        held = ", ".join(f"{x:.2f} ({n:.2f})" for x, n in zip(f["peak_held_mib"], f["peak_held_microbatches"]))
+        print(f"| {f['schedule']} | {f['pp']} | {f['microbatches']} | {', '.join(f'{x:.1%}' for x in f['idle'])} | "
+              f"{f['predicted_idle']:.1%} | {held} |")
+    print()
+    print("| schedule | pp | m | smp compute per rank, ms (busy: its stages' chunks + step body) | plain stage per "
+          "rank, ms (no communication) | one microbatch's activation sent one way, ms (ranks 0 -> 1, both idle) |")
+    print("| --- " * 6 + "|")
+    for f in figures:
+        print(f"| {f['schedule']} | {f['pp']} | {f['microbatches']} | {', '.join(f'{x:.1f}' for x in f['busy_ms'])} | "
+              f"{', '.join(f'{x:.1f}' for x in f['stage_ms'])} | {f['send_recv_ms']:.2f} |")
+
+
+def print_summary(figures: list[dict], baseline: str = "interleaved") -> None:
+    """Each schedule against 1F1B (``baseline``) of the same round, pp and m: the jobs of a round run
+    one right after the other, so drift on a shared machine moves both; and against DeepSpeed's
+    engine, paired step by step inside each job."""
+    rounds = max(f["round"] for f in figures) + 1
+    base = {(f["round"], f["pp"], f["microbatches"]): f["median_s"]["smp"] for f in figures
+            if f["schedule"] == baseline}
+    print()
+    print(f"| schedule | pp | m | smp step, ms (median of rounds) | smp / 1F1B, each of {rounds} round(s) | "
+          "smp / DeepSpeed PipelineEngine (paired), each round | idle per rank (median of rounds) |")
+    print("| --- " * 7 + "|")
+    keys = sorted({(f["pp"], f["microbatches"], f["schedule"]) for f in figures},
+                  key=lambda k: (k[0], k[1], SCHEDULES.index(k[2]) if k[2] in SCHEDULES else 99))
+    for pp, m, schedule in keys:
+        mine = sorted((f for f in figures if (f["pp"], f["microbatches"], f["schedule"]) == (pp, m, schedule)),
+                      key=lambda f: f["round"])
+        vs_base = [f"{f['median_s']['smp'] / base[(f['round'], pp, m)]:.3f}" for f in mine
+                   if (f["round"], pp, m) in base]
+        vs_deepspeed = [f"{f['smp_over_deepspeed_paired']:.3f}" for f in mine]
+        idle = [statistics.median(f["idle"][r] for f in mine) for r in range(pp)]
+        step_ms = 1e3 * statistics.median(f["median_s"]["smp"] for f in mine)
+        print(f"| {schedule} | {pp} | {m} | {step_ms:.1f} | {', '.join(vs_base) or '-'} | {', '.join(vs_deepspeed)} | "
+              f"{', '.join(f'{x:.1%}' for x in idle)} |")
+
+
+SCHEDULES = ("interleaved", "zero_bubble", "interleaved_1f1b", "zbv", "dualpipev")
 
 
 def main() -> int:
@@ -354,19 +362,29 @@ def main() -> int:
     ap.add_argument("--microbatches", default="4,8,16", help="comma-separated microbatch counts")
     ap.add_argument("--steps", type=int, default=8, help="measured steps per engine")
     ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--width", type=int, default=1024)
-    ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--batch", type=int, default=256)
+    ap.add_argument("--model", choices=("gpt", "mlp"), default="gpt", help="benchmarks/_pipeline_models.py")
+    ap.add_argument("--width", type=int, default=None, help="hidden width (default: gpt 256, mlp 1024)")
+    ap.add_argument("--layers", type=int, default=None, help="transformer blocks / hidden layers (default 8)")
+    ap.add_argument("--batch", type=int, default=None, help="sequences / samples per step (default: gpt 16, mlp 256)")
+    ap.add_argument("--seq", type=int, default=32, help="gpt: tokens per sequence")
+    ap.add_argument("--vocab", type=int, default=512, help="gpt: vocabulary size")
     ap.add_argument("--timeout", type=float, default=600)
     ap.add_argument("--json", default=None, help="also write the figures here")
     ap.add_argument("--schedule", default="interleaved",
-                    help="smp side's pipeline option (interleaved = 1F1B; interleaved_1f1b, zero_bubble, zbv, dualpipev)")
+                    help="comma-separated smp pipeline options to run, one job each (interleaved = 1F1B; "
+                         f"zero_bubble, interleaved_1f1b, zbv, dualpipev; all = {','.join(SCHEDULES)})")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="repeat every (pp, m, schedule) job this many times, the schedules in rotating order")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    for key in ("width", "batch", "layers"):
+        if getattr(args, key) is None:
+            setattr(args, key, models.DEFAULTS[args.model][key])
     if args.worker:
         args.pp, args.microbatches = int(args.pp), int(args.microbatches)
         worker(args)
         return 0
+    schedules = list(SCHEDULES) if args.schedule == "all" else args.schedule.split(",")
     pps = [int(x) for x in args.pp.split(",")]
     mbs = [int(x) for x in args.microbatches.split(",")]
     for pp in pps:
@@ -377,41 +395,35 @@ def main() -> int:
             ap.error(f"--batch {args.batch} is not divisible by {m} microbatches")
     out_root = Path(tempfile.mkdtemp(prefix="smp_pp_bench_"))
     started = time.time()
-    print(f"# pipeline: {args.layers} x Linear({args.width}) + tanh, head Linear({args.width}, 10), batch "
-          f"{args.batch}, SGD, fp32; smp pipeline: {args.schedule} (DeepSpeed: 1F1B); medians over {args.steps} steps; times in ms (slowest rank)")
-    print("| pp | m | t_s (stage) | ideal (m+p-1)/m t_s | no overlap p t_s | smp | smp / ideal | DeepSpeed pipe | "
+    shape = (f"GPT-2 style: {args.layers} blocks of width {args.width}, {args.seq} tokens, vocabulary {args.vocab}"
+             if args.model == "gpt" else f"{args.layers} x Linear({args.width}) + tanh, head Linear({args.width}, 10)")
+    print(f"# pipeline: {shape}, batch {args.batch}, SGD, fp32; smp schedules {', '.join(schedules)} (DeepSpeed: "
+          f"1F1B); {args.rounds} round(s); medians over {args.steps} steps; times in ms (slowest rank)")
+    print("| round | schedule | pp | m | t_s (stage) | ideal (m+p-1)/m t_s | smp | smp / ideal | DeepSpeed pipe | "
           "DeepSpeed / ideal | smp / DeepSpeed (paired) | loss rel. diff |")
-    print("| --- " * 11 + "|")
+    print("| --- " * 12 + "|")
     figures = []
-    for pp in pps:
-        for m in mbs:
-            f = run_case(pp, m, args, out_root)
-            figures.append(f)
-            med = f["median_s"]
-            print(f"| {pp} | {m} | {med['stage'] * 1e3:.1f} | {f['ideal_s'] * 1e3:.1f} | {f['no_overlap_s'] * 1e3:.1f} "
-                  f"| {med['smp'] * 1e3:.1f} | {f['smp_over_ideal']:.2f} | {med['deepspeed'] * 1e3:.1f} "
-                  f"| {f['deepspeed_over_ideal']:.2f} | {f['smp_over_deepspeed']:.2f} "
-                  f"({f['smp_over_deepspeed_paired']:.2f}) | {f['loss_max_rel_diff']:.1e} |", flush=True)
-    print()
-    print("| pp | m | idle per rank (measured, median) | predicted idle (F:B:W = 1:2:1) | peak held activations "
-          "per rank, MiB (in microbatches: / one microbatch's activations of the rank's layers) |")
-    print("| --- " * 5 + "|")
-    for f in figures:
-        held = ", ".join(f"{x:.2f} ({n:.2f})" for x, n in zip(f["peak_held_mib"], f["peak_held_microbatches"]))
-        print(f"| {f['pp']} | {f['microbatches']} | {', '.join(f'{x:.1%}' for x in f['idle'])} | "
-              f"{f['predicted_idle']:.1%} | {held} |")
-    print()
-    print("| pp | m | smp compute per rank, ms (busy: its stages' chunks + step body) | plain stage per rank, ms "
-          "(no communication) | one microbatch's activation sent one way, ms (ranks 0 -> 1, both idle) |")
-    print("| --- " * 5 + "|")
-    for f in figures:
-        print(f"| {f['pp']} | {f['microbatches']} | {', '.join(f'{x:.1f}' for x in f['busy_ms'])} | "
-              f"{', '.join(f'{x:.1f}' for x in f['stage_ms'])} | {f['send_recv_ms']:.2f} |")
+    for rnd in range(args.rounds):
+        for pp in pps:
+            for j, m in enumerate(mbs):
+                shift = (rnd + j) % len(schedules)  # a schedule is not always first (or last) of its group
+                for schedule in schedules[shift:] + schedules[:shift]:
+                    f = run_case(pp, m, schedule, args, out_root / f"r{rnd}_pp{pp}_m{m}_{schedule}")
+                    f["round"] = rnd
+                    figures.append(f)
+                    med = f["median_s"]
+                    print(f"| {rnd} | {schedule} | {pp} | {m} | {med['stage'] * 1e3:.1f} | {f['ideal_s'] * 1e3:.1f} "
+                          f"| {med['smp'] * 1e3:.1f} | {f['smp_over_ideal']:.2f} | {med['deepspeed'] * 1e3:.1f} "
+                          f"| {f['deepspeed_over_ideal']:.2f} | {f['smp_over_deepspeed_paired']:.3f} "
+                          f"| {f['loss_max_rel_diff']:.1e} |", flush=True)
+    print_tables(figures)
+    print_summary(figures)
     print()
     for f in figures:
-        same = "same stages" if f["same_partition"] else "DIFFERENT stages"
-        print(f"# pp {f['pp']} m {f['microbatches']}: {same}: smp {f['smp_parts']}, DeepSpeed {f['deepspeed_parts']}; "
-              f"losses {f['first_loss']:.6f} -> {f['last_loss']:.6f} over {f['losses_compared']} steps")
+        same = "same stages" if f["same_partition"] else "other stages"
+        print(f"# r{f['round']} {f['schedule']} pp {f['pp']} m {f['microbatches']}: {same}: smp {f['smp_parts']}, "
+              f"DeepSpeed {f['deepspeed_parts']}; losses {f['first_loss']:.6f} -> {f['last_loss']:.6f} over "
+              f"{f['losses_compared']} steps")
     print(f"# wall time {time.time() - started:.0f} s; rank logs under {out_root}")
     if args.json:
         Path(args.json).write_text(json.dumps(figures, indent=1))

@@ -8,6 +8,7 @@ microbatch average (1e-5 relative, the tolerance of the other pipeline tests).""
 
 import json
 
+import pytest
 import torch
 import torch.nn.functional as F
 from launch_util import ROOT, run_ranks
@@ -38,8 +39,11 @@ def _reference(steps, size, overflow_at, skip_at=-1):
     return losses, scales, model.state_dict()
 
 
-def test_grad_scaler_pp2_matches_single_process_and_skips_overflow_on_every_stage(tmp_path):
-    options = {"pipeline_parallel_degree": 2, "microbatches": 2, "ddp": True}
+@pytest.mark.parametrize("schedule", [{}, {"pipeline": "zero_bubble"}], ids=["1f1b", "zb_h1"])
+def test_grad_scaler_pp2_matches_single_process_and_skips_overflow_on_every_stage(tmp_path, schedule):
+    """Also under ZB-H1: the last stage's backward split into input- and weight-gradient steps must
+    leave the same scaled gradients for the scaler to unscale, check and skip."""
+    options = {"pipeline_parallel_degree": 2, "microbatches": 2, "ddp": True, **schedule}
     results = run_ranks(SCRIPT, 2, args=["--steps", 5, "--overflow-at", 2, "--last-stage-inf-at", 3],
                         env={"SM_HP_MP_PARAMETERS": json.dumps(options)}, out_dir=tmp_path, timeout=200)
     ref_losses, ref_scales, ref_state = _reference(5, 8, 2, skip_at=3)

@@ -10,6 +10,8 @@ comparison is tests/distributed/test_amp_pipeline.py); checked for learning."""
 import json
 import math
 
+import pytest
+
 from aws_style import FIXTURES, bert_reference, make_bert, make_mnist, run_ok
 
 
@@ -30,11 +32,15 @@ def test_bert_style_pp2_fused_lamb(tmp_path):
     assert results["losses"][-1] < results["losses"][0]
 
 
-def test_mnist_style_pp2_autocast_grad_scaler(tmp_path):
+@pytest.mark.parametrize("schedule", [{}, {"pipeline": "zero_bubble"}], ids=["1f1b", "zb_h1"])
+def test_mnist_style_pp2_autocast_grad_scaler(tmp_path, schedule):
+    """Also under ZB-H1 (zero_bubble at v = 1, the one schedule past 1F1B that keeps smp.partition's
+    meaning: one stage per pipeline rank), whose last stage splits its backward into input- and
+    weight-gradient steps while the script's GradScaler unscales and steps every stage."""
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     options = {"pipeline_parallel_degree": 2, "microbatches": 4, "ddp": True, "partitions": 2,
-               "auto_partition": False, "default_partition": 0}
+               "auto_partition": False, "default_partition": 0, **schedule}
     results, output = run_ok(FIXTURES / "mnist/train_mnist.py", 2, {"results-file": run_dir / "results.json"},
                              run_dir, channels={"train": make_mnist(tmp_path / "data")}, extra=_options(options))
     losses = results["epoch_losses"]

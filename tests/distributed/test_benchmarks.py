@@ -40,7 +40,7 @@ def test_pipeline_matches_deepspeed_pipeline_engine(tmp_path, schedule, held):
     peak activations, in microbatches, are what the schedule's order keeps between a forward and its
     (weight-)backward at p = 2: 1F1B p - r, ZB-H1 p on every rank (Qi et al. 2023). A step body's
     returned loss holding its microbatch's graph until the step ends made ZB-H1's last rank 3.6."""
-    figures = run_benchmark("pipeline", "--pp", 2, "--microbatches", 4, "--steps", 2, "--warmup", 1,
+    figures = run_benchmark("pipeline", "--model", "mlp", "--pp", 2, "--microbatches", 4, "--steps", 2, "--warmup", 1,
                             "--width", 64, "--layers", 4, "--batch", 32, "--schedule", schedule, tmp_path=tmp_path)
     (f,) = figures
     # 0.05: a rank's microbatch unit is measured on its plain layers, without the loss's own tensors
@@ -55,6 +55,24 @@ def test_pipeline_matches_deepspeed_pipeline_engine(tmp_path, schedule, held):
     # each rank's compute inside the smp step, its plain stage and the one-way transfer were measured
     assert len(f["busy_ms"]) == len(f["stage_ms"]) == 2 and min(f["busy_ms"] + f["stage_ms"]) > 0
     assert 0 < f["send_recv_ms"] < 1e3 * f["median_s"]["smp"]
+
+
+def test_pipeline_schedules_side_by_side_gpt(tmp_path):
+    """The issue's run: several schedules in one invocation on the GPT-2-style model (embeddings,
+    causal attention blocks, LM head): each job's smp losses equal DeepSpeed's PipelineEngine's on the
+    same weights and batches (zbv cuts the model into 4 stages in a V, DeepSpeed into 2), and the
+    summary compares each schedule with the 1F1B job of its round."""
+    figures = run_benchmark("pipeline", "--model", "gpt", "--pp", 2, "--microbatches", 4, "--steps", 1, "--warmup", 0,
+                            "--width", 32, "--layers", 4, "--batch", 8, "--seq", 8, "--vocab", 64,
+                            "--schedule", "interleaved,zbv", tmp_path=tmp_path)
+    assert [f["schedule"] for f in figures] == ["interleaved", "zbv"]
+    for f in figures:
+        assert f["losses_compared"] == 2 and f["loss_max_rel_diff"] <= 1e-6, f
+        assert f["first_loss"] != f["last_loss"]
+        assert f["deepspeed_parts"][0][0] == "embed" and f["deepspeed_parts"][-1][-1] == "head"
+    # zbv: rank 0 holds the first and the last stage (the V), so the embeddings and the head
+    zbv_rank0 = figures[1]["smp_parts"][0]
+    assert zbv_rank0[0] == "embed" and zbv_rank0[-1] == "head", figures[1]["smp_parts"]
 
 
 @pytest.mark.parametrize("mode", ["zero1", "zero3"])
