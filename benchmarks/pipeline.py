@@ -172,10 +172,18 @@ def worker(args) -> None:
         for name in ENGINES:
             timed(fns[name])
     times = {name: [] for name in ENGINES}
+    if args.profile:  # cProfile of the smp steps only, one file per rank (pstats; read with python -m pstats)
+        import cProfile
+
+        profiler = cProfile.Profile()
+        fns["smp"] = lambda: profiler.runcall(smp_step)
+        fns["smp"].__name__ = "smp_step"
     for i in range(args.steps):
         order = ENGINES[i % 3:] + ENGINES[:i % 3]
         for name in order:
             times[name].append(timed(fns[name]))
+    if args.profile:
+        profiler.dump_stats(Path(args.profile) / f"{args.schedule}_m{m}_rank{dist.get_rank()}.pstats")
     # one microbatch's activation sent from rank 0 to rank 1 and back, both ranks otherwise idle:
     # the transfer cost each pipeline step pays per microbatch and stage boundary, without waiting
     one_way = []
@@ -279,7 +287,8 @@ def predicted_idle(schedule: str, p: int, m: int, v: int, w: float) -> float:
 def run_case(pp: int, m: int, schedule: str, args, out_dir: Path) -> dict:
     cmd = ["--worker", "--pp", pp, "--microbatches", m, "--steps", args.steps, "--warmup", args.warmup,
            "--model", args.model, "--width", args.width, "--layers", args.layers, "--batch", args.batch,
-           "--seq", args.seq, "--vocab", args.vocab, "--schedule", schedule]
+           "--seq", args.seq, "--vocab", args.vocab, "--schedule", schedule,
+           *(["--profile", Path(args.profile).resolve()] if args.profile else [])]
     results = sorted(run_ranks(Path(__file__).resolve(), pp, cmd, out_dir, timeout=args.timeout),
                      key=lambda r: r["pp_rank"])
     r0 = results[0]
@@ -375,6 +384,7 @@ def main() -> int:
                          f"zero_bubble, interleaved_1f1b, zbv, dualpipev; all = {','.join(SCHEDULES)})")
     ap.add_argument("--rounds", type=int, default=1,
                     help="repeat every (pp, m, schedule) job this many times, the schedules in rotating order")
+    ap.add_argument("--profile", default=None, help="write a cProfile of each rank's smp steps into this folder")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     for key in ("width", "batch", "layers"):

@@ -342,6 +342,7 @@ class PipelineRunner:
         ids = self.layout.stages_of(self.stage_index)
         self.stage_modules = [stage_mods[i] for i in ids]
         for i, mine in zip(ids, self.stage_modules):
+            surgery.run_generated_code(mine)
             for name, original in self.tp_originals.items():  # the split (TP) modules go back in
                 if surgery.has_submodule(mine, name):
                     surgery.set_submodule(mine, name, surgery.get_submodule(module, name))
