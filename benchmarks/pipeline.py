@@ -28,7 +28,8 @@ Each timed call starts after a barrier; its time is the slowest rank's. Medians 
 
 Also per rank: the measured idle fraction of the smp schedule (the engine's own clock,
 runtime/engines/pipeline/idle_time.py) next to the schedule's predicted bubble fraction, and the peak
-bytes of activations held for backward during the smp step (``SavedActivations``).
+bytes of activations held for backward during an smp step (``SavedActivations``, in one untimed step
+after the timed ones: its hooks would slow the smp side).
 
 Both engines must train the same model: their stage assignments are printed and compared, and the
 per-step losses of the two engines (same weights, same batches, same SGD) are compared.
@@ -45,6 +46,7 @@ and run faster than t_s / m per microbatch, so measured/ideal can fall below 1 t
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
 import os
@@ -110,12 +112,14 @@ def worker(args) -> None:
     counter = {"smp": 0, "deepspeed": 0}
     held = SavedActivations(full.parameters())
 
-    def smp_step():
+    def smp_step(count_held: bool = False):
         data, target = batches[counter["smp"] % len(batches)]
         counter["smp"] += 1
         optimizer.zero_grad()
         held.skip(data)
-        with held:
+        # the counting hooks run per saved tensor (~12 ms of a 250 ms GPT-style step): only in the
+        # untimed step after the timed ones, never in a step compared with DeepSpeed's
+        with held if count_held else contextlib.nullcontext():
             losses["smp"].append(float(train_step(model, data, target).reduce_mean()))
         optimizer.step()
 
@@ -184,6 +188,9 @@ def worker(args) -> None:
             times[name].append(timed(fns[name]))
     if args.profile:
         profiler.dump_stats(Path(args.profile) / f"{args.schedule}_m{m}_rank{dist.get_rank()}.pstats")
+    # this rank's compute and schedule time of the measured smp steps (the engine's clock, idle_time.py)
+    clock = model.runtime_engine.runner.clock.steps[-args.steps:]
+    smp_step(count_held=True)  # untimed: the peak of the activations held (every step holds the same)
     # one microbatch's activation sent from rank 0 to rank 1 and back, both ranks otherwise idle:
     # the transfer cost each pipeline step pays per microbatch and stage boundary, without waiting
     one_way = []
@@ -198,8 +205,6 @@ def worker(args) -> None:
             dist.recv(activation, 0)
             dist.send(activation, 0)
         one_way.append((time.perf_counter() - t0) / 2)
-    # this rank's compute and schedule time of the measured smp steps (the engine's clock, idle_time.py)
-    clock = model.runtime_engine.runner.clock.steps[-args.steps:]
     write_result({"times": times, "losses": losses, "smp_stage": mine, "peak_held_bytes": held.peak,
                   "microbatch_bytes": microbatch_bytes,
                   "idle": [1 - busy / wall for wall, busy in clock],
