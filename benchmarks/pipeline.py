@@ -347,23 +347,27 @@ def print_summary(figures: list[dict], baseline: str = "interleaved") -> None:
     one right after the other, so drift on a shared machine moves both; and against DeepSpeed's
     engine, paired step by step inside each job."""
     rounds = max(f["round"] for f in figures) + 1
-    base = {(f["round"], f["pp"], f["microbatches"]): f["median_s"]["smp"] for f in figures
-            if f["schedule"] == baseline}
+    base = {(f["round"], f["pp"], f["microbatches"]): f for f in figures if f["schedule"] == baseline}
     print()
     print(f"| schedule | pp | m | smp step, ms (median of rounds) | smp / 1F1B, each of {rounds} round(s) | "
+          "smp / 1F1B through DeepSpeed (each job's paired ratio over the 1F1B job's) | "
           "smp / DeepSpeed PipelineEngine (paired), each round | idle per rank (median of rounds) |")
-    print("| --- " * 7 + "|")
+    print("| --- " * 8 + "|")
     keys = sorted({(f["pp"], f["microbatches"], f["schedule"]) for f in figures},
                   key=lambda k: (k[0], k[1], SCHEDULES.index(k[2]) if k[2] in SCHEDULES else 99))
     for pp, m, schedule in keys:
         mine = sorted((f for f in figures if (f["pp"], f["microbatches"], f["schedule"]) == (pp, m, schedule)),
                       key=lambda f: f["round"])
-        vs_base = [f"{f['median_s']['smp'] / base[(f['round'], pp, m)]:.3f}" for f in mine
-                   if (f["round"], pp, m) in base]
+        same_round = [(f, base[(f["round"], pp, m)]) for f in mine if (f["round"], pp, m) in base]
+        vs_base = [f"{f['median_s']['smp'] / b['median_s']['smp']:.3f}" for f, b in same_round]
+        # DeepSpeed's engine ran in each job, step by step beside smp: a load that slows one job
+        # and not the other cancels out of this ratio
+        via_deepspeed = [f"{f['smp_over_deepspeed_paired'] / b['smp_over_deepspeed_paired']:.3f}" for f, b in same_round]
         vs_deepspeed = [f"{f['smp_over_deepspeed_paired']:.3f}" for f in mine]
         idle = [statistics.median(f["idle"][r] for f in mine) for r in range(pp)]
         step_ms = 1e3 * statistics.median(f["median_s"]["smp"] for f in mine)
-        print(f"| {schedule} | {pp} | {m} | {step_ms:.1f} | {', '.join(vs_base) or '-'} | {', '.join(vs_deepspeed)} | "
+        print(f"| {schedule} | {pp} | {m} | {step_ms:.1f} | {', '.join(vs_base) or '-'} | "
+              f"{', '.join(via_deepspeed) or '-'} | {', '.join(vs_deepspeed)} | "
               f"{', '.join(f'{x:.1%}' for x in idle)} |")
 
 
