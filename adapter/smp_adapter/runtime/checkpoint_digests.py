@@ -17,11 +17,11 @@ writer did not hash (the safetensors index, another checkpoint engine's files) i
 The digests are gathered, and rank 0 digests anything no rank claimed (DeepSpeed's
 ``zero_to_fp32.py``) before writing the manifest, all inside the staging folder that is renamed into
 place afterwards (the save stays atomic). Check (``start_check`` / ``Check.reading`` /
-``Check.finish``, resume): sizes and the file list are checked before anything is read; torch.load
-reads the engine's files through a reader that hashes them as it reads; the chunks no rank read
-are split among the ranks by size and hashed after, and one collective gives every rank the verdict
-before the resume returns, so all ranks raise the same error naming the file (none is left waiting
-in a later collective).
+``Check.finish``, resume): sizes, the file list and the small files are checked before the engine
+reads anything; torch.load reads the engine's files through a reader that hashes them as it reads;
+one all-reduce of every chunk's state gives every rank the verdict before the resume returns, so
+all ranks raise the same error naming the file (none is left waiting in a later collective); only
+chunks no rank read (another layout's resume) are split among the ranks and hashed after.
 ``smp.save`` / full checkpoints: a ``<file>.smp_digest`` record beside each file
 (runtime/checkpoint_sidecars.py).
 """
@@ -445,7 +445,7 @@ class Check:
         for (name, index), value in state.items():
             if value == DAMAGED:
                 damaged.setdefault(name, []).append(index)
-        problems = [Problem(name, differs(algorithm, files[name], indices)) for name, indices in sorted(damaged.items())]
+        problems = [Problem(name, differs(algorithm, files[name], bad)) for name, bad in sorted(damaged.items())]
         unread = {u for u, value in state.items() if not value}
         if not unread:
             return problems  # the same on every rank: no more collectives
