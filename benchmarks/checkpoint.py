@@ -301,11 +301,18 @@ def _cache_vs_map() -> None:
     print(f"xxh3_128 of a 256 MiB file in the page cache, mapped {total / best / 1e6:8.0f} MB/s")
 
 
+def _paired(seconds: dict) -> float:
+    """The median of on / off over the resumes run back to back (the i-th of each): what else runs on
+    the machine moves both of a pair alike, so this ratio drifts less than the ratio of the medians."""
+    return statistics.median(on / off for on, off in zip(seconds["on"], seconds["off"]))
+
+
 def digests_main(args, me: Path, size: list) -> None:
     print(f"{'mode':8} {'checkpoint':>10} {'save off':>9} {'save on':>8} {'ratio':>6} {'digesting':>9} | "
           f"{'resume off':>10} {'resume on':>9} {'ratio':>6} {'checking':>8} | {'cpu off':>8} {'cpu on':>7} {'ratio':>6} "
-          f"{'hashing':>8} {'share':>8}   (medians of {args.repeats}, slowest rank; cpu: the resume's CPU seconds, "
-          "all threads; hashing: CPU seconds hashing; share: MB one rank would hash with no file read)")
+          f"{'hashing':>8} {'share':>8} | {'paired':>6} {'cpu':>5}   (medians of {args.repeats}, slowest rank; cpu: the "
+          "resume's CPU seconds, all threads; hashing: CPU seconds hashing; share: MB one rank would hash with no "
+          "file read; paired: median of on/off over back-to-back resumes, wall and cpu)")
     figures = {}
     for mode in args.modes:
         options, nprocs, _ = MODES[mode]
@@ -327,9 +334,12 @@ def digests_main(args, me: Path, size: list) -> None:
         print(f"{mode:8} {mb:8.0f}MB {save['off']:8.3f}s {save['on']:7.3f}s {save['on'] / save['off']:6.2f} "
               f"{save['digesting']:8.3f}s | {resume['off']:9.3f}s {resume['on']:8.3f}s "
               f"{resume['on'] / resume['off']:6.2f} {resume['checking']:7.3f}s | {cpu['off']:7.3f}s {cpu['on']:7.3f}s "
-              f"{cpu['on'] / cpu['off']:6.2f} {cpu['hash']:7.3f}s {resumes[0]['share_mb']:6.0f}MB")
+              f"{cpu['on'] / cpu['off']:6.2f} {cpu['hash']:7.3f}s {resumes[0]['share_mb']:6.0f}MB | "
+              f"{_paired(resumes[0]['times']):6.2f} {_paired(resumes[0]['cpu']):5.2f}")
         figures[mode] = {"checkpoint_mb": mb, "save_s": save, "resume_s": resume, "resume_cpu_s": cpu,
-                         "save_all": saves[0]["times"], "resume_all": resumes[0]["times"]}
+                         "paired_ratio": {"wall": _paired(resumes[0]["times"]), "cpu": _paired(resumes[0]["cpu"])},
+                         "save_all": saves[0]["times"], "resume_all": resumes[0]["times"],
+                         "resume_cpu_all": resumes[0]["cpu"]}
     if args.json:
         Path(args.json).write_text(json.dumps(figures, indent=1))
 
