@@ -236,7 +236,8 @@ _GAP = 64 << 10  # a reader's skip shorter than this (a zip header's padding) is
 class HashingReader(io.RawIOBase):
     """The file object ``torch.load`` reads from during a checked resume: the bytes it reads are
     hashed right after they land in their destination (in pieces of 1 MiB, still in the CPU's
-    cache; 256 KiB pieces cost 0.5 ms more per 150 MB here, the calls per piece), chunk by chunk,
+    cache; against 256 KiB: 4x fewer calls through this Python code, ~0.5 ms less per 150 MB into
+    reused buffers, up to as much more into freshly mapped ones: about even in whole resumes), chunk by chunk,
     against ``record``. torch reads a checkpoint nearly in order (the zip's directory at the end
     first, then each record); a short skip is read and hashed here, a far one served unhashed, and
     the file's end is hashed at ``close`` when little of it is left. ``checked``: {chunk index (None
