@@ -27,8 +27,10 @@ pp2 (two pipeline stages): "DS only" is then the pipeline engine's own stage fil
 same layout alternately without (SMP_ADAPTER_SKIP_CHECKPOINT_VERIFY=1) and with the check, after one
 untimed resume (--cold: the checkpoint's pages dropped from the page cache before each resume, so it
 is read from the disk as after a copy). Medians, slowest rank. Targets: both within 1.05x. Beside the
-resume's wall time: its CPU seconds (every thread of the rank), the CPU seconds spent hashing (the
-bytes torch.load reads, hashed as read, and the files no rank read, after the load), and the MB one
+resume's wall time: its CPU seconds (every thread of the rank); from further checked resumes, timed
+inside (timers left out of the resumes above: ~1.5 us each, they would count themselves), the main
+thread's seconds in the check ("checking") and the CPU seconds spent hashing (the bytes torch.load
+reads, hashed as read, and the files checked by plain reads or a memory map), and the MB one
 rank's share of the digests would cover if no file were read (chunks of a large
 file split among the ranks; SMP_ADAPTER_DIGEST_CHUNK_BYTES=1073741824 records whole files, as before
 chunks). Where the ranks use every core, the hashing's CPU seconds over the resume's are the least
@@ -187,21 +189,14 @@ def digest_save_worker(args) -> None:
 
 def digest_resume_worker(args) -> None:
     """The same-layout resume of the checkpoint with digests, checked (on) or not (off: the user's
-    opt-out), alternating; the first resume (cold pages) is left out."""
+    opt-out), alternating; the first resume (cold pages) is left out. The timed resumes run the code
+    as it is; the check's own figures come from further checked resumes, with the timers (a timer
+    around each hashed piece costs ~1.5 us, about 1 ms of a resume: it would count itself)."""
     from smp_adapter.runtime.checkpoint_digests import SKIP_ENV
 
     from smp_adapter.runtime import checkpoint_dirs
 
     smp, model, optimizer, _ = _job(json.loads(args.options), _size(args))
-    spent, work, hashing = [0.0], [], [0.0]
-    # the main thread's time in the check: the size pass, and waiting for the hashing thread at the end
-    _timed(checkpoint_dirs.digests, "start_check", spent)
-    _timed(checkpoint_dirs.digests.Check, "finish", spent)
-    # the hashing's own CPU seconds: of the bytes torch.load reads (HashingReader), and of the files no
-    # rank read, after the load (damaged_units)
-    from smp_adapter.runtime import digest_records
-    _timed(digest_records.HashingReader, "_feed", hashing, time.thread_time)
-    _timed(checkpoint_dirs.digests, "damaged_units", hashing, time.thread_time)
     smp.resume_from_checkpoint(args.ckpt, tag="don")
     folder = Path(args.ckpt) / "don_partial"
     files = [p for p in folder.rglob("*") if p.is_file()]
@@ -209,25 +204,42 @@ def digest_resume_worker(args) -> None:
     share = checkpoint_dirs.digests.shares(recorded, smp.size())[smp.rank()]
     share_mb = max(smp.allgather(sum(checkpoint_dirs.digests.unit_bytes(recorded[n], i) for n, i in share) / 1e6,
                                  smp.WORLD))
-    times, cpu, hash_cpu = {"off": [], "on": []}, {"off": [], "on": []}, []
+
+    def resume(mode: str) -> tuple[float, float]:
+        """(wall, CPU seconds of every thread of the rank), slowest rank."""
+        os.environ[SKIP_ENV] = "1" if mode == "off" else "0"
+        if args.cold:  # the checkpoint's pages out of the page cache: read from the disk, as after a copy
+            smp.barrier()
+            for path in files:
+                fd = os.open(path, os.O_RDONLY)
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                os.close(fd)
+        smp.barrier()
+        start, start_cpu = time.perf_counter(), time.process_time()
+        smp.resume_from_checkpoint(args.ckpt, tag="don")
+        return (_slowest(smp, time.perf_counter() - start), _slowest(smp, time.process_time() - start_cpu))
+
+    times, cpu = {"off": [], "on": []}, {"off": [], "on": []}
     for i in range(args.repeats):
         for mode in ("off", "on") if i % 2 == 0 else ("on", "off"):
-            os.environ[SKIP_ENV] = "1" if mode == "off" else "0"
-            if args.cold:  # the checkpoint's pages out of the page cache: read from the disk, as after a copy
-                smp.barrier()
-                for path in files:
-                    fd = os.open(path, os.O_RDONLY)
-                    os.fsync(fd)
-                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-                    os.close(fd)
-            smp.barrier()
-            spent[0], hashing[0], start, start_cpu = 0.0, 0.0, time.perf_counter(), time.process_time()
-            smp.resume_from_checkpoint(args.ckpt, tag="don")
-            times[mode].append(_slowest(smp, time.perf_counter() - start))
-            cpu[mode].append(_slowest(smp, time.process_time() - start_cpu))  # every thread of the rank
-            if mode == "on":
-                work.append(_slowest(smp, spent[0]))
-                hash_cpu.append(_slowest(smp, hashing[0]))
+            wall, seconds = resume(mode)
+            times[mode].append(wall)
+            cpu[mode].append(seconds)
+    spent, work, hashing, hash_cpu = [0.0], [], [0.0], []
+    # the main thread's time in the check: the size pass and the small files, and the verdict at the end
+    _timed(checkpoint_dirs.digests, "start_check", spent)
+    _timed(checkpoint_dirs.digests.Check, "finish", spent)
+    # the hashing's own CPU seconds: of the bytes torch.load reads (HashingReader), and of the files
+    # checked otherwise (damaged_units: the small files before the load, what no rank read after it)
+    from smp_adapter.runtime import digest_records
+    _timed(digest_records.HashingReader, "_feed", hashing, time.thread_time)
+    _timed(checkpoint_dirs.digests, "damaged_units", hashing, time.thread_time)
+    for _ in range(max(3, args.repeats // 2)):
+        spent[0], hashing[0] = 0.0, 0.0
+        resume("on")
+        work.append(_slowest(smp, spent[0]))
+        hash_cpu.append(_slowest(smp, hashing[0]))
     write_result({"times": times, "digest_work": work, "cpu": cpu, "hash_cpu": hash_cpu, "share_mb": share_mb})
 
 
@@ -289,11 +301,18 @@ def _cache_vs_map() -> None:
     print(f"xxh3_128 of a 256 MiB file in the page cache, mapped {total / best / 1e6:8.0f} MB/s")
 
 
+def _paired(seconds: dict) -> float:
+    """The median of on / off over the resumes run back to back (the i-th of each): what else runs on
+    the machine moves both of a pair alike, so this ratio drifts less than the ratio of the medians."""
+    return statistics.median(on / off for on, off in zip(seconds["on"], seconds["off"]))
+
+
 def digests_main(args, me: Path, size: list) -> None:
     print(f"{'mode':8} {'checkpoint':>10} {'save off':>9} {'save on':>8} {'ratio':>6} {'digesting':>9} | "
           f"{'resume off':>10} {'resume on':>9} {'ratio':>6} {'checking':>8} | {'cpu off':>8} {'cpu on':>7} {'ratio':>6} "
-          f"{'hashing':>8} {'share':>8}   (medians of {args.repeats}, slowest rank; cpu: the resume's CPU seconds, "
-          "all threads; hashing: CPU seconds hashing; share: MB one rank would hash with no file read)")
+          f"{'hashing':>8} {'share':>8} | {'paired':>6} {'cpu':>5}   (medians of {args.repeats}, slowest rank; cpu: the "
+          "resume's CPU seconds, all threads; hashing: CPU seconds hashing; share: MB one rank would hash with no "
+          "file read; paired: median of on/off over back-to-back resumes, wall and cpu)")
     figures = {}
     for mode in args.modes:
         options, nprocs, _ = MODES[mode]
@@ -315,9 +334,12 @@ def digests_main(args, me: Path, size: list) -> None:
         print(f"{mode:8} {mb:8.0f}MB {save['off']:8.3f}s {save['on']:7.3f}s {save['on'] / save['off']:6.2f} "
               f"{save['digesting']:8.3f}s | {resume['off']:9.3f}s {resume['on']:8.3f}s "
               f"{resume['on'] / resume['off']:6.2f} {resume['checking']:7.3f}s | {cpu['off']:7.3f}s {cpu['on']:7.3f}s "
-              f"{cpu['on'] / cpu['off']:6.2f} {cpu['hash']:7.3f}s {resumes[0]['share_mb']:6.0f}MB")
+              f"{cpu['on'] / cpu['off']:6.2f} {cpu['hash']:7.3f}s {resumes[0]['share_mb']:6.0f}MB | "
+              f"{_paired(resumes[0]['times']):6.2f} {_paired(resumes[0]['cpu']):5.2f}")
         figures[mode] = {"checkpoint_mb": mb, "save_s": save, "resume_s": resume, "resume_cpu_s": cpu,
-                         "save_all": saves[0]["times"], "resume_all": resumes[0]["times"]}
+                         "paired_ratio": {"wall": _paired(resumes[0]["times"]), "cpu": _paired(resumes[0]["cpu"])},
+                         "save_all": saves[0]["times"], "resume_all": resumes[0]["times"],
+                         "resume_cpu_all": resumes[0]["cpu"]}
     if args.json:
         Path(args.json).write_text(json.dumps(figures, indent=1))
 

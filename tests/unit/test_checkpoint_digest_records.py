@@ -225,3 +225,53 @@ def test_torch_load_through_the_hashing_reader_checks_every_chunk_it_reads(tmp_p
     assert sorted(halves[0]) == list(range(0, len(record["chunks"]), 2))
     assert sorted(halves[1]) == list(range(1, len(record["chunks"]), 2))
     assert {**halves[0], **halves[1]} == {i: i != 3 for i in range(len(record["chunks"]))}
+
+
+def test_a_resume_check_covers_every_file_whether_the_engine_reads_it_or_not(tmp_path, monkeypatch):
+    """A resume's check in one process (start_check, Check.reading, finish): the small files are
+    checked before anything is read (a damaged one is refused there), the engine's file is hashed as
+    torch.load reads it and not again after the load, and a file no read covered is hashed by
+    finish: damage anywhere is refused."""
+    from smp_adapter.runtime.digest_records import HashingReader
+
+    monkeypatch.setenv(digests.CHUNK_ENV, "65536")
+    (tmp_path / "ds").mkdir()
+    with digests.written_files() as written:
+        atomic_torch_save({f"w{i}": torch.randn(20_000 + i) for i in range(6)}, str(tmp_path / "ds" / "model.pt"))
+        atomic_torch_save({"step": 4}, str(tmp_path / "user_content.pt"))
+    recorded = digests.digest_written(tmp_path, written, "blake2b")
+    digests.write_manifest(tmp_path, {"tag": "t", **digests.complete(tmp_path, recorded, "blake2b")})
+    model = tmp_path / "ds" / "model.pt"
+    hashed_after = []
+    damaged_units = digests.damaged_units
+
+    def resume(read: bool):
+        check = digests.start_check(tmp_path, "resume from it", 0, 1)
+        assert check.checked_before == {"user_content.pt"}  # hashed already, by a plain read
+        with check.reading():
+            if read:
+                with digests.checked_source(model) as source:
+                    assert isinstance(source, HashingReader)
+                    torch.load(source, weights_only=True)
+        hashed_after.clear()
+        monkeypatch.setattr(digests, "damaged_units", lambda path, *a: hashed_after.append(path.name) or
+                            damaged_units(path, *a))
+        try:
+            return check.finish()
+        finally:
+            monkeypatch.setattr(digests, "damaged_units", damaged_units)
+
+    assert resume(read=True)["tag"] == "t" and hashed_after == []  # every chunk checked while read
+    assert resume(read=False)["tag"] == "t" and hashed_after == ["model.pt"]  # read by none: hashed after
+    data = bytearray(model.read_bytes())
+    data[3 * 65536 + 100] ^= 0x10
+    model.write_bytes(bytes(data))
+    for read in (True, False):
+        with pytest.raises(SMPCheckpointError, match=r"model.pt: content differs from the save \(blake2b digest of "
+                                                     r"bytes 196608-262143 \(chunk 4 of"):
+            resume(read)
+    data = bytearray((tmp_path / "user_content.pt").read_bytes())
+    data[-40] ^= 0x10
+    (tmp_path / "user_content.pt").write_bytes(bytes(data))
+    with pytest.raises(SMPCheckpointError, match="user_content.pt: content differs"):
+        digests.start_check(tmp_path, "resume from it", 0, 1)

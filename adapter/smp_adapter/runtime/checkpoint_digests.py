@@ -17,11 +17,11 @@ writer did not hash (the safetensors index, another checkpoint engine's files) i
 The digests are gathered, and rank 0 digests anything no rank claimed (DeepSpeed's
 ``zero_to_fp32.py``) before writing the manifest, all inside the staging folder that is renamed into
 place afterwards (the save stays atomic). Check (``start_check`` / ``Check.reading`` /
-``Check.finish``, resume): sizes and the file list are checked before anything is read; torch.load
-reads the engine's files through a reader that hashes them as it reads; the chunks no rank read
-are split among the ranks by size and hashed after, and one collective gives every rank the verdict
-before the resume returns, so all ranks raise the same error naming the file (none is left waiting
-in a later collective).
+``Check.finish``, resume): sizes, the file list and the small files are checked before the engine
+reads anything; torch.load reads the engine's files through a reader that hashes them as it reads;
+one all-reduce of every chunk's state gives every rank the verdict before the resume returns, so
+all ranks raise the same error naming the file (none is left waiting in a later collective); only
+chunks no rank read (another layout's resume) are split among the ranks and hashed after.
 ``smp.save`` / full checkpoints: a ``<file>.smp_digest`` record beside each file
 (runtime/checkpoint_sidecars.py).
 """
@@ -37,7 +37,7 @@ from pathlib import Path
 
 from smp_adapter.errors import SMPCheckpointError
 from smp_adapter.runtime.digest_records import (CHUNK_ENV, SKIP_ENV, default_algorithm, digest_file, hasher, unit_bytes,  # noqa: F401
-                                                HashingReader, damaged_units, unit_range, units,
+                                                HashingReader, damaged_units, small, unit_range, units,
                                                 write_hashed)
 
 MANIFEST = "smp_manifest.json"
@@ -316,8 +316,33 @@ def require_intact(folder: Path, action: str) -> dict:
     return manifest
 
 
-def agree(problems: list, world_size: int) -> list:
-    """Every rank's problems, on every rank (collective), one per file, sorted by file."""
+def max_over_ranks(values: list[int], world_size: int) -> list[int]:
+    """Element-wise maximum of ``values`` (the same length on every rank) over all ranks (collective):
+    one all-reduce of a small tensor, about a third of an all_gather_object's cost (which pickles,
+    and runs two collectives)."""
+    if world_size == 1 or not values:
+        return list(values)
+    import torch
+    import torch.distributed as dist
+
+    on = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    reduced = torch.tensor(values, dtype=torch.int64, device=on)
+    dist.all_reduce(reduced, op=dist.ReduceOp.MAX)
+    return reduced.tolist()
+
+
+def agree(problems: list, world_size: int, same: int = 0) -> list:
+    """Every rank's problems, on every rank (collective), one per file, sorted by file. When no rank
+    has any (every intact checkpoint) that is one all-reduce of a count; the problems themselves are
+    gathered only when some rank has one. ``same``: a number every rank must hold alike (how many
+    units the check reduces later); a rank differing is a problem on every rank."""
+    if world_size > 1:
+        count, high, low = max_over_ranks([len(problems), same, -same], world_size)
+        if high != -low:
+            problems = [*problems, Problem(MANIFEST, "read differently by the ranks (changed while they read it, or "
+                                                     f"{SKIP_ENV} set on some ranks only)")]
+        elif not count:
+            return []
     views = [[(p.file, p.what) for p in problems]]
     if world_size > 1:
         import torch.distributed as dist
@@ -346,7 +371,7 @@ def checked_source(path, shared_by: tuple[int, int] = (0, 1)):
         if path_.is_relative_to(check.root):
             name = path_.relative_to(check.root).as_posix()
             record = check.manifest[FILES].get(name)
-            if record is not None and (name, shared_by) not in check.read_whole:
+            if record is not None and name not in check.checked_before and (name, shared_by) not in check.read_whole:
                 reader = HashingReader(path_, check.manifest[ALGORITHM], record, shared_by)
                 check.readers.append((name, reader))
     try:
@@ -362,22 +387,28 @@ def checked_source(path, shared_by: tuple[int, int] = (0, 1)):
                 check.read_whole.add((name, shared_by))
 
 
+OK, DAMAGED = 1, 2  # a unit's state after the load, reduced over the ranks by maximum (0: no rank checked it)
+
+
 class Check:
     """A resume's check, in two collective halves around the engine's load (``start_check``, then
-    ``finish``): what costs no read (the manifest, every file there with its size, no file added)
-    is settled before the engine reads anything. During the load (``reading``), torch.load reads
-    each recorded file through a reader that hashes the bytes just read, while they are in the
-    CPU's cache (a second pass through a memory map costs 2-3x more here, and on a busy core that
-    is the whole cost of the check). ``finish`` gathers which chunks every rank has checked
-    that way, splits the rest (files the engine does not read: the layout-independent pieces, RNG,
-    user content) among the ranks, and gives every rank the verdict before the resume returns, i.e.
-    before a training step uses a value."""
+    ``finish``): what costs no large read (the manifest, every file there with its size, no file
+    added, the contents of the small files: ``checked_before``) is settled before the engine reads
+    anything. During the load (``reading``), torch.load reads each other recorded file through a
+    reader that hashes the bytes just read, while they are in the CPU's cache (a second pass through
+    a memory map costs more, and on a busy core that is the whole cost of the check). ``finish``
+    reduces over the ranks, in one all-reduce, which units (chunks, or whole files) every rank has
+    checked and which were damaged: every rank then holds the same verdict, and returns or raises
+    the same error before the resume returns, i.e. before a training step uses a value. Only when
+    some unit was read by no rank (another layout's resume, reading the layout-independent pieces)
+    are those split among the ranks and hashed, and the problems agreed once more."""
 
-    def __init__(self, folder: Path, manifest: dict, share, action: str, rank: int, world_size: int):
+    def __init__(self, folder: Path, manifest: dict, action: str, rank: int, world_size: int):
         self.folder, self.manifest, self._action, self._world, self._rank = folder, manifest, action, world_size, rank
         self.root = Path(folder).resolve()
-        self._share, self._problems, self.readers, self.read_whole = list(share), [], [], set()
+        self.readers, self.read_whole = [], set()
         self._active = manifest is not None and has_digests(manifest) and not skipped()
+        self.checked_before = {n for n, record in manifest[FILES].items() if small(record)} if self._active else set()
 
     @contextlib.contextmanager
     def reading(self):
@@ -388,17 +419,6 @@ class Check:
         finally:
             _reading = previous
 
-    def _read_units(self) -> tuple[list, list]:
-        """(units checked while read, this rank's problems among them)."""
-        checked, bad = [], {}
-        for name, reader in self.readers:
-            for index, ok in reader.checked.items():
-                checked.append((name, index))
-                if not ok:
-                    bad.setdefault(name, []).append(index)
-        files, algorithm = self.manifest[FILES], self.manifest[ALGORITHM]
-        return checked, [Problem(name, differs(algorithm, files[name], idx)) for name, idx in bad.items()]
-
     def every_problem(self) -> list:
         """Not collective: every file checked by this rank alone, for a rank whose engine could not read a
         file (the other ranks may be inside the engine's collectives): it ends with the digest error."""
@@ -408,50 +428,64 @@ class Check:
 
     def finish(self) -> dict:
         """Collective: every rank returns the manifest, or every rank raises the same error."""
-        if not self._active:
-            problems = agree([], self._world)
-        else:
-            checked, problems = self._read_units()
-            views = [(checked, [(p.file, p.what) for p in problems])]
-            if self._world > 1:
-                import torch.distributed as dist
-
-                views = [None] * self._world
-                dist.all_gather_object(views, (checked, [(p.file, p.what) for p in problems]))
-            done = {tuple(u) for view in views for u in view[0]}
-            files = self.manifest[FILES]
-            rest = {name: files[name] for name in files if any(u not in done for u in units(name, files[name]))}
-            share = [u for u in shares(rest, self._world)[self._rank] if u not in done]
-            try:
-                problems = [Problem(*p) for view in views for p in view[1]] + \
-                    check_contents(self.folder, self.manifest, share)
-            except (OSError, ValueError, SMPCheckpointError) as exc:  # a file replaced while it was read
-                problems = [Problem(MANIFEST, f"could not be checked: {exc}")]
-            problems = agree(problems, self._world)
+        problems = self._verdict() if self._active else agree([], self._world)
         if problems:
             raise refusal(self.folder, problems, self._action)
         return self.manifest
 
+    def _verdict(self) -> list:
+        files, algorithm = self.manifest[FILES], self.manifest[ALGORITHM]
+        every = _units(files, sorted(files))  # the same list on every rank: the manifest's
+        state = {u: OK for u in every if u[0] in self.checked_before}
+        for name, reader in self.readers:
+            for index, ok in reader.checked.items():
+                state[(name, index)] = max(state.get((name, index), 0), OK if ok else DAMAGED)
+        state = dict(zip(every, max_over_ranks([state.get(u, 0) for u in every], self._world)))
+        damaged: dict = {}
+        for (name, index), value in state.items():
+            if value == DAMAGED:
+                damaged.setdefault(name, []).append(index)
+        problems = [Problem(name, differs(algorithm, files[name], bad)) for name, bad in sorted(damaged.items())]
+        unread = {u for u, value in state.items() if not value}
+        if not unread:
+            return problems  # the same on every rank: no more collectives
+        rest = {name: files[name] for name, _ in unread}  # ``shares`` orders them, the same on every rank
+        try:
+            problems += check_contents(self.folder, self.manifest,
+                                       [u for u in shares(rest, self._world)[self._rank] if u in unread])
+        except (OSError, ValueError, SMPCheckpointError) as exc:  # a file replaced while it was read
+            problems += [Problem(MANIFEST, f"could not be checked: {exc}")]
+        return agree(problems, self._world)
+
 
 def start_check(folder: Path, action: str, rank: int, world_size: int) -> Check:
-    """Collective: refuse, on every rank, a checkpoint whose manifest, file list or sizes are wrong;
-    then start hashing this rank's share (``Check``)."""
+    """Collective: refuse, on every rank, a checkpoint whose manifest, file list, sizes or small
+    files are wrong, before the engine reads anything; then the ``Check`` of the rest."""
     folder = Path(folder)
     manifest, problems = read_manifest(folder)
-    share = []
+    checked_units = 0
     if manifest is not None and _unchecked(folder, manifest, problems, rank):
         problems = []
     elif not problems:
         try:
             hasher(manifest[ALGORITHM])  # an algorithm this process cannot compute: refused now
-            share = shares(manifest[FILES], world_size)[rank]
+            files = manifest[FILES]
+            share = shares(files, world_size)[rank]
+            checked_units = len(_units(files, files))
             problems = check_sizes(folder, manifest, share) + (extra_files(folder, manifest) if rank == 0 else [])
+            # this rank's small files are hashed now: reading one costs microseconds, less than finding
+            # out after the load whether some rank's engine read it (no engine reads the RNG states
+            # and user content, read after the verdict, nor DeepSpeed's zero_to_fp32.py, nor, in the
+            # same layout, the layout-independent index)
+            problems = problems or check_contents(folder, manifest, [u for u in share if small(files[u[0]])])
         except SMPCheckpointError as exc:
             problems = [Problem(MANIFEST, str(exc))]
-    problems = agree(problems, world_size)
+        except (OSError, ValueError) as exc:  # a file replaced between its stat and its read
+            problems = [Problem(MANIFEST, f"could not be checked: {exc}")]
+    problems = agree(problems, world_size, same=checked_units)  # ``finish`` reduces one value per unit
     if problems:
         raise refusal(folder, problems, action)
-    return Check(folder, manifest, share, action, rank, world_size)
+    return Check(folder, manifest, action, rank, world_size)
 
 
 def require_intact_everywhere(folder: Path, action: str, rank: int, world_size: int) -> dict:
