@@ -319,15 +319,17 @@ def require_intact(folder: Path, action: str) -> dict:
 def max_over_ranks(values: list[int], world_size: int) -> list[int]:
     """Element-wise maximum of ``values`` (the same length on every rank) over all ranks (collective):
     one all-reduce of a small tensor, about a third of an all_gather_object's cost (which pickles,
-    and runs two collectives)."""
+    and runs two collectives). On smp's CPU group for such bookkeeping (``state.groups.objects``:
+    gloo over the world, NCCL jobs too), so the tensor stays on the CPU."""
     if world_size == 1 or not values:
         return list(values)
     import torch
     import torch.distributed as dist
 
-    on = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-    reduced = torch.tensor(values, dtype=torch.int64, device=on)
-    dist.all_reduce(reduced, op=dist.ReduceOp.MAX)
+    from smp_adapter.runtime.state import state
+
+    reduced = torch.tensor(values, dtype=torch.int64)
+    dist.all_reduce(reduced, op=dist.ReduceOp.MAX, group=state.groups.objects if state.initialized else None)
     return reduced.tolist()
 
 
