@@ -40,6 +40,8 @@ MODES = {
               "ZeRO 3 (sdp 2 of 2)"),
     "hpz": ({"ddp": True, "sharded_data_parallel_degree": 2, "microbatches": MICROBATCHES, **SDP}, 4,
             "hpZ (sdp 2 of 4)"),
+    # not in the default run: one rank (benchmarks/checkpoint.py --digests --modes dp1: a rank with a spare core)
+    "dp1": ({"ddp": True, "microbatches": MICROBATCHES}, 1, "one rank (dp 1)"),
     # not in the default run: two pipeline stages (benchmarks/checkpoint.py --modes pp2)
     "pp2": ({"ddp": True, "pipeline_parallel_degree": 2, "microbatches": MICROBATCHES}, 2, "pp 2"),
     # not in the default run: the bigger size, smp's own sdp defaults (run with --native defaults)

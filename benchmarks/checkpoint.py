@@ -232,15 +232,17 @@ def digest_resume_worker(args) -> None:
     _timed(checkpoint_dirs.digests.Check, "finish", spent)
     # the hashing's own CPU seconds: of the bytes torch.load reads (HashingReader), and of the files
     # checked otherwise (damaged_units: the small files before the load, what no rank read after it)
-    from smp_adapter.runtime import digest_records
+    from smp_adapter.runtime import digest_records, spare_core_hashing
     _timed(digest_records.HashingReader, "_feed", hashing, time.thread_time)
     _timed(checkpoint_dirs.digests, "damaged_units", hashing, time.thread_time)
+    _timed(spare_core_hashing, "damaged_units", hashing, time.thread_time)  # the threads' (hashing on spare cores)
     for _ in range(max(3, args.repeats // 2)):
         spent[0], hashing[0] = 0.0, 0.0
         resume("on")
         work.append(_slowest(smp, spent[0]))
         hash_cpu.append(_slowest(smp, hashing[0]))
-    write_result({"times": times, "digest_work": work, "cpu": cpu, "hash_cpu": hash_cpu, "share_mb": share_mb})
+    write_result({"times": times, "digest_work": work, "cpu": cpu, "hash_cpu": hash_cpu, "share_mb": share_mb,
+                  "threads": spare_core_hashing.hashing_threads(smp.local_size())})
 
 
 def hash_speed() -> None:
@@ -307,12 +309,17 @@ def _paired(seconds: dict) -> float:
     return statistics.median(on / off for on, off in zip(seconds["on"], seconds["off"]))
 
 
+def _hashing_way(threads: int) -> str:
+    return f"hashed on {threads} spare-core thread{'s' if threads > 1 else ''}" if threads else "hashed as read"
+
+
 def digests_main(args, me: Path, size: list) -> None:
     print(f"{'mode':8} {'checkpoint':>10} {'save off':>9} {'save on':>8} {'ratio':>6} {'digesting':>9} | "
           f"{'resume off':>10} {'resume on':>9} {'ratio':>6} {'checking':>8} | {'cpu off':>8} {'cpu on':>7} {'ratio':>6} "
           f"{'hashing':>8} {'share':>8} | {'paired':>6} {'cpu':>5}   (medians of {args.repeats}, slowest rank; cpu: the "
           "resume's CPU seconds, all threads; hashing: CPU seconds hashing; share: MB one rank would hash with no "
-          "file read; paired: median of on/off over back-to-back resumes, wall and cpu)")
+          "file read; paired: median of on/off over back-to-back resumes, wall and cpu; then how the resume hashed: "
+          "SMP_ADAPTER_DIGEST_THREADS or the cores each local rank has, runtime/spare_core_hashing.py)")
     figures = {}
     for mode in args.modes:
         options, nprocs, _ = MODES[mode]
@@ -335,9 +342,11 @@ def digests_main(args, me: Path, size: list) -> None:
               f"{save['digesting']:8.3f}s | {resume['off']:9.3f}s {resume['on']:8.3f}s "
               f"{resume['on'] / resume['off']:6.2f} {resume['checking']:7.3f}s | {cpu['off']:7.3f}s {cpu['on']:7.3f}s "
               f"{cpu['on'] / cpu['off']:6.2f} {cpu['hash']:7.3f}s {resumes[0]['share_mb']:6.0f}MB | "
-              f"{_paired(resumes[0]['times']):6.2f} {_paired(resumes[0]['cpu']):5.2f}")
+              f"{_paired(resumes[0]['times']):6.2f} {_paired(resumes[0]['cpu']):5.2f}   "
+              f"{_hashing_way(resumes[0]['threads'])}")
         figures[mode] = {"checkpoint_mb": mb, "save_s": save, "resume_s": resume, "resume_cpu_s": cpu,
                          "paired_ratio": {"wall": _paired(resumes[0]["times"]), "cpu": _paired(resumes[0]["cpu"])},
+                         "hashing_threads": resumes[0]["threads"],
                          "save_all": saves[0]["times"], "resume_all": resumes[0]["times"],
                          "resume_cpu_all": resumes[0]["cpu"]}
     if args.json:

@@ -46,11 +46,11 @@ def init_weights(tmp_path_factory):
     return str(path)
 
 
-def _run(layout, out, init_weights, *args, timeout=240):
+def _run(layout, out, init_weights, *args, timeout=240, env=None):
     script, options, nprocs, script_args = LAYOUTS[layout]
     extra = ["--init-weights", init_weights, "--lr", "1e-3"] if script == VIT else []
     # 64 KiB digest chunks: the tiny models' larger files are recorded chunk by chunk, as a large model's are
-    env = {"SM_HP_MP_PARAMETERS": json.dumps(options), digests.CHUNK_ENV: str(CHUNK)}
+    env = {"SM_HP_MP_PARAMETERS": json.dumps(options), digests.CHUNK_ENV: str(CHUNK), **(env or {})}
     return run_ranks(script, nprocs, out_dir=out, env=env, timeout=timeout,
                      args=[*script_args, *extra, "--optimizer", "adam", *args])
 
@@ -186,6 +186,29 @@ def test_resume_of_a_damaged_checkpoint_ends_every_rank_with_the_error(tmp_path,
         files = json.loads((copy / FOLDER / digests.MANIFEST).read_text())["files"]
         assert len(files[name]["chunks"]) > 2 and all(name in {n for n, _ in share} for share in digests.shares(files, 2))
         assert f"{copy / FOLDER / name}: content differs from the save (xxh3_128 digest of bytes " in logs
+
+
+@pytest.mark.parametrize("layout", ["dp 2", "pp 2"])
+def test_hashing_on_spare_cores_resumes_bit_exactly_and_refuses_damage_on_every_rank(tmp_path, saved, init_weights,
+                                                                                     layout):
+    """The resume's other way of hashing (runtime/spare_core_hashing.py: threads hash each file the
+    engine opens, beside its load; chosen where each local rank has a spare core, forced here, where
+    two ranks share two cores): the same bitwise resume, the same refusal on every rank. Under dp 2
+    both ranks' threads hash alternate chunks of the model file both read."""
+    ckpt, uninterrupted = saved(layout)
+    threads = {"SMP_ADAPTER_DIGEST_THREADS": "2"}
+    resumed = _run(layout, tmp_path / "intact", init_weights, "--steps", 4, "--first-step", 4, "--resume",
+                   "--ckpt-dir", ckpt, env=threads)
+    assert resumed[0]["losses"] == uninterrupted[4:]
+    copy = tmp_path / "ckpt"
+    shutil.copytree(ckpt, copy)
+    name = _damage(copy / FOLDER, "bit in engine file")
+    with pytest.raises(AssertionError, match="exit codes") as failed:
+        _run(layout, tmp_path / "run", init_weights, "--steps", 1, "--first-step", 4, "--resume", "--ckpt-dir", copy,
+             timeout=120, env=threads)
+    logs = str(failed.value)
+    assert logs.count(f"is damaged; refusing to resume from it (1 problem):\n  {copy / FOLDER / name}: content "
+                      "differs from the save") == 2, logs
 
 
 def test_smp_load_of_a_damaged_file_ends_every_rank_with_the_error(tmp_path, init_weights):

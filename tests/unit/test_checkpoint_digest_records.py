@@ -227,14 +227,18 @@ def test_torch_load_through_the_hashing_reader_checks_every_chunk_it_reads(tmp_p
     assert {**halves[0], **halves[1]} == {i: i != 3 for i in range(len(record["chunks"]))}
 
 
-def test_a_resume_check_covers_every_file_whether_the_engine_reads_it_or_not(tmp_path, monkeypatch):
+@pytest.mark.parametrize("threads", ["0", "2"])
+def test_a_resume_check_covers_every_file_whether_the_engine_reads_it_or_not(tmp_path, monkeypatch, threads):
     """A resume's check in one process (start_check, Check.reading, finish): the small files are
-    checked before anything is read (a damaged one is refused there), the engine's file is hashed as
-    torch.load reads it and not again after the load, and a file no read covered is hashed by
+    checked before anything is read (a damaged one is refused there), the engine's file is hashed
+    while torch.load reads it (threads 0: by the reader torch.load is handed; 2: on spare cores, and
+    torch.load reads the path) and not again after the load, and a file no read covered is hashed by
     finish: damage anywhere is refused."""
     from smp_adapter.runtime.digest_records import HashingReader
+    from smp_adapter.runtime.spare_core_hashing import THREADS_ENV
 
     monkeypatch.setenv(digests.CHUNK_ENV, "65536")
+    monkeypatch.setenv(THREADS_ENV, threads)
     (tmp_path / "ds").mkdir()
     with digests.written_files() as written:
         atomic_torch_save({f"w{i}": torch.randn(20_000 + i) for i in range(6)}, str(tmp_path / "ds" / "model.pt"))
@@ -251,7 +255,7 @@ def test_a_resume_check_covers_every_file_whether_the_engine_reads_it_or_not(tmp
         with check.reading():
             if read:
                 with digests.checked_source(model) as source:
-                    assert isinstance(source, HashingReader)
+                    assert isinstance(source, HashingReader) if threads == "0" else source == model.resolve()
                     torch.load(source, weights_only=True)
         hashed_after.clear()
         monkeypatch.setattr(digests, "damaged_units", lambda path, *a: hashed_after.append(path.name) or

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from smp_adapter.errors import SMPCheckpointError
+from smp_adapter.runtime.spare_core_hashing import SpareCoreHasher, hashing_threads
 from smp_adapter.runtime.digest_records import (CHUNK_ENV, SKIP_ENV, default_algorithm, digest_file, hasher, unit_bytes,  # noqa: F401
                                                 HashingReader, damaged_units, small, unit_range, units,
                                                 write_hashed)
@@ -374,8 +375,13 @@ def checked_source(path, shared_by: tuple[int, int] = (0, 1)):
             name = path_.relative_to(check.root).as_posix()
             record = check.manifest[FILES].get(name)
             if record is not None and name not in check.checked_before and (name, shared_by) not in check.read_whole:
-                reader = HashingReader(path_, check.manifest[ALGORITHM], record, shared_by)
-                check.readers.append((name, reader))
+                if check.spare_cores is not None:  # hashed beside the load; torch.load reads the path itself
+                    check.readers.append((name, check.spare_cores.submit(path_, check.manifest[ALGORITHM], record,
+                                                                         shared_by)))
+                    check.read_whole.add((name, shared_by))
+                else:
+                    reader = HashingReader(path_, check.manifest[ALGORITHM], record, shared_by)
+                    check.readers.append((name, reader))
     try:
         yield reader if reader is not None else path
     finally:
@@ -405,12 +411,14 @@ class Check:
     some unit was read by no rank (another layout's resume, reading the layout-independent pieces)
     are those split among the ranks and hashed, and the problems agreed once more."""
 
-    def __init__(self, folder: Path, manifest: dict, action: str, rank: int, world_size: int):
+    def __init__(self, folder: Path, manifest: dict, action: str, rank: int, world_size: int, local_ranks: int = 1):
         self.folder, self.manifest, self._action, self._world, self._rank = folder, manifest, action, world_size, rank
         self.root = Path(folder).resolve()
         self.readers, self.read_whole = [], set()
         self._active = manifest is not None and has_digests(manifest) and not skipped()
         self.checked_before = {n for n, record in manifest[FILES].items() if small(record)} if self._active else set()
+        threads = hashing_threads(local_ranks) if self._active else 0
+        self.spare_cores = SpareCoreHasher(threads) if threads else None  # else hashed as read (HashingReader)
 
     @contextlib.contextmanager
     def reading(self):
@@ -418,6 +426,10 @@ class Check:
         previous, _reading = _reading, (self if self._active else None)
         try:
             yield
+        except BaseException:
+            if self.spare_cores is not None:
+                self.spare_cores.cancel()
+            raise
         finally:
             _reading = previous
 
@@ -439,7 +451,11 @@ class Check:
         files, algorithm = self.manifest[FILES], self.manifest[ALGORITHM]
         every = _units(files, sorted(files))  # the same list on every rank: the manifest's
         state = {u: OK for u in every if u[0] in self.checked_before}
+        if self.spare_cores is not None:
+            self.spare_cores.wait()
+        unreadable = []
         for name, reader in self.readers:
+            unreadable += [Problem(name, f"could not be checked: {exc}") for exc in getattr(reader, "errors", ())]
             for index, ok in reader.checked.items():
                 state[(name, index)] = max(state.get((name, index), 0), OK if ok else DAMAGED)
         state = dict(zip(every, max_over_ranks([state.get(u, 0) for u in every], self._world)))
@@ -451,6 +467,7 @@ class Check:
         unread = {u for u, value in state.items() if not value}
         if not unread:
             return problems  # the same on every rank: no more collectives
+        problems += unreadable  # a rank's hashing thread could not read a file: its chunks are unread everywhere
         rest = {name: files[name] for name, _ in unread}  # ``shares`` orders them, the same on every rank
         try:
             problems += check_contents(self.folder, self.manifest,
@@ -460,7 +477,7 @@ class Check:
         return agree(problems, self._world)
 
 
-def start_check(folder: Path, action: str, rank: int, world_size: int) -> Check:
+def start_check(folder: Path, action: str, rank: int, world_size: int, local_ranks: int = 1) -> Check:
     """Collective: refuse, on every rank, a checkpoint whose manifest, file list, sizes or small
     files are wrong, before the engine reads anything; then the ``Check`` of the rest."""
     folder = Path(folder)
@@ -487,7 +504,7 @@ def start_check(folder: Path, action: str, rank: int, world_size: int) -> Check:
     problems = agree(problems, world_size, same=checked_units)  # ``finish`` reduces one value per unit
     if problems:
         raise refusal(folder, problems, action)
-    return Check(folder, manifest, action, rank, world_size)
+    return Check(folder, manifest, action, rank, world_size, local_ranks)
 
 
 def require_intact_everywhere(folder: Path, action: str, rank: int, world_size: int) -> dict:

@@ -158,7 +158,7 @@ def resume_from_checkpoint(path, tag=None, partial: bool = True, strict: bool = 
                             "state is restored into it)")
     # every file checked before a step uses any value, and all ranks refuse together: the manifest, file
     # list and sizes now; the digests as the engine reads the files (read once), the rest and the verdict after
-    check = digests.start_check(folder, "resume from it", s.rank, s.world_size)
+    check = digests.start_check(folder, "resume from it", s.rank, s.world_size, s.local_size)
     manifest = check.manifest
     difference = ckpt.layout_difference(manifest.get("layout", {}))
     try:

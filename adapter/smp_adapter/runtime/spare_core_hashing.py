@@ -1,0 +1,97 @@
+"""A checked resume's hashing on the node's spare cores, beside the engine's load (a leaf on the
+shared floor, used by runtime/checkpoint_digests.py).
+
+Two ways to check the bytes a rank's engine reads, each as strong as the other (every byte of every
+chunk this rank is due to check is hashed and compared before the resume returns):
+
+* **as read** (``digest_records.HashingReader``): torch.load reads through a file object that hashes
+  each piece right after it lands, still in the CPU's cache. The cheapest in CPU seconds, but they
+  are spent on the rank's own thread: ~3-5 ms per 150 MB at xxh3's in-cache speed, 5-8 % of a warm
+  resume, added to the resume's wall time.
+* **on spare cores** (here): when the file is opened, its chunks are handed to a small thread pool
+  that hashes them through a memory map of the page cache while torch.load reads the same file
+  (xxhash releases the GIL). More CPU seconds (a second pass over the bytes), none on the rank's
+  thread: the resume waits only for what is not done when the load ends, which for a file of
+  hundreds of MB is nothing (two threads hash ~10-25 GB/s from the page cache; torch.load copies
+  ~2-3 GB/s).
+
+Which one: spare cores when every local rank has at least one core beyond its own
+(``os.sched_getaffinity`` // local ranks >= 2; a GPU node, 8-24 cores per GPU), else as read (this
+project's 2-core CI machine with 2 ranks: a second pass would take the other rank's core).
+``SMP_ADAPTER_DIGEST_THREADS``: a number of threads (0 = as read) overrides that.
+"""
+
+from __future__ import annotations
+
+import os
+from concurrent.futures import ThreadPoolExecutor
+
+from smp_adapter.errors import SMPUsageError
+from smp_adapter.runtime.digest_records import damaged_units, units
+
+THREADS_ENV = "SMP_ADAPTER_DIGEST_THREADS"
+MAX_THREADS = 2  # hashing from the page cache is bound by memory bandwidth: a third thread adds little
+TASK_CHUNKS = 4  # chunks per task (32 MiB at the default chunk size): a large file is shared by the threads
+
+
+def hashing_threads(local_ranks: int) -> int:
+    """Threads a rank hashes with during a checked resume (0: as read, ``HashingReader``)."""
+    raw = os.environ.get(THREADS_ENV, "").strip()
+    if raw:
+        try:
+            value = int(raw)
+        except ValueError:
+            value = -1
+        if value < 0:
+            raise SMPUsageError(f"{THREADS_ENV}={raw!r} is not a number of threads: set 0 (hash what the engine reads "
+                                f"as it reads it) or a positive number (hash on that many spare cores), or unset it")
+        return value
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(0, min(MAX_THREADS, cores // max(local_ranks, 1) - 1))
+
+
+class FileHashing:
+    """One file's chunks (those this rank is due to check) hashed in the background. ``checked``
+    ({chunk index, or None for a file recorded whole: whether it matched}, like ``HashingReader``'s)
+    and ``errors`` are complete once ``SpareCoreHasher.wait`` has returned."""
+
+    def __init__(self, path, algorithm: str, record: dict, shared_by: tuple[int, int]):
+        self.path, self.algorithm, self.record = path, algorithm, record
+        position, count = shared_by
+        self.due = [i for _, i in units("", record) if (i or 0) % count == position]
+        self.checked: dict = {}
+        self.errors: list = []
+
+    def tasks(self) -> list[list]:
+        return [self.due[i:i + TASK_CHUNKS] for i in range(0, len(self.due), TASK_CHUNKS)]
+
+    def run(self, indices: list) -> None:
+        try:
+            bad = set(damaged_units(self.path, self.algorithm, self.record, indices))
+        except (OSError, ValueError) as exc:  # replaced or cut while the engine read it
+            self.errors.append(exc)
+            return
+        self.checked.update({i: i not in bad for i in indices})  # dict updates hold the GIL: safe across threads
+
+
+class SpareCoreHasher:
+    """The pool a checked resume hands each file to as the engine opens it (``submit``); ``wait``
+    before the verdict."""
+
+    def __init__(self, threads: int):
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="smp-digest")
+        self._futures: list = []
+
+    def submit(self, path, algorithm: str, record: dict, shared_by: tuple[int, int] = (0, 1)) -> FileHashing:
+        job = FileHashing(path, algorithm, record, shared_by)
+        self._futures += [self._pool.submit(job.run, task) for task in job.tasks()]
+        return job
+
+    def wait(self) -> None:
+        for future in self._futures:
+            future.result()
+        self._pool.shutdown(wait=True)
+
+    def cancel(self) -> None:
+        """The load failed: what has not started is dropped; what runs ends on its own (it only reads)."""
+        self._pool.shutdown(wait=False, cancel_futures=True)
