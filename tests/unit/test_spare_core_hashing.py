@@ -74,3 +74,47 @@ def test_a_file_that_cannot_be_read_is_an_error_not_a_verdict(tmp_path, monkeypa
     gone = hasher.submit(tmp_path / "gone.pt", "blake2b", record)
     hasher.wait()
     assert gone.checked == {} and len(gone.errors) == 4 and all(isinstance(e, FileNotFoundError) for e in gone.errors)
+
+
+class _CountingHelper:
+    """One worker thread that counts what it is handed."""
+
+    def __init__(self):
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.pool, self.handed = ThreadPoolExecutor(1), 0
+
+    def submit(self, *a):
+        self.handed += 1
+        return self.pool.submit(*a)
+
+
+def test_a_file_hashed_beside_its_write_has_the_record_hashed_from_the_file(tmp_path, monkeypatch):
+    """At the save, a tensor's bytes (a write of >= 1 MiB) are hashed on the helper thread while this
+    thread writes them: the record equals the one computed from the finished file by a memory map
+    (digest_file), chunk by chunk, the writes crossing chunk ends included, and the file is torch's."""
+    from smp_adapter.runtime import digest_records
+
+    monkeypatch.setenv(digests.CHUNK_ENV, "65536")
+    obj = {"big": torch.randn(700_000), "small": torch.randn(100), "other": torch.randn(300_001)}  # 2.8 MB + 1.2 MB
+    helper = _CountingHelper()
+    path = tmp_path / "m.pt"
+    record = digest_records.write_hashed(path, lambda f: torch.save(obj, f), "blake2b", helper)
+    assert helper.handed == 2  # the two large tensors; the rest (headers, the pickle, "small") on this thread
+    assert record == digest_file(path, "blake2b", 65536) and len(record["chunks"]) > 60
+    loaded = torch.load(path, weights_only=True)
+    assert all(torch.equal(loaded[k], obj[k]) for k in obj)
+    helper.pool.shutdown()
+
+
+def test_the_save_hashes_beside_its_writes_only_where_a_core_is_spare(monkeypatch):
+    monkeypatch.setattr(spare, "_writer_helper", None)
+    monkeypatch.setattr(spare, "_local_ranks", lambda: 2)
+    monkeypatch.delenv(spare.THREADS_ENV, raising=False)
+    monkeypatch.setattr(spare.os, "sched_getaffinity", lambda pid: set(range(2)), raising=False)
+    assert spare.writer_helper() is None  # two ranks on two cores: hashed on the writing thread
+    monkeypatch.setattr(spare.os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
+    helper = spare.writer_helper()
+    assert helper is not None and spare.writer_helper() is helper
+    monkeypatch.setenv(spare.THREADS_ENV, "0")
+    assert spare.writer_helper() is None

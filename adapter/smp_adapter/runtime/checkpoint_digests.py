@@ -36,10 +36,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from smp_adapter.errors import SMPCheckpointError
-from smp_adapter.runtime.spare_core_hashing import SpareCoreHasher, hashing_threads
+from smp_adapter.runtime import digest_records
 from smp_adapter.runtime.digest_records import (CHUNK_ENV, SKIP_ENV, default_algorithm, digest_file, hasher, unit_bytes,  # noqa: F401
-                                                HashingReader, damaged_units, small, unit_range, units,
-                                                write_hashed)
+                                                HashingReader, damaged_units, small, unit_range, units)
+from smp_adapter.runtime.spare_core_hashing import SpareCoreHasher, hashing_threads, writer_helper
 
 MANIFEST = "smp_manifest.json"
 FILES = "files"
@@ -53,6 +53,11 @@ def skipped() -> bool:
 
 # -- save ------------------------------------------------------------------------------------------
 _written: list | None = None  # (path, its default-algorithm digest or None) per file written in a ``written_files`` block
+
+
+def write_hashed(path, write, algorithm: str | None = None) -> dict:
+    """``digest_records.write_hashed``, hashing beside the write on a spare core where this rank has one."""
+    return digest_records.write_hashed(path, write, algorithm, writer_helper())
 
 
 def note_written(path, record: dict | None = None) -> None:

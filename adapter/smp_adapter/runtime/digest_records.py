@@ -167,14 +167,21 @@ def _contents(f, size: int):
         yield view
 
 
+_BESIDE_BYTES = 1 << 20  # a write at least this large is hashed beside the write when a helper thread is given
+
+
 class HashingFile(io.RawIOBase):
     """The file object ``torch.save`` writes into: every write is hashed on its way to the file,
     chunk by chunk, so a file's record costs no second pass over its bytes. torch's zip writer only
-    appends; a seek (not expected) makes ``record`` None and the file is hashed after it is written."""
+    appends; a seek (not expected) makes ``record`` None and the file is hashed after it is written.
+    ``helper`` (an executor of one thread, on a spare core: runtime/spare_core_hashing.py): a large
+    write (a tensor's bytes) is hashed by it while this thread writes the same bytes (both only
+    read them; the write returns once both are done), so the hash costs the save no time; without
+    it, each 1 MiB is hashed and then written on this thread."""
 
-    def __init__(self, raw, algorithm: str):
+    def __init__(self, raw, algorithm: str, helper=None):
         super().__init__()
-        self._raw, self._algorithm, self._chunk = raw, algorithm, chunk_bytes()
+        self._raw, self._algorithm, self._chunk, self._helper = raw, algorithm, chunk_bytes(), helper
         self._hash, self._chunks, self._in_chunk, self._size, self._appended = hasher(algorithm), [], 0, 0, True
 
     def writable(self) -> bool:
@@ -186,21 +193,38 @@ class HashingFile(io.RawIOBase):
 
     def write(self, data) -> int:
         view = memoryview(data).cast("B")
+        if self._helper is not None and self._appended and len(view) >= _BESIDE_BYTES:
+            hashing = self._helper.submit(self._absorb, view)
+            try:
+                self._write_all(view)
+            finally:
+                hashing.result()
+        else:
+            start = 0
+            while start < len(view):  # hash 1 MiB, write it while it is in the CPU's cache
+                piece = view[start:start + _PIECE]
+                self._absorb(piece)
+                self._write_all(piece)
+                start += len(piece)
+        self._size += len(view)
+        return len(view)
+
+    def _write_all(self, view) -> None:
+        while view:  # a raw write may take fewer bytes than asked
+            view = view[self._raw.write(view):]
+
+    def _absorb(self, view) -> None:
+        """Add ``view`` to the running chunk digests (a chunk's digest closed at each chunk's end)."""
         start = 0
         while start < len(view):
-            piece = view[start:start + min(_PIECE, self._chunk - self._in_chunk)]  # never across a chunk's end
+            piece = view[start:start + self._chunk - self._in_chunk]  # never across a chunk's end
             if self._appended:
                 self._hash.update(piece)
-            rest = piece
-            while rest:  # a raw write may take fewer bytes than asked
-                rest = rest[self._raw.write(rest):]
             start += len(piece)
             self._in_chunk += len(piece)
             if self._in_chunk == self._chunk:
                 self._chunks.append(self._hash.hexdigest())
                 self._hash, self._in_chunk = hasher(self._algorithm), 0
-        self._size += len(view)
-        return len(view)
 
     def tell(self) -> int:
         return self._raw.tell()
@@ -220,12 +244,12 @@ class HashingFile(io.RawIOBase):
         return _record(self._algorithm, self._size, self._chunk, self._chunks + tail)
 
 
-def write_hashed(path, write, algorithm: str | None = None) -> dict:
+def write_hashed(path, write, algorithm: str | None = None, helper=None) -> dict:
     """Create ``path`` with ``write(file_object)`` (``torch.save(obj, f)``) and return its record,
-    hashed while it was written."""
+    hashed while it was written (``helper``: see ``HashingFile``)."""
     algorithm = algorithm or default_algorithm()
     with open(path, "wb", buffering=0) as raw:
-        f = HashingFile(raw, algorithm)
+        f = HashingFile(raw, algorithm, helper)
         write(f)
     return f.record() or digest_file(Path(path), algorithm)
 

@@ -8,9 +8,10 @@ chunk this rank is due to check is hashed and compared before the resume returns
   each piece right after it lands, still in the CPU's cache. The cheapest in CPU seconds, but they
   are spent on the rank's own thread: ~3-5 ms per 150 MB at xxh3's in-cache speed, 5-8 % of a warm
   resume, added to the resume's wall time.
-* **on spare cores** (here): when the file is opened, its chunks are handed to a small thread pool
-  that hashes them through a memory map of the page cache while torch.load reads the same file
-  (xxhash releases the GIL). More CPU seconds (a second pass over the bytes), none on the rank's
+* **on spare cores** (here): at the save, a thread hashes each tensor's bytes while the rank's
+  thread writes them (``writer_helper``, ``digest_records.HashingFile``). At a resume, when a file
+  is opened, its chunks are handed to a small thread pool that hashes them through a memory map of
+  the page cache while torch.load reads the same file (xxhash releases the GIL). More CPU seconds (a second pass over the bytes), none on the rank's
   thread: the resume waits only for what is not done when the load ends, which for a file of
   hundreds of MB is nothing (two threads hash ~10-25 GB/s from the page cache; torch.load copies
   ~2-3 GB/s).
@@ -48,6 +49,29 @@ def hashing_threads(local_ranks: int) -> int:
         return value
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return max(0, min(MAX_THREADS, cores // max(local_ranks, 1) - 1))
+
+
+_writer_helper: ThreadPoolExecutor | None = None
+
+
+def writer_helper() -> ThreadPoolExecutor | None:
+    """The thread a checkpoint writer hashes beside (``digest_records.HashingFile``), where this rank
+    has a spare core (``hashing_threads`` of the job's ranks on this node); None elsewhere. One per
+    process, kept: a save writes files one after another."""
+    global _writer_helper
+    if not hashing_threads(_local_ranks()):
+        return None
+    if _writer_helper is None:
+        _writer_helper = ThreadPoolExecutor(1, thread_name_prefix="smp-digest-write")
+    return _writer_helper
+
+
+def _local_ranks() -> int:
+    from smp_adapter.runtime.state import state
+
+    if state.initialized:
+        return state.local_size
+    return int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or 1)
 
 
 class FileHashing:
