@@ -118,3 +118,21 @@ def test_the_save_hashes_beside_its_writes_only_where_a_core_is_spare(monkeypatc
     assert helper is not None and spare.writer_helper() is helper
     monkeypatch.setenv(spare.THREADS_ENV, "0")
     assert spare.writer_helper() is None
+
+
+def test_a_forked_child_starts_its_own_writer_thread(monkeypatch):
+    """A process forked after a save (a data loader's worker, a rank forked from a job server) has
+    none of its parent's threads: handed the parent's executor, its save would wait forever."""
+    import os
+
+    monkeypatch.setenv(spare.THREADS_ENV, "1")
+    parent = spare.writer_helper()
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: a new executor that runs what it is handed
+        helper = spare.writer_helper()
+        ok = helper is not parent and helper.submit(lambda: 7).result(timeout=10) == 7
+        os.write(write, b"1" if ok else b"0")
+        os._exit(0)
+    os.waitpid(pid, 0)
+    assert os.read(read, 1) == b"1"

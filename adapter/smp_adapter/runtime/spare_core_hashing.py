@@ -66,6 +66,15 @@ def writer_helper() -> ThreadPoolExecutor | None:
     return _writer_helper
 
 
+def _forget_writer_helper() -> None:
+    global _writer_helper
+    _writer_helper = None  # a forked child has none of its parent's threads: it starts its own
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_writer_helper)
+
+
 def _local_ranks() -> int:
     from smp_adapter.runtime.state import state
 
