@@ -23,6 +23,7 @@ from launch_util import ROOT, run_ranks
 from smp_adapter.cli import main
 from smp_adapter.errors import SMPCheckpointError
 from smp_adapter.runtime import checkpoint_digests as digests
+from smp_adapter.runtime import digest_check
 from smp_adapter.runtime.checkpoint_sidecars import write_sidecar
 
 SDP_EXACT = {"sdp_param_persistence_threshold": 0, "sdp_gradient_clipping": 0.0}
@@ -158,7 +159,7 @@ def test_every_reader_refuses_a_damaged_checkpoint_naming_the_file(tmp_path, sav
         assert "smp-adapter checkpoint verify" in err and f"{digests.SKIP_ENV}=1" in err
     assert not (tmp_path / "hf").exists() and not (tmp_path / "r").exists()
     with pytest.raises(SMPCheckpointError, match=f"refusing to resume from it .*\n  {folder / name}: "):
-        digests.require_intact_everywhere(folder, "resume from it", rank=0, world_size=1)
+        digest_check.require_intact_everywhere(folder, "resume from it", rank=0, world_size=1)
     if kind == "cut short" and name.startswith("ds/"):  # read unchecked: still named, never a bare OSError
         monkeypatch.setenv(digests.SKIP_ENV, "1")
         assert main(["checkpoint", "export", str(folder), "--to", "hf", str(tmp_path / "hf")]) == 2
@@ -241,7 +242,7 @@ def test_checkpoint_without_digests_still_loads_with_one_warning(tmp_path, saved
     (folder / digests.MANIFEST).write_text(json.dumps(manifest))
     digests._warned.clear()
     with pytest.warns(UserWarning, match="records no file digests .* it is used unchecked"):
-        assert digests.require_intact_everywhere(folder, "resume from it", 0, 1) == manifest
+        assert digest_check.require_intact_everywhere(folder, "resume from it", 0, 1) == manifest
     assert main(["checkpoint", "export", str(folder), "--to", "hf", str(tmp_path / "hf")]) == 0
     assert main(["checkpoint", "verify", str(folder)]) == 1
     assert "records no file digests" in capsys.readouterr().err

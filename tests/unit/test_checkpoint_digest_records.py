@@ -11,6 +11,7 @@ import torch
 from smp_adapter.cli import main
 from smp_adapter.errors import SMPCheckpointError, SMPUsageError
 from smp_adapter.runtime import checkpoint_digests as digests
+from smp_adapter.runtime import digest_check
 from smp_adapter.runtime.checkpoint_files import atomic_torch_save
 
 
@@ -68,7 +69,7 @@ def test_an_edited_manifest_is_refused_and_the_opt_out_lets_it_through(tmp_path,
     monkeypatch.setenv(digests.SKIP_ENV, "1")
     digests._warned.clear()
     with pytest.warns(UserWarning, match="used without checking their digests"):
-        assert digests.require_intact_everywhere(tmp_path, "resume from it", 0, 1)["tag"] == "u"
+        assert digest_check.require_intact_everywhere(tmp_path, "resume from it", 0, 1)["tag"] == "u"
 
 
 def test_files_are_split_among_ranks_by_size_the_same_on_every_rank():
@@ -123,7 +124,7 @@ def test_a_checkpoint_saved_before_chunks_is_checked_whole(tmp_path, monkeypatch
     digests.write_manifest(tmp_path, {"tag": "t", digests.ALGORITHM: "blake2b", digests.FILES: {"model.pt": old}})
     assert digests.shares({"model.pt": old}, 2) == [[("model.pt", None)], []]
     assert digests.verify(tmp_path)[1] == []
-    digests.require_intact_everywhere(tmp_path, "resume from it", 0, 1)
+    digest_check.require_intact_everywhere(tmp_path, "resume from it", 0, 1)
     (tmp_path / "model.pt").write_bytes(data[:-1] + b"x")
     assert [str(p) for p in digests.verify(tmp_path)[1]] == [
         "model.pt: content differs from the save (blake2b digest): damaged bytes"]
@@ -250,11 +251,11 @@ def test_a_resume_check_covers_every_file_whether_the_engine_reads_it_or_not(tmp
     damaged_units = digests.damaged_units
 
     def resume(read: bool):
-        check = digests.start_check(tmp_path, "resume from it", 0, 1)
+        check = digest_check.start_check(tmp_path, "resume from it", 0, 1)
         assert check.checked_before == {"user_content.pt"}  # hashed already, by a plain read
         with check.reading():
             if read:
-                with digests.checked_source(model) as source:
+                with digest_check.checked_source(model) as source:
                     assert isinstance(source, HashingReader) if threads == "0" else source == model.resolve()
                     torch.load(source, weights_only=True)
         hashed_after.clear()
@@ -278,4 +279,4 @@ def test_a_resume_check_covers_every_file_whether_the_engine_reads_it_or_not(tmp
     data[-40] ^= 0x10
     (tmp_path / "user_content.pt").write_bytes(bytes(data))
     with pytest.raises(SMPCheckpointError, match="user_content.pt: content differs"):
-        digests.start_check(tmp_path, "resume from it", 0, 1)
+        digest_check.start_check(tmp_path, "resume from it", 0, 1)

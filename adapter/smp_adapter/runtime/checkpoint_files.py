@@ -18,6 +18,7 @@ import torch
 
 from smp_adapter.errors import SMPCheckpointError
 from smp_adapter.runtime import checkpoint_digests as digests
+from smp_adapter.runtime import digest_check
 from smp_adapter.runtime.checkpoint_digests import MANIFEST  # noqa: F401 - its one home
 from smp_adapter.runtime.state import state
 
@@ -140,7 +141,7 @@ def safe_torch_load(path: str, map_location=None, weights_only: bool = True):
     if not weights_only or _trusted():
         return _load(path, map_location, weights_only=False)
     try:
-        with digests.checked_source(path) as source:  # hashed as read, inside a checked resume
+        with digest_check.checked_source(path) as source:  # hashed as read, inside a checked resume
             return torch.load(source, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError:
         pass  # other Python objects in the file: see whether they are plain data
@@ -169,7 +170,7 @@ def safe_torch_load(path: str, map_location=None, weights_only: bool = True):
 
 def _load(path: str, map_location, weights_only: bool):
     try:
-        with digests.checked_source(path) as source:
+        with digest_check.checked_source(path) as source:
             return torch.load(source, map_location=map_location, weights_only=weights_only)
     except Exception as exc:  # noqa: BLE001 - pickle / zip errors: the file is not a torch checkpoint
         _not_a_checkpoint(path, exc)

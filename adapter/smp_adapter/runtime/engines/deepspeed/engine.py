@@ -327,12 +327,12 @@ class DeepSpeedEngine(StartsThroughDeepSpeed, Engine):
     def load_partial(self, folder, optimizer, strict: bool, load_optimizer: bool) -> None:
         from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
 
-        from smp_adapter.runtime.checkpoint_digests import checked_source
+        from smp_adapter.runtime.digest_check import checked_source
 
         checkpoint_engine = self._ds.checkpoint_engine
         read = checkpoint_engine.load
         # its default engine (torch.load(path)) is handed a file object that hashes what it reads
-        # inside a checked resume (checkpoint_digests.Check); any other engine reads its path
+        # inside a checked resume (digest_check.Check); any other engine reads its path
         torch_load_engine = type(checkpoint_engine).load is TorchCheckpointEngine.load
 
         def load(path, *args, **kwargs):
