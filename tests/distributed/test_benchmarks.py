@@ -7,7 +7,8 @@ what does not depend on speed:
 * overhead.py: the adapter and a hand-written DeepSpeed loop give the same losses, and their engine
   configs differ only in DeepSpeed's sample-counting micro batch size;
 * checkpoint.py: saving with and without the layout-independent pieces, and resuming each (the
-  second under another layout), keep working;
+  second under another layout), keep working; so do `--digests`' saves and resumes with and without
+  the file digests, hashed either way (as read, on a spare-core thread);
 * memory.py: per-rank bytes within the issue's targets (ZeRO-3 and TP within 5 % of the ideal, PP
   stages within 10 %, also with shard_optimizer_state halving each stage's optimizer state)."""
 
@@ -101,3 +102,16 @@ def test_checkpoint_saves_and_resumes_both_ways(tmp_path):
     assert f["save_s"]["deepspeed_only"] > 0 and f["save_s"]["with_pieces"] > 0
     assert set(f["resume"]) == {"same", "zero0"}
     assert all(r["s"] > 0 and "anon_per_share" in r for r in f["resume"].values())
+
+
+@pytest.mark.parametrize("threads", ["0", "1"])
+def test_checkpoint_digest_costs_run_both_ways_of_hashing(tmp_path, monkeypatch, threads):
+    """`--digests`: saves and resumes with and without the file digests, hashed as read (0) or on a
+    spare-core thread (1); the figures name the way the resume hashed."""
+    monkeypatch.setenv("SMP_ADAPTER_DIGEST_THREADS", threads)
+    figures = run_benchmark("checkpoint", "--digests", "--modes", "dp1", "--repeats", 1, "--n-embd", 64,
+                            "--n-layer", 1, "--vocab", 512, tmp_path=tmp_path)
+    f = figures["dp1"]
+    assert f["hashing_threads"] == int(threads)
+    assert all(f["save_s"][k] > 0 for k in ("off", "on")) and all(f["resume_s"][k] > 0 for k in ("off", "on"))
+    assert len(f["resume_all"]["on"]) == len(f["resume_all"]["off"]) == 1
