@@ -17,5 +17,7 @@ mkdir -p "$DIR"
   --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 \
   --platform manylinux2014_x86_64 -d "$DIR" \
   "megatron-core==${MEGATRON_CORE_VERSION:-0.16.1}" hjson pydantic pydantic-core annotated-types typing-inspection
-ls -1 "$DIR"
+# pydantic-core needs typing-extensions >= 4.16: carried aside, installed only where the image's is older
+"$PY" -m pip download -q --no-deps --only-binary=:all: -d "$DIR/extra" "typing_extensions>=4.16"
+ls -1 "$DIR" "$DIR/extra"
 echo "carry $DIR to the GPU machine and run: bash scripts/gpu_check.sh $DIR"
