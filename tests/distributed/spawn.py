@@ -10,17 +10,11 @@ from __future__ import annotations
 import datetime
 import os
 import queue
-import socket
 import time
 import traceback
 
 import torch.multiprocessing as mp
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from launch_util import free_port
 
 
 def _worker(rank, world_size, port, fn, args, results):
@@ -42,7 +36,7 @@ def _worker(rank, world_size, port, fn, args, results):
 def run_distributed(fn, world_size: int, *args, timeout: float = 110.0):
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, results), daemon=True)
              for r in range(world_size)]
     for p in procs:
