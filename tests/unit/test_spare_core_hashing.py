@@ -13,10 +13,25 @@ from smp_adapter.runtime.digest_records import digest_file
 
 @pytest.mark.parametrize("cores, local_ranks, threads", [(2, 2, 0), (2, 1, 1), (3, 2, 0), (16, 2, 2), (96, 8, 2),
                                                          (4, 8, 0)])
-def test_threads_follow_the_cores_each_local_rank_has_beyond_its_own(monkeypatch, cores, local_ranks, threads):
+def test_threads_follow_the_cores_each_local_rank_has_beyond_its_own(monkeypatch, tmp_path, cores, local_ranks,
+                                                                    threads):
     monkeypatch.delenv(spare.THREADS_ENV, raising=False)
+    monkeypatch.setattr(spare, "CPU_MAX", str(tmp_path / "absent"))
     monkeypatch.setattr(spare.os, "sched_getaffinity", lambda pid: set(range(cores)), raising=False)
     assert spare.hashing_threads(local_ranks) == threads
+
+
+@pytest.mark.parametrize("cpu_max, cores", [("max 100000", 96), ("800000 100000", 8), ("50000 100000", 1),
+                                            ("garbled", 96)])
+def test_a_containers_cpu_quota_caps_the_cores_counted(monkeypatch, tmp_path, cpu_max, cores):
+    """A pod limited to 8 CPUs on a 96-core host sees all 96 in its affinity: 8 ranks there have no
+    spare core, and hashing on threads would take CPU time the ranks need."""
+    (tmp_path / "cpu.max").write_text(cpu_max + "\n")
+    monkeypatch.setattr(spare, "CPU_MAX", str(tmp_path / "cpu.max"))
+    monkeypatch.setattr(spare.os, "sched_getaffinity", lambda pid: set(range(96)), raising=False)
+    monkeypatch.delenv(spare.THREADS_ENV, raising=False)
+    assert spare.usable_cores() == cores
+    assert spare.hashing_threads(8) == (2 if cores == 96 else 0)
 
 
 def test_the_environment_chooses_the_threads_or_is_refused_naming_the_fix(monkeypatch):
@@ -110,6 +125,7 @@ def test_a_file_hashed_beside_its_write_has_the_record_hashed_from_the_file(tmp_
 def test_the_save_hashes_beside_its_writes_only_where_a_core_is_spare(monkeypatch):
     monkeypatch.setattr(spare, "_writer_helper", None)
     monkeypatch.setattr(spare, "_local_ranks", lambda: 2)
+    monkeypatch.setattr(spare, "CPU_MAX", "/nonexistent/cpu.max")
     monkeypatch.delenv(spare.THREADS_ENV, raising=False)
     monkeypatch.setattr(spare.os, "sched_getaffinity", lambda pid: set(range(2)), raising=False)
     assert spare.writer_helper() is None  # two ranks on two cores: hashed on the writing thread

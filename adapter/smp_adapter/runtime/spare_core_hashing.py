@@ -17,7 +17,8 @@ chunk this rank is due to check is hashed and compared before the resume returns
   ~2-3 GB/s).
 
 Which one: spare cores when every local rank has at least one core beyond its own
-(``os.sched_getaffinity`` // local ranks >= 2; a GPU node, 8-24 cores per GPU), else as read (this
+(``usable_cores`` // local ranks >= 2: the affinity, capped by a container's CPU quota; a GPU node,
+8-24 cores per GPU), else as read (this
 project's 2-core CI machine with 2 ranks: a second pass would take the other rank's core).
 ``SMP_ADAPTER_DIGEST_THREADS``: a number of threads (0 = as read) overrides that.
 """
@@ -47,8 +48,24 @@ def hashing_threads(local_ranks: int) -> int:
             raise SMPUsageError(f"{THREADS_ENV}={raw!r} is not a number of threads: set 0 (hash what the engine reads "
                                 f"as it reads it) or a positive number (hash on that many spare cores), or unset it")
         return value
+    return max(0, min(MAX_THREADS, usable_cores() // max(local_ranks, 1) - 1))
+
+
+CPU_MAX = "/sys/fs/cgroup/cpu.max"  # cgroup v2: "<quota> <period>" in microseconds, or "max <period>"
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity), fewer where a CPU quota caps the container
+    (a Kubernetes pod's CPU limit leaves the affinity at every core of the host)."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(0, min(MAX_THREADS, cores // max(local_ranks, 1) - 1))
+    try:
+        with open(CPU_MAX) as f:
+            quota, period = f.read().split()[:2]
+        if quota != "max":
+            cores = min(cores, max(1, int(quota) // int(period)))
+    except (OSError, ValueError):
+        pass  # no cgroup v2 quota visible: the affinity stands
+    return cores
 
 
 _writer_helper: ThreadPoolExecutor | None = None
