@@ -1,26 +1,28 @@
-"""A checked resume's hashing on the node's spare cores, beside the engine's load (a leaf on the
-shared floor, used by runtime/checkpoint_digests.py).
+"""A checkpoint's hashing on the node's spare cores, beside the rank's own work (a leaf on the shared
+floor: runtime/checkpoint_digests.py asks it for the save's helper thread, runtime/digest_check.py
+for the resume's pool).
 
-Two ways to check the bytes a rank's engine reads, each as strong as the other (every byte of every
-chunk this rank is due to check is hashed and compared before the resume returns):
+Two ways to hash, each as strong as the other (every byte of every chunk a rank is due to record or
+check is hashed, and a check compares it before the resume returns):
 
-* **as read** (``digest_records.HashingReader``): torch.load reads through a file object that hashes
-  each piece right after it lands, still in the CPU's cache. The cheapest in CPU seconds, but they
-  are spent on the rank's own thread: ~3-5 ms per 150 MB at xxh3's in-cache speed, 5-8 % of a warm
-  resume, added to the resume's wall time.
-* **on spare cores** (here): at the save, a thread hashes each tensor's bytes while the rank's
-  thread writes them (``writer_helper``, ``digest_records.HashingFile``). At a resume, when a file
-  is opened, its chunks are handed to a small thread pool that hashes them through a memory map of
-  the page cache while torch.load reads the same file (xxhash releases the GIL). More CPU seconds (a second pass over the bytes), none on the rank's
-  thread: the resume waits only for what is not done when the load ends, which for a file of
-  hundreds of MB is nothing (two threads hash ~10-25 GB/s from the page cache; torch.load copies
-  ~2-3 GB/s).
+* **on the rank's thread**: the save hashes each 1 MiB just before writing it
+  (``digest_records.HashingFile``); the resume hands torch.load a file object that hashes each piece
+  right after it lands, still in the CPU's cache (``digest_records.HashingReader``). The fewest CPU
+  seconds, but on the rank's own thread: ~3-5 ms per 150 MB at xxh3's in-cache speed here (2-3x
+  that on the H200 host of benchmarks/RESULTS.md 9.4), added to the save's and the resume's time.
+* **on spare cores** (here): at the save, a helper thread hashes each tensor's bytes while the
+  rank's thread writes them (``writer_helper``). At a resume, each file the engine opens is handed
+  to a pool of 1-2 threads that hash its chunks through a memory map of the page cache while
+  torch.load reads the same file (xxhash releases the GIL): more CPU seconds (a second pass over
+  the bytes), none on the rank's thread; the resume waits only for what is not done when the load
+  ends (a map hashes at 8-28 GB/s per thread, `benchmarks/checkpoint.py --hash-speed`; torch.load
+  copies ~2-3 GB/s).
 
 Which one: spare cores when every local rank has at least one core beyond its own
-(``usable_cores`` // local ranks >= 2: the affinity, capped by a container's CPU quota; a GPU node,
-8-24 cores per GPU), else as read (this
-project's 2-core CI machine with 2 ranks: a second pass would take the other rank's core).
-``SMP_ADAPTER_DIGEST_THREADS``: a number of threads (0 = as read) overrides that.
+(``usable_cores`` // local ranks >= 2: the affinity, capped by a container's CPU quota; a GPU node
+has 8-24 cores per GPU), else the rank's thread (this project's 2-core CI machine with 2 ranks: a
+thread would take the other rank's core). ``SMP_ADAPTER_DIGEST_THREADS``, a number of threads (0:
+the rank's thread), overrides that.
 """
 
 from __future__ import annotations
