@@ -18,7 +18,7 @@ from smp_adapter.runtime.checkpoint_digests import (ALGORITHM, FILES, MANIFEST, 
                                                     check_contents, check_files, check_sizes, differs, extra_files,
                                                     has_digests, max_over_ranks, read_manifest, refusal, shares,
                                                     skipped)
-from smp_adapter.runtime.digest_records import HashingReader, hasher, small, units
+from smp_adapter.runtime.digest_records import HashingReader, due_units, hasher, small
 from smp_adapter.runtime.spare_core_hashing import SpareCoreHasher, hashing_threads
 
 _reading = None  # the Check whose files torch.load reads through a HashingReader (``Check.reading``)
@@ -52,9 +52,7 @@ def checked_source(path, shared_by: tuple[int, int] = (0, 1)):
             reader.close()
             # read again later (DeepSpeed reads its model file twice: once to check the mp size), it
             # is not hashed again when this read checked every chunk it was to
-            position, count = shared_by
-            due = [u[1] for u in units(name, record) if u[1] is None or u[1] % count == position]
-            if all(i in reader.checked for i in due):
+            if all(i in reader.checked for i in due_units(record, shared_by)):
                 check.read_whole.add((name, shared_by))
 
 
@@ -67,7 +65,9 @@ class Check:
     added, the contents of the small files: ``checked_before``) is settled before the engine reads
     anything. During the load (``reading``), torch.load reads each other recorded file through a
     reader that hashes the bytes just read, while they are in the CPU's cache (a second pass through
-    a memory map costs more, and on a busy core that is the whole cost of the check). ``finish``
+    a memory map costs more, and on a busy core that is the whole cost of the check), or, where the
+    rank has spare cores, hands the file to threads that hash it beside the load
+    (runtime/spare_core_hashing.py). ``finish``
     reduces over the ranks, in one all-reduce, which units (chunks, or whole files) every rank has
     checked and which were damaged: every rank then holds the same verdict, and returns or raises
     the same error before the resume returns, i.e. before a training step uses a value. Only when

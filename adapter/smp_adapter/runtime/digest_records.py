@@ -89,6 +89,18 @@ def units(name: str, record: dict) -> list:
     return [(name, i) for i in range(len(record["chunks"]))] if "chunks" in record else [(name, None)]
 
 
+def hashes_unit(index: int | None, shared_by: tuple[int, int]) -> bool:
+    """Whether the rank at ``position`` of the ``count`` ranks that read one file whole (``shared_by``)
+    hashes its unit ``index``: every count-th chunk from its position; a file recorded whole, the first."""
+    position, count = shared_by
+    return (index or 0) % count == position
+
+
+def due_units(record: dict, shared_by: tuple[int, int]) -> list:
+    """The unit indices (chunk numbers, or None) of ``record`` that this rank of ``shared_by`` hashes."""
+    return [i for _, i in units("", record) if hashes_unit(i, shared_by)]
+
+
 def unit_bytes(record: dict, index: int | None) -> int:
     if index is None:
         return record["size"]
@@ -272,7 +284,7 @@ class HashingReader(io.RawIOBase):
         file, by a dp group); this one hashes chunks ``position``, ``position + count``, ..."""
         super().__init__()
         self._raw = open(path, "rb", buffering=0)
-        self._algorithm, self._record, (self._position, self._count) = algorithm, record, shared_by
+        self._algorithm, self._record, self._shared_by = algorithm, record, shared_by
         self._step = record.get("chunk_bytes") or max(record["size"], 1)
         self._hash, self._cursor, self.checked = hasher(algorithm), 0, {}
 
@@ -280,7 +292,7 @@ class HashingReader(io.RawIOBase):
         return str(self._raw.name)
 
     def _mine(self, index: int) -> bool:
-        return index % self._count == self._position
+        return hashes_unit(index, self._shared_by)
 
     def _chunk_end(self, index: int) -> int:
         return min((index + 1) * self._step, self._record["size"])

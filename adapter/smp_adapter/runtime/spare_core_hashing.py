@@ -31,7 +31,7 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 
 from smp_adapter.errors import SMPUsageError
-from smp_adapter.runtime.digest_records import damaged_units, units
+from smp_adapter.runtime.digest_records import damaged_units, due_units
 
 THREADS_ENV = "SMP_ADAPTER_DIGEST_THREADS"
 MAX_THREADS = 2  # hashing from the page cache is bound by memory bandwidth: a third thread adds little
@@ -109,8 +109,7 @@ class FileHashing:
 
     def __init__(self, path, algorithm: str, record: dict, shared_by: tuple[int, int]):
         self.path, self.algorithm, self.record = path, algorithm, record
-        position, count = shared_by
-        self.due = [i for _, i in units("", record) if (i or 0) % count == position]
+        self.due = due_units(record, shared_by)
         self.checked: dict = {}
         self.errors: list = []
 
