@@ -258,7 +258,7 @@ def gather_full_state_dict(module: nn.Module, ctx: TPContext) -> dict:
     out, done = {}, {}
     for key, t in sd.items():
         layout = getattr(t, LAYOUT_ATTR, None) if isinstance(t, torch.Tensor) else None
-        if layout is None or ctx.size == 1:
+        if layout is None or ctx.size == 1 or t.is_meta:  # meta: another pipeline stage's (it gathers its own)
             out[key] = t.detach() if isinstance(t, torch.Tensor) else t
             continue
         if id(t) not in done:  # tied parameters are gathered once

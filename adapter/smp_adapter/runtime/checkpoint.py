@@ -40,8 +40,8 @@ def full_model_state_dict(model, gather_to_rank0: bool = False) -> dict:
             sd = {k: v.detach().clone().cpu() for k, v in _unsplit_state_dict(module).items()}
     elif state.dims.tp > 1:
         sd = _unsplit_state_dict(module)
-    else:
-        sd = {k: v.detach().clone().cpu() for k, v in module.state_dict().items()}
+    else:  # (another pipeline stage's tensors are meta here: that stage contributes them below)
+        sd = {k: v if v.is_meta else v.detach().clone().cpu() for k, v in module.state_dict().items()}
     sd = engine.merge_full_state_dict(sd)  # pp > 1: each stage contributes its entries
     if gather_to_rank0 and state.rank != 0:
         return {}

@@ -24,8 +24,11 @@ _INIT_FIX = ("an initialisation path left it unset or overflowed: build the mode
 def _local_data(tensor: torch.Tensor, local_data) -> torch.Tensor | None:
     """What this rank holds of ``tensor`` (``local_data``: the engine's hook, a ZeRO-3 parameter's
     shard), else the tensor; None for tensors without storage here (meta: another pipeline stage's)."""
+    from smp_adapter.runtime.deferred_init import DeferredTensor
+
     data = local_data(tensor) if local_data is not None else tensor
-    if data is None or data.is_meta or not data.is_floating_point() or data.numel() == 0:
+    if data is None or data.is_meta or isinstance(data, DeferredTensor) or not data.is_floating_point() \
+            or data.numel() == 0:  # (a delayed tensor a pipeline rank has not materialised yet)
         return None
     return data
 

@@ -39,13 +39,8 @@ class DistributedModel(nn.Module):
         self.backward_passes_per_step = backward_passes_per_step
         self.average_grads_across_microbatches = average_grads_across_microbatches
         self.broadcast_buffers = broadcast_buffers
-        self.trace_device = trace_device  # accepted for compatibility; said once where it would matter
-        if trace_device == "cpu" and s.dims.pp > 1:
-            from smp_adapter.runtime.init import warn_once
-
-            warn_once(["DistributedModel(trace_device='cpu') is not carried out: the model is placed whole on each "
-                       "rank's device and traced there at the first step; if it does not fit one device, use "
-                       "tensor_parallel_degree or sharded_data_parallel_degree (README, pipeline parallelism)"], s.rank)
+        # pp > 1 traces on the meta device whatever this says (no parameter memory; docs/pipeline.md)
+        self.trace_device = trace_device
         self.partitioned = False
         self._post_partition_hooks: list = []
         self._post_step_hooks: list = []
@@ -65,7 +60,9 @@ class DistributedModel(nn.Module):
             add_smp_layout(module)
         before = dict(module.named_modules())
         if s.dims.tp > 1:
-            self._distributed_modules = _apply_tensor_parallelism(module, engine.gathered)
+            with _recording_if_delayed(module):  # the split of a delayed model is replayed with its creation
+                self._distributed_modules = _apply_tensor_parallelism(module, engine.gathered)
+        engine.materialize_kept(module, s.device)  # delayed init: what this rank keeps gets storage now
         #: the engine that executes this model (runtime/engines); chosen once, here
         self.runtime_engine = create_engine(self, s.dims, {n: before[n] for n in self._distributed_modules})
         from smp_adapter.runtime.finiteness import check_initial_weights
@@ -222,6 +219,16 @@ def _scalar_loss(tensors, grad_tensors):
         raise SMPUsageError(f"model.backward needs a scalar loss, got a tensor of shape {tuple(tensors.shape)}: "
                             "reduce it (e.g. loss.mean()) or pass grad_tensors")
     return tensors
+
+
+def _recording_if_delayed(module):
+    import contextlib
+
+    from smp_adapter.runtime.deferred_init import holds_deferred
+
+    if state.deferred_init is not None and holds_deferred(module):
+        return state.deferred_init.creating()
+    return contextlib.nullcontext()
 
 
 def _apply_tensor_parallelism(module, gathered):

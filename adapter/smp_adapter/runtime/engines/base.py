@@ -47,8 +47,15 @@ class Engine(ABC):
 
     @classmethod
     def module_init_context(cls, dtype):
-        """The context parameters are created in under delayed parameter initialisation."""
-        return contextlib.nullcontext()
+        """The context parameters are created in under delayed parameter initialisation: tensors
+        without storage whose creation is recorded (runtime/deferred_init.py), materialised when the
+        engine knows what this rank keeps (``materialize_kept``)."""
+        from smp_adapter.runtime.deferred_init import DeferredInit
+        from smp_adapter.runtime.state import state
+
+        if state.deferred_init is None:
+            state.deferred_init = DeferredInit()
+        return state.deferred_init.creating()
 
     @classmethod
     def register_external_parameter(cls, module, parameter) -> None:
@@ -80,16 +87,46 @@ class Engine(ABC):
         """Start every replica from the same weights, as smp's constructor did: every parameter and
         buffer from dp rank 0 over the DP group (which holds the TP group). Called before the
         tensor-parallel split, so each TP rank's shard is a slice of the same matrix although users
-        seed with their dp rank (spec §3.5)."""
+        seed with their dp rank (smp v1 docs: "the same random seed ... across ranks" is not required).
+        Tensors created under delayed initialisation have no values yet: every rank of the DP group
+        takes its first rank's recorded random states instead, so that replaying the creation gives
+        every rank the first rank's values (one broadcast of a few KB per random tensor)."""
+        from smp_adapter.runtime.deferred_init import DeferredTensor, module_tensors
         from smp_adapter.runtime.state import state
 
-        broadcast_from_first_rank(list(module.parameters()) + list(module.buffers()), state.groups.dp)
+        tensors = module_tensors(module)
+        if any(isinstance(t, DeferredTensor) for t in tensors):
+            adopt_first_rank_random_states(state.deferred_init, state.groups.dp)
+        broadcast_from_first_rank([t for t in tensors if not isinstance(t, DeferredTensor)], state.groups.dp)
 
     @classmethod
     def place_module(cls, module, device) -> None:
         """DistributedModel: put a freshly created module where the engine wants it before the
-        tensor-parallel split (whole tensors on the job's device)."""
-        module.to(device)
+        tensor-parallel split (whole tensors on the job's device). Tensors created under delayed
+        initialisation stay without storage until ``materialize_kept``."""
+        from smp_adapter.runtime.deferred_init import holds_deferred
+
+        if not holds_deferred(module):
+            module.to(device)
+            return
+        for m in module.modules():  # the real ones (literals such as BatchNorm's counter) move now
+            for name, t in list(m._parameters.items()) + list(m._buffers.items()):
+                if t is not None and not _deferred(t) and t.device != torch.device(device):
+                    from smp_adapter.runtime.deferred_init import replace_in_place
+
+                    replace_in_place(t, t.detach().to(device))
+
+    @classmethod
+    def materialize_kept(cls, module, device) -> None:
+        """DistributedModel, after the tensor-parallel split: give storage to the tensors created
+        under delayed initialisation that this rank keeps from now on, on its device (every one: a
+        data-parallel or tensor-parallel rank keeps its whole split module). The pipeline engine
+        keeps them until it knows the rank's stage."""
+        from smp_adapter.runtime.deferred_init import materialize_in_place, module_tensors
+        from smp_adapter.runtime.state import state
+
+        if state.deferred_init is not None:
+            materialize_in_place(state.deferred_init, module_tensors(module), device)
 
     def __init__(self, model, tp_originals: dict):
         """``model``: the DistributedModel (public members only); ``tp_originals``: qualified name ->
@@ -245,6 +282,23 @@ def refuse_full_sharded_optimizer_state():
         "optimizer.local_state_dict() or smp.save_checkpoint(..., partial=True)")
 
 
+def _deferred(tensor) -> bool:
+    from smp_adapter.runtime.deferred_init import DeferredTensor
+
+    return isinstance(tensor, DeferredTensor)
+
+
+def adopt_first_rank_random_states(record, group) -> None:
+    """Every member of ``group`` takes its first member's recorded random states (collective)."""
+    import torch.distributed as dist
+
+    if record is None or group is None or not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return
+    payload = [record.random_states()]
+    dist.broadcast_object_list(payload, src=dist.get_global_rank(group, 0), group=group)
+    record.adopt_random_states(payload[0])
+
+
 def broadcast_from_first_rank(tensors, group) -> None:
     """Overwrite ``tensors`` on every member of ``group`` with its first member's (collective: every
     member passes the same tensors in the same order). Nothing to do alone or without a group."""
@@ -253,6 +307,16 @@ def broadcast_from_first_rank(tensors, group) -> None:
     if group is None or not dist.is_initialized() or dist.get_world_size(group) == 1:
         return
     src = dist.get_global_rank(group, 0)
+    from smp_adapter.runtime.state import state
+
+    # NCCL sends device tensors only: a model the pipeline engine keeps on the host until it knows
+    # the rank's stage goes through the device one tensor at a time
+    via_device = dist.get_backend(group) == "nccl" and state.device is not None and state.device.type == "cuda"
     with torch.no_grad():
         for tensor in tensors:
-            dist.broadcast(tensor.data, src=src, group=group)
+            if via_device and tensor.device.type == "cpu":
+                sent = tensor.data.to(state.device)
+                dist.broadcast(sent, src=src, group=group)
+                tensor.data.copy_(sent)
+            else:
+                dist.broadcast(tensor.data, src=src, group=group)

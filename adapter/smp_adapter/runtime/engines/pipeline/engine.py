@@ -39,6 +39,16 @@ class PipelineEngine(StartsThroughDeepSpeed, Engine):
     # reuses DeepSpeed's loss scalers and partition solver, deepspeed/parts.py), so a job starts the
     # same whatever its pipeline degree. Sharded data parallel is refused with pp > 1, so no
     # parameter is ever a ZeRO-3 shard here: the other class hooks keep Engine's defaults.
+    @classmethod
+    def place_module(cls, module, device) -> None:
+        """The model stays where the script made it (the host; without storage under delayed
+        initialisation) until the first step cuts it: then each rank moves only its stage(s) to its
+        device and drops the rest (stage_memory.py)."""
+
+    @classmethod
+    def materialize_kept(cls, module, device) -> None:
+        """Nothing yet: which tensors this rank keeps is known when the first step cuts the stages."""
+
     def __init__(self, model, tp_originals: dict):
         super().__init__(model, tp_originals)
         from smp_adapter.runtime.engines.pipeline.runtime import PipelineRunner
@@ -94,6 +104,10 @@ class PipelineEngine(StartsThroughDeepSpeed, Engine):
 
     def merge_full_state_dict(self, sd: dict) -> dict:
         return self.runner.full_state_dict(sd)  # each stage contributes its entries
+
+    def local_tensors(self) -> dict:
+        """Copies of this rank's tensors (another stage's are meta here: none of its values are held)."""
+        return {k: v.detach().clone().cpu() for k, v in self.model.module.state_dict().items() if not v.is_meta}
 
     def local_state_dict(self, sd: dict) -> dict:
         from smp_adapter.runtime.engines.pipeline.checkpoint import mark_stage

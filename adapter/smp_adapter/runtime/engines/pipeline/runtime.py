@@ -32,7 +32,7 @@ from torch import nn
 from smp_adapter.config.pipeline_schedule import SPLIT_BACKWARD
 from smp_adapter.errors import SMPUsageError, UnsupportedFeatureError
 from smp_adapter.runtime import activation_checkpoint
-from smp_adapter.runtime.engines.pipeline import partition as part, pass_through, surgery, tied
+from smp_adapter.runtime.engines.pipeline import partition as part, pass_through, stage_memory, surgery, tied
 from smp_adapter.runtime.engines.pipeline.idle_time import ComputeClock
 from smp_adapter.runtime.engines.pipeline.virtual_stages import StageLayout, skip_self_warmup
 from smp_adapter.runtime.partition import partition_mark
@@ -40,6 +40,15 @@ from smp_adapter.runtime.state import state
 
 
 _MODE_DEPENDENT = (nn.Dropout, nn.modules.batchnorm._BatchNorm)
+
+
+def _untraceable(module, e: Exception) -> UnsupportedFeatureError:
+    return UnsupportedFeatureError(
+        f"pipeline parallelism could not split {type(module).__name__}: torch.export failed to trace it "
+        f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}). Make its forward traceable "
+        "(no data-dependent Python control flow, tensors/containers as inputs and outputs; for Hugging "
+        "Face models pass use_cache=False), or run with pipeline_parallel_degree: 1 and fit the model "
+        "with tensor_parallel_degree or sharded_data_parallel_degree")
 
 
 class _Captured(Exception):
@@ -310,10 +319,19 @@ class PipelineRunner:
 
         module = self.model.module
         cfg = state.cfg
-        with surgery.originals_swapped_in(module, self.tp_originals), activation_checkpoint.tracing_plain():
-            prof = part.profile(module, args, kwargs)
-            with torch.no_grad():
-                example_out = module(*args, **kwargs)
+        # traced with fake stand-ins: no rank ever holds the whole model on its device (stage_memory.py)
+        stand_ins = stage_memory.FakeStandIns([module, *self.tp_originals.values()], state.device)
+        args, kwargs = stand_ins.inputs((args, kwargs))
+        with stand_ins, surgery.originals_swapped_in(module, self.tp_originals), activation_checkpoint.tracing_plain():
+            try:
+                with stand_ins.mode:
+                    prof = part.profile(module, args, kwargs)
+                    with torch.no_grad():
+                        example_out = module(*args, **kwargs)
+            except Exception as e:  # noqa: BLE001 - a forward that needs values (data-dependent control flow)
+                if isinstance(e, (SMPUsageError, UnsupportedFeatureError)):
+                    raise
+                raise _untraceable(module, e) from e
             self.out_spec = torch.utils._pytree.tree_flatten(example_out)[1]
             if cfg.auto_partition:
                 marked = [n for n, m in module.named_modules() if partition_mark(m) is not None]
@@ -355,6 +373,9 @@ class PipelineRunner:
             if i > 0 and cfg.pipeline in SPLIT_BACKWARD:  # the first stage's backward is not split
                 surgery.own_outputs_read_inside(mine)
                 mine.register_forward_hook(surgery.OwnViewOutputs())
+        # this rank's stage(s) get their values on its device; every other tensor is released
+        stage_memory.keep_stage(module, stage_memory.stage_tensors(self.stage_modules), state.deferred_init,
+                                state.device)
         marked = [n for mine in self.stage_modules for n in surgery.checkpoint_marked(module, mine)]
         if marked:  # set_activation_checkpointing, lost by torch.export, applied again to the stages
             print(f"Activation checkpointing in the stage(s) of pipeline rank {self.stage_index}: {', '.join(marked)}")
@@ -393,12 +414,7 @@ class PipelineRunner:
                     f"on ({comm_ledger.ENV}): torch.export cannot trace the tensor-parallel exchanges inside the stages "
                     "through the ledger's counting wrappers. Run this layout without the ledger (unset the variable, no "
                     "--comm-ledger), or with prescaled_batch: true, whose exchanges the ledger can count") from e
-            raise UnsupportedFeatureError(
-                f"pipeline parallelism could not split {type(module).__name__}: torch.export failed to trace it "
-                f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}). Make its forward traceable "
-                "(no data-dependent Python control flow, tensors/containers as inputs and outputs; for Hugging "
-                "Face models pass use_cache=False), or run with pipeline_parallel_degree: 1 and fit the model "
-                "with tensor_parallel_degree or sharded_data_parallel_degree") from e
+            raise _untraceable(module, e) from e
         finally:
             for name, forward in saved.items():
                 split_module = module.get_submodule(name)
