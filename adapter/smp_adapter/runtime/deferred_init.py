@@ -87,8 +87,11 @@ class DeferredInit:
     @contextlib.contextmanager
     def creating(self):
         """Tensors made by factories inside are DeferredTensors of this record."""
-        with _Creating(self):
-            yield
+        try:
+            with _Creating(self):
+                yield
+        finally:
+            release_freed_heap()  # the random draws' scratch tensors
 
     def key_of(self, tensor: torch.Tensor) -> int | None:
         """The record's storage behind ``tensor`` (a DeferredTensor, or a meta alias of one)."""
@@ -452,3 +455,25 @@ def materialize_in_place(record: DeferredInit, tensors: list[torch.Tensor], devi
     with torch.no_grad():
         for tensor, value in zip(tensors, record.materialize(tensors, device)):
             replace_in_place(tensor, value)
+    release_freed_heap()  # what the replay computed on the way
+
+
+def release_freed_heap() -> None:
+    """Return the memory freed on the host heap to the kernel. glibc keeps freed blocks below its
+    (self-raising) mmap threshold in the heap: creating a model of N tensors of 4 MB under recording
+    left N x 4 MB of resident, free heap (measured: 60 MB after a 64 MB MLP; 0 after trimming).
+    Nothing to do where the C library has no malloc_trim."""
+    global _malloc_trim
+    if _malloc_trim is None:
+        import ctypes
+        import ctypes.util
+
+        try:
+            _malloc_trim = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+        except (OSError, AttributeError):
+            _malloc_trim = False
+    if _malloc_trim:
+        _malloc_trim(0)
+
+
+_malloc_trim = None  # glibc's malloc_trim, looked up once (False where there is none)

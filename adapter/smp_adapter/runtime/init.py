@@ -71,6 +71,7 @@ def init(config: Mapping[str, Any] | None = None) -> None:
     from smp_adapter.runtime.engines import engine_class
 
     engine = engine_class(dims.engine)  # the engine of this job, chosen before any model exists
+    engine.load_code()
     state.owns_process_group = not dist.is_initialized()
     if state.owns_process_group:
         engine.start_process_group(backend, launch.rank, launch.world_size, collective_timeout(), use_cuda)

@@ -36,6 +36,11 @@ class Engine(ABC):
         return None
 
     @classmethod
+    def load_code(cls) -> None:
+        """smp.init, once the engine is chosen: import what the engine will run, so that its code
+        (tens of MB of Python modules) is loaded before any model exists rather than mid-job."""
+
+    @classmethod
     def start_process_group(cls, backend: str, rank: int, world_size: int, timeout, use_cuda: bool) -> None:
         import torch.distributed as dist
 

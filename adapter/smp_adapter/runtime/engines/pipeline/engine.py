@@ -40,6 +40,19 @@ class PipelineEngine(StartsThroughDeepSpeed, Engine):
     # same whatever its pipeline degree. Sharded data parallel is refused with pp > 1, so no
     # parameter is ever a ZeRO-3 shard here: the other class hooks keep Engine's defaults.
     @classmethod
+    def load_code(cls) -> None:
+        """torch's pipelining, torch.export and the fake tensors the stages are traced with: ~75 MB
+        of modules at import and ~28 MB (about 400 modules: export's passes, networkx) that the first
+        trace imports, measured on torch 2.13. A two-layer model traced here loads them before any
+        model exists (about a second), so that a rank's memory after smp.init holds the code it
+        will run and what it gains later is the model's."""
+        import torch
+        from torch.distributed.pipelining import SplitPoint, pipeline
+
+        tiny = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+        pipeline(tiny, (torch.zeros(1, 2),), {}, split_spec={"1": SplitPoint.BEGINNING})
+
+    @classmethod
     def place_module(cls, module, device) -> None:
         """The model stays where the script made it (the host; without storage under delayed
         initialisation) until the first step cuts it: then each rank moves only its stage(s) to its

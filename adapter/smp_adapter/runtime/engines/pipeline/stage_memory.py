@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from smp_adapter.runtime.deferred_init import (
-    DeferredTensor, materialize_in_place, meta_like, module_tensors, replace_in_place)
+    DeferredTensor, materialize_in_place, meta_like, module_tensors, release_freed_heap, replace_in_place)
 
 
 class FakeStandIns:
@@ -89,6 +89,7 @@ def keep_stage(model: nn.Module, stage_tensors: list[torch.Tensor], record, devi
         for t in module_tensors(model):
             if id(t) not in mine and not t.is_meta:
                 replace_in_place(t, meta_like(t))  # a delayed one stays replayable (same record storage)
+    release_freed_heap()  # the other stages' values, and what tracing allocated
 
 
 def stage_tensors(stage_modules) -> list[torch.Tensor]:
