@@ -102,6 +102,7 @@ def gpt_reference(args: dict, data_dir: Path, data_ranks: int) -> list[float]:
         if a.grad_clip > 0:
             gpt_reference.last_grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), a.grad_clip))
         opt.step()
+    gpt_reference.final_model = model
     return losses
 
 

@@ -54,11 +54,10 @@ def test_grad_scaler_pp2_matches_single_process_and_skips_overflow_on_every_stag
         torch.testing.assert_close(torch.tensor([r["losses"][i] for i in finite]),
                                    torch.tensor([ref_losses[i] for i in finite]), rtol=1e-5, atol=0.0)
     assert sorted(r["pp_rank"] for r in results) == [0, 1]
-    # the script asks for trace_device="cpu": rank 0 says once that it is not carried out and what to use
+    # the script asks for trace_device="cpu": carried out (the stages are traced with fake tensors, no
+    # parameter is ever placed whole on a device), so nothing is said about it
     warned = {r["rank"]: r["trace_warnings"] for r in results}
-    assert warned[1] == [] and len(warned[0]) == 1, warned
-    assert warned[0][0].startswith("DistributedModel(trace_device='cpu') is not carried out: the model is placed whole "
-                                   "on each rank's device") and "tensor_parallel_degree or sharded_data_parallel_degree" in warned[0][0]
+    assert warned == {0: [], 1: []}, warned
     final = results[0]["final_state"] or results[1]["final_state"]
     for name, ref in ref_state.items():  # a stage that stepped through the overflow would differ here
         torch.testing.assert_close(torch.tensor(final[name]), ref, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")

@@ -57,7 +57,7 @@ def main():
     torch.manual_seed(1)
     import warnings
 
-    with warnings.catch_warnings(record=True) as caught:  # trace_device="cpu": said not to be carried out
+    with warnings.catch_warnings(record=True) as caught:  # trace_device="cpu": carried out, nothing said
         warnings.simplefilter("always")
         model = smp.DistributedModel(Net(), trace_device="cpu")
     scaler = smp.amp.GradScaler()
