@@ -31,6 +31,11 @@ Ideal per rank, P = parameter count, 4 bytes each (fp32):
                shard_optimizer_state
 
     PYTHONPATH=adapter .venv/bin/python benchmarks/memory.py
+    PYTHONPATH=adapter .venv/bin/python benchmarks/memory.py --pipeline-rss [--layers 16 --width 2048]
+
+--pipeline-rss: what each pipeline rank holds of the model by the kernel's count (resident memory
+between steps and its peak) with and without delayed parameter initialisation, at pp 1, 2 and 4
+(benchmarks/_pipeline_rss.py).
 """
 
 from __future__ import annotations
@@ -278,7 +283,17 @@ def main() -> None:
     p.add_argument("--pp-worker", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--shard", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--options", default="{}", help=argparse.SUPPRESS)
+    p.add_argument("--pipeline-rss", action="store_true", help="the pipeline resident-memory table instead")
+    p.add_argument("--layers", type=int, default=16, help="--pipeline-rss: MLP layers")
+    p.add_argument("--width", type=int, default=2048, help="--pipeline-rss: MLP width (16 x 2048: 256 MiB)")
     args = p.parse_args()
+    if args.pipeline_rss:
+        from _pipeline_rss import run
+
+        figures = run(args.layers, args.width, Path(tempfile.mkdtemp(prefix="smp_pipeline_rss_")), args.timeout)
+        if args.json:
+            Path(args.json).write_text(json.dumps(figures, indent=1))
+        return None
     if args.worker:
         return worker(args)
     if args.pp_worker:

@@ -135,6 +135,12 @@ def worker(args) -> None:
     deepspeed_step()
     mine = models.local_chain(full, args.model, args.layers, [n for n, _ in model.local_named_parameters()])
     plain = torch.nn.ModuleList([copy.deepcopy(full.get_submodule(n)) for n in mine])
+    # a chain module the cut splits between two ranks (the V order cuts inside a block) holds the other
+    # rank's part as meta tensors (docs/pipeline.md, "Memory"): the timing copy gets zeros there
+    for sub in plain.modules():
+        for name, t in list(sub._parameters.items()):
+            if t is not None and t.is_meta:
+                sub._parameters[name] = torch.nn.Parameter(torch.zeros(t.shape, dtype=t.dtype))
     first = smp.pp_rank() == 0  # holds stage 0 in the looped and the V order
     stage_batches = [models.stage_input(args.model, first, x, args.width) for x in batches[0][0].chunk(m)]
 

@@ -50,7 +50,9 @@ SUPPORT: dict[str, tuple[str, str]] = {
     "is_tracing": (_S, "always False: there is no tracing pass"),
     "DistributedModel": (_S, "a DeepSpeed engine (ZeRO stage from the options)"),
     "DistributedOptimizer": (_S, "the DeepSpeed engine's optimizer"),
-    "delay_param_initialization": (_S, "deepspeed.zero.Init under sharded data parallel, otherwise no effect"),
+    "delay_param_initialization": (_S, "deepspeed.zero.Init under sharded data parallel; otherwise parameters are "
+                                   "created without storage and each rank materialises only what it keeps (its "
+                                   "pipeline stage) with the undelayed values"),
     **{f"{g}{w}": (_S, "") for g in ("", "local_", "dp_", "mp_", "pp_", "tp_", "rdp_") for w in ("rank", "size")},
     **{f"get_{g}_group": (_S, "list of global ranks") for g in ("dp", "mp", "pp", "tp", "rdp")},
     **{f"get_{g}_process_group": (_S, "") for g in ("world", "dp", "mp", "pp", "tp", "rdp")},

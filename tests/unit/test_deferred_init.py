@@ -199,3 +199,20 @@ def test_a_constant_changed_after_it_was_copied_in_is_refused():
     source.add_(1)
     with pytest.raises(RecordingError, match="changed afterwards"):
         record.materialize([target], "cpu")
+
+
+def test_gradient_hooks_stay_with_the_parameter():
+    """Tensor parallelism scales a split weight's gradient with a hook registered before the model
+    is materialised: it must still run after (seen: 2x gradients at tp 2 when it was lost)."""
+    model, record = _created(lambda: nn.Linear(3, 3))
+    model.weight.register_hook(lambda g: g * 0.5)
+    seen = []
+    model.bias.register_post_accumulate_grad_hook(lambda p: seen.append(p.grad.clone()))
+    materialize_in_place(record, module_tensors(model), "cpu")
+    torch.manual_seed(0)
+    reference = nn.Linear(3, 3)
+    x = torch.ones(2, 3)
+    model(x).sum().backward()
+    reference(x).sum().backward()
+    assert torch.equal(model.weight.grad, 0.5 * reference.weight.grad)
+    assert len(seen) == 1 and torch.equal(seen[0], reference.bias.grad)

@@ -373,3 +373,20 @@ def test_docs_mapping_table_names_the_deepspeed_entries_the_emitter_writes():
     missing = [p for key, paths in DEEPSPEED_KEYS.items() for p in paths
                if deepspeed_value(ds, p) is None and key not in ("pipeline_parallel_degree", "fp16")]
     assert missing == []
+
+
+@pytest.mark.parametrize("options,world,engine_value,words", [
+    ({"ddp": True, "sharded_data_parallel_degree": 2}, 2, "deepspeed.zero.Init", "already partitioned"),
+    ({"pipeline_parallel_degree": 2, "microbatches": 2}, 2, "recorded; each stage materialised on its rank",
+     "its own stage(s) only"),
+    ({"ddp": True, "tensor_parallel_degree": 2}, 4, "recorded; materialised by DistributedModel", "only its slices"),
+    ({"ddp": True}, 2, "recorded; materialised by DistributedModel", "saves the host copy only"),
+])
+def test_explain_says_what_delayed_init_does_on_each_layout(options, world, engine_value, words):
+    """The row is what the engine of that layout does (runtime/engines: module_init_context and
+    materialize_kept), not one sentence for every layout."""
+    cfg = SMPConfig.from_dict({**options, "delayed_parameter_initialization": True})
+    dims = ParallelDims.from_config(cfg, world)
+    rows = {r.key: r for r in explain(cfg, dims, to_deepspeed_config(dims), to_megatron_plan(dims))}
+    row = rows["delayed_parameter_initialization"]
+    assert row.engine_value == engine_value and words in row.note and row.status == "exact"

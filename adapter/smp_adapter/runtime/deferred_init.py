@@ -435,8 +435,17 @@ def replace_in_place(tensor: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
     # swap_tensors swaps the attribute dicts too: the marks others set on the tensor (the tensor-
     # parallel layout, Hugging Face's _is_hf_initialized) stay with the object
     value.__dict__.update({k: v for k, v in tensor.__dict__.items() if k not in ("_deferred_record", "_is_param")})
+    # gradient hooks live with the tensor's autograd data, which swap_tensors swaps: put them back on the
+    # object (tensor parallelism's 1/tp gradient scale is one; without it split weights got 2x gradients)
+    hooks = {name: getattr(tensor, name) for name in _HOOK_TABLES if getattr(tensor, name, None)}
     torch.utils.swap_tensors(tensor, value)
+    for name, table in hooks.items():
+        setattr(tensor, name, table)
+        setattr(value, name, None)
     return value
+
+
+_HOOK_TABLES = ("_backward_hooks", "_post_accumulate_grad_hooks")
 
 
 def meta_like(tensor: torch.Tensor) -> torch.Tensor:

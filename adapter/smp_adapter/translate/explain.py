@@ -163,8 +163,7 @@ def _map_key(key: str, cfg: SMPConfig, dims: ParallelDims, ds: Mapping[str, Any]
         return _ds(key), cfg.offload_activations, "approximated", \
             "checkpointed activations go to CPU, but are copied back synchronously (no prefetch horizon)"
     if key == "delayed_parameter_initialization":
-        how = "deepspeed.zero.Init" if dims.zero_stage == 3 else "meta-device init, materialised after partitioning"
-        return "model creation", how, "approximated", "parameters are allocated only for the local shard/stage"
+        return ("model creation", *delayed_init_effect(dims, cfg.delayed_parameter_initialization))
     if key == "prescaled_batch":
         return "megatron global_batch_size", mg.global_batch_size, "exact", \
             "rdp x batch (TP group shares a batch)" if cfg.prescaled_batch else "dp x batch (each TP rank reads its own batch)"
@@ -257,3 +256,24 @@ def format_table(rows: list[ExplainRow]) -> str:
         if n == 0:
             lines.append("  ".join("-" * w for w in widths) + "  " + "-" * len(header[-1]))
     return "\n".join(line.rstrip() for line in lines)
+
+
+def delayed_init_effect(dims: ParallelDims, enabled: bool) -> tuple[str, str, str]:
+    """(engine value, status, note) of delayed parameter initialisation on this layout: what the
+    runtime does (runtime/engines: the engine's module_init_context and materialize_kept)."""
+    if not enabled:
+        return "off", "exact", ("parameters are created as the script creates them (smp.delay_param_initialization() "
+                                "in the script still delays what it wraps)")
+    if dims.zero_stage == 3:
+        return "deepspeed.zero.Init", "exact", \
+            "parameters are created already partitioned over the sharded data-parallel group: no rank holds the whole model"
+    values = "with the values the script's own creation gives (the same seed, the same weights on any layout)"
+    if dims.pp > 1:
+        return "recorded; each stage materialised on its rank", "exact", \
+            ("parameters are created without storage; when the first step has cut the stages each pipeline rank replays "
+             f"the creation of its own stage(s) only, on its device, {values}: no rank ever holds the whole model")
+    split = (", after the tensor-parallel split: each rank replays only its slices, one tensor's source at a time"
+             if dims.tp > 1 else "")
+    return "recorded; materialised by DistributedModel", "exact", \
+        (f"parameters are created without storage and materialised on each rank's device when DistributedModel wraps "
+         f"the model{split}, {values}; every rank keeps its whole (split) model, so this saves the host copy only")
