@@ -64,8 +64,8 @@ DP2 = {}  # 4 ranks: pp 2 x dp 2
 GPT2_CELLS = [  # (schedule, its options, the layout's options); see the matrix in the module docstring
     pytest.param("zero_bubble", {}, {**DP2, "shard_optimizer_state": True}, id="zb_h1-pp2xdp2-sharded"),
     pytest.param("interleaved_1f1b", {}, DP2, id="interleaved_1f1b-pp2xdp2"),
-    pytest.param("zbv", {}, DP2, id="zbv-pp2xdp2"),
-    pytest.param("dualpipev", {}, TP2, id="dualpipev-pp2xtp2"),
+    pytest.param("zbv", {}, DP2, id="zbv-pp2xdp2-delayed"),  # the model created under delayed initialisation
+    pytest.param("dualpipev", {}, TP2, id="dualpipev-pp2xtp2-delayed"),
     pytest.param("zero_bubble", {"virtual_pipeline_degree": 2}, TP2, id="zb_v2-pp2xtp2"),
 ]
 
@@ -86,8 +86,12 @@ def test_gpt2_tied_embeddings_every_schedule(tmp_path, schedule, extra, layout):
     options = _options(schedule, {**extra, **layout}, microbatches=microbatches)
     clip = 0.5  # below the norms (0.8-1.2): every step clipped, so the final weights depend on the norm
     tp = ["--tp"] if layout is TP2 else []
+    # zbv and dualpipev: the model is created under smp.delay_param_initialization(): no rank holds it whole,
+    # each replays the creation of its two stages (tied embedding included), and the weights are the ones
+    # the one-process reference builds without delaying
+    delayed = ["--delayed"] if schedule in ("zbv", "dualpipev") else []
     results = run_ranks(SCRIPT, 4, args=["--model", "gpt2", "--steps", 2, "--optimizer", "sgd", "--final-state",
-                                         "--clip", clip, *tp],
+                                         "--clip", clip, *tp, *delayed],
                         env={"SM_HP_MP_PARAMETERS": json.dumps(options)}, out_dir=tmp_path, timeout=300)
     norms = []
     ref_losses, ref_state = reference("gpt2", 2, 8 * results[0]["dp_size"], microbatches, "sgd", clip=clip,
@@ -146,11 +150,12 @@ def test_seed_convnet_pp2_tp2(tmp_path, schedule):
 
 def test_zbv_fp16_clipping_activation_checkpointing(tmp_path):
     """zbv (V order, split backward) with fp16 (fp32 masters, static loss scale), clip_master_grads and
-    every layer activation-checkpointed, SGD: the same as the fp16 recipe written out in one process
+    every layer activation-checkpointed, SGD, the model created under delayed initialisation (the fp16
+    cast recorded and replayed with it): the same as the fp16 recipe written out in one process
     (train_pp_common.reference): losses and weights to the last bit (the same fp16 operations in the
     same order; measured), the global gradient norm within 1e-6 (the reference sums in fp32 in another
     order). Under 1F1B the same run is test_pipeline.py's clipping test."""
-    cli = ["--steps", 3, "--optimizer", "sgd", "--loss-scale", "static:128", "--clip", 0.05, "--act-ckpt"]
+    cli = ["--steps", 3, "--optimizer", "sgd", "--loss-scale", "static:128", "--clip", 0.05, "--act-ckpt", "--delayed"]
     results = run_ranks(SCRIPT, 2, args=["--model", "six", *cli], out_dir=tmp_path, timeout=200,
                         env={"SM_HP_MP_PARAMETERS": json.dumps(_options("zbv", {}, fp16=True))})
     norms = []

@@ -216,3 +216,25 @@ def test_gradient_hooks_stay_with_the_parameter():
     reference(x).sum().backward()
     assert torch.equal(model.weight.grad, 0.5 * reference.weight.grad)
     assert len(seen) == 1 and torch.equal(seen[0], reference.bias.grad)
+
+
+def test_the_record_is_released_with_the_last_delayed_tensor():
+    """A pipeline rank materialises its stage and turns the rest into meta tensors; the creation
+    record, and what it refers to (weights loaded into the model before the first step), must then
+    go, or every rank would keep the whole loaded model alive."""
+    import weakref
+
+    from smp_adapter.runtime.deferred_init import meta_like, record_of, replace_in_place
+
+    model, record = _created(lambda: nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)))
+    loaded = {k: torch.ones_like(v) for k, v in nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)).state_dict().items()}
+    model.load_state_dict(loaded)  # recorded: a copy from each loaded tensor
+    watch, first_loaded = weakref.ref(record), weakref.ref(loaded["0.weight"])
+    assert record_of(model) is record
+    del record, loaded
+    materialize_in_place(record_of(model), module_tensors(model[0]), "cpu")
+    for t in module_tensors(model[1]):
+        replace_in_place(t, meta_like(t))  # another stage's
+    assert torch.equal(model[0].weight, torch.ones(4, 4)) and model[1].weight.is_meta
+    gc.collect()
+    assert watch() is None and first_loaded() is None

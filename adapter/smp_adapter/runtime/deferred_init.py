@@ -424,6 +424,25 @@ def holds_deferred(module) -> bool:
     return any(isinstance(t, DeferredTensor) for t in module_tensors(module))
 
 
+def record_of(module) -> DeferredInit | None:
+    """The record ``module``'s delayed tensors belong to (None: it has none). A record lives as long
+    as a tensor of it does: once every tensor of a model was materialised or replaced, the log, and
+    the tensors it refers to (a checkpoint loaded before the first step), are freed."""
+    records = {id(t._deferred_record): t._deferred_record for t in module_tensors(module)
+               if isinstance(t, DeferredTensor)}
+    if len(records) > 1:
+        raise RecordingError("the model mixes tensors of two separate delayed creations; create it inside one "
+                             "smp.delay_param_initialization() / smp.model_creation() block")
+    return next(iter(records.values()), None)
+
+
+def open_record(holder) -> DeferredInit:
+    """The record a new delayed creation adds to: the one still alive (``holder``: a weak reference
+    to it, or None), else a new one."""
+    record = holder() if holder is not None else None
+    return record if record is not None else DeferredInit()
+
+
 def replace_in_place(tensor: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
     """Give the Python object ``tensor`` (a parameter or buffer, which the optimizer, hooks and
     stage modules may hold) the data of ``value``, keeping its identity, class and requires_grad.

@@ -224,11 +224,10 @@ def _scalar_loss(tensors, grad_tensors):
 def _recording_if_delayed(module):
     import contextlib
 
-    from smp_adapter.runtime.deferred_init import holds_deferred
+    from smp_adapter.runtime.deferred_init import record_of
 
-    if state.deferred_init is not None and holds_deferred(module):
-        return state.deferred_init.creating()
-    return contextlib.nullcontext()
+    record = record_of(module)
+    return record.creating() if record is not None else contextlib.nullcontext()
 
 
 def _apply_tensor_parallelism(module, gathered):

@@ -42,10 +42,12 @@ parser.add_argument("--tp", action="store_true",
                     help="create the model inside smp.tensor_parallelism() (GPT-2's layers split over the TP ranks)")
 parser.add_argument("--act-ckpt", action="store_true",
                     help="smp.set_activation_checkpointing on every Linear layer of the six-layer model")
+parser.add_argument("--delayed", action="store_true",
+                    help="create the model inside smp.delay_param_initialization(): each rank materialises its stage only")
 args, _ = parser.parse_known_args()
 
 smp.init()
-with smp.tensor_parallelism(enabled=args.tp):
+with smp.tensor_parallelism(enabled=args.tp), smp.delay_param_initialization(enabled=args.delayed):
     model = build(args.model, smp)
 if args.model == "net" and smp.tp_size() > 1:
     smp.set_tensor_parallelism(model.fc1, True)  # as the seed

@@ -55,12 +55,14 @@ class Engine(ABC):
         """The context parameters are created in under delayed parameter initialisation: tensors
         without storage whose creation is recorded (runtime/deferred_init.py), materialised when the
         engine knows what this rank keeps (``materialize_kept``)."""
-        from smp_adapter.runtime.deferred_init import DeferredInit
+        import weakref
+
+        from smp_adapter.runtime.deferred_init import open_record
         from smp_adapter.runtime.state import state
 
-        if state.deferred_init is None:
-            state.deferred_init = DeferredInit()
-        return state.deferred_init.creating()
+        record = open_record(state.deferred_init)
+        state.deferred_init = weakref.ref(record)  # weak: the model's tensors keep it alive, nothing else
+        return record.creating()
 
     @classmethod
     def register_external_parameter(cls, module, parameter) -> None:
@@ -96,12 +98,13 @@ class Engine(ABC):
         Tensors created under delayed initialisation have no values yet: every rank of the DP group
         takes its first rank's recorded random states instead, so that replaying the creation gives
         every rank the first rank's values (one broadcast of a few KB per random tensor)."""
-        from smp_adapter.runtime.deferred_init import DeferredTensor, module_tensors
+        from smp_adapter.runtime.deferred_init import DeferredTensor, module_tensors, record_of
         from smp_adapter.runtime.state import state
 
         tensors = module_tensors(module)
-        if any(isinstance(t, DeferredTensor) for t in tensors):
-            adopt_first_rank_random_states(state.deferred_init, state.groups.dp)
+        record = record_of(module)
+        if record is not None:
+            adopt_first_rank_random_states(record, state.groups.dp)
         broadcast_from_first_rank([t for t in tensors if not isinstance(t, DeferredTensor)], state.groups.dp)
 
     @classmethod
@@ -127,11 +130,11 @@ class Engine(ABC):
         under delayed initialisation that this rank keeps from now on, on its device (every one: a
         data-parallel or tensor-parallel rank keeps its whole split module). The pipeline engine
         keeps them until it knows the rank's stage."""
-        from smp_adapter.runtime.deferred_init import materialize_in_place, module_tensors
-        from smp_adapter.runtime.state import state
+        from smp_adapter.runtime.deferred_init import materialize_in_place, module_tensors, record_of
 
-        if state.deferred_init is not None:
-            materialize_in_place(state.deferred_init, module_tensors(module), device)
+        record = record_of(module)
+        if record is not None:
+            materialize_in_place(record, module_tensors(module), device)
 
     def __init__(self, model, tp_originals: dict):
         """``model``: the DistributedModel (public members only); ``tp_originals``: qualified name ->

@@ -320,6 +320,9 @@ class PipelineRunner:
         module = self.model.module
         cfg = state.cfg
         # traced with fake stand-ins: no rank ever holds the whole model on its device (stage_memory.py)
+        from smp_adapter.runtime.deferred_init import record_of
+
+        record = record_of(module)  # delayed initialisation: what this rank's stage is replayed from
         stand_ins = stage_memory.FakeStandIns([module, *self.tp_originals.values()], state.device)
         args, kwargs = stand_ins.inputs((args, kwargs))
         with stand_ins, surgery.originals_swapped_in(module, self.tp_originals), activation_checkpoint.tracing_plain():
@@ -374,8 +377,8 @@ class PipelineRunner:
                 surgery.own_outputs_read_inside(mine)
                 mine.register_forward_hook(surgery.OwnViewOutputs())
         # this rank's stage(s) get their values on its device; every other tensor is released
-        stage_memory.keep_stage(module, stage_memory.stage_tensors(self.stage_modules), state.deferred_init,
-                                state.device)
+        stage_memory.keep_stage(module, stage_memory.stage_tensors(self.stage_modules), record, state.device)
+        del record  # the other stages' creation records are released with it
         marked = [n for mine in self.stage_modules for n in surgery.checkpoint_marked(module, mine)]
         if marked:  # set_activation_checkpointing, lost by torch.export, applied again to the stages
             print(f"Activation checkpointing in the stage(s) of pipeline rank {self.stage_index}: {', '.join(marked)}")
