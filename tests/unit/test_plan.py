@@ -222,10 +222,10 @@ def test_search_recommends_what_docs_plan_argues(searches):
 
 
 def test_predicted_mfu_of_the_llama_jobs_is_within_the_published_range(searches):
-    """docs/plan.md "Calibration": A100 runs of 7-13B models report 44-64 % MFU (Llama 2 paper's GPU
-    hours, llm-foundry, torchtitan); H100 runs 33-43 % (torchtitan, llm-foundry 70B, Llama 3)."""
+    """docs/plan.md "Calibration against published runs": A100 runs report 44-64 % MFU (Llama 2's GPU
+    hours, llm-foundry, torchtitan); H100 runs 33-47 % (torchtitan, llm-foundry, Llama 3, Megatron-LM)."""
     assert 0.44 <= searches["llama2-7b"][2].ranked[0].plan.mfu <= 0.64
-    assert 0.33 <= searches["llama3-70b"][2].ranked[0].plan.mfu <= 0.43
+    assert 0.33 <= searches["llama3-70b"][2].ranked[0].plan.mfu <= 0.47
 
 
 def test_search_cli_holds_the_job_fixed_and_says_why(tmp_path, capsys):

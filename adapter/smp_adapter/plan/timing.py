@@ -14,11 +14,11 @@ COMM_EFFICIENCY = 0.70  # achieved / link bandwidth of large NCCL collectives (b
 # Calibrated entries: the hardware utilisation of published runs whose communication was hidden
 # (docs/plan.md, "Calibration", cites each); the others are stated assumptions.
 COMPUTE_EFFICIENCY = {
-    # A100, 16-bit: MosaicML llm-foundry benchmarks (FSDP FULL_SHARD, A100 40/80GB): HFU 56-77 %
+    # A100, 16-bit: MosaicML llm-foundry benchmarks (FSDP FULL_SHARD, A100 40/80GB): HFU 42.6-79.3 %
     # (7B: 66.8 % on 8 x A100-40GB at seq 4096); torchtitan (FSDP2, 64 x A100-80GB): MFU 50.5-61.1 %
     ("A100-40GB", "bf16"): 0.60, ("A100-40GB", "fp16"): 0.60,
     ("A100-80GB", "bf16"): 0.60, ("A100-80GB", "fp16"): 0.60,
-    # H100 / H200 (same die), 16-bit: llm-foundry H100 HFU 48-59 % (7B seq 4096: 53.9 %); torchtitan
+    # H100 / H200 (same die), 16-bit: llm-foundry H100 HFU 31.8-59.0 % (7B seq 4096: 53.9 %); torchtitan
     # Llama 3.1 8B on H100: MFU 33-39 %; Llama 3 405B: MFU 38-43 % (paper, Table 4)
     ("H100-SXM-80GB", "bf16"): 0.50, ("H100-SXM-80GB", "fp16"): 0.50,
     ("H200-141GB", "bf16"): 0.50, ("H200-141GB", "fp16"): 0.50,
