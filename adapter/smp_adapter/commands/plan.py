@@ -65,10 +65,6 @@ def check_arguments(args) -> None:
                         ("--instance-count", args.instance_count), ("--top", args.top)):
         if value is not None and value < 1:
             _bad("command line", flag, "must be a positive integer", f"give {flag} 1 or more", value)
-    if args.seq_len is not None and args.seq_len < 1:
-        _bad("sequence length", "--seq-len", "must be a positive integer (tokens per sample)",
-             "give the training sequence length, e.g. --seq-len 4096, or leave it out to use the config's maximum",
-             args.seq_len)
     if args.global_batch is not None and args.global_batch_tokens is not None:
         _bad("command line", "--global-batch-tokens", "cannot be combined with --global-batch (both set the global batch)",
              "give one of them", args.global_batch_tokens)

@@ -136,9 +136,6 @@ def pipeline_stage_tensors(spec, dims) -> list[int]:
     return per_layer * stage_layers(spec, dims.pp) + outer
 
 
-rank_tensors = pipeline_stage_tensors  # the tensors of the largest rank: its pipeline stage
-
-
 def persistent(numel: int, cfg) -> bool:
     """ZeRO-3 keeps parameters below sdp_param_persistence_threshold elements whole on every rank."""
     return numel < cfg.sdp_param_persistence_threshold

@@ -59,8 +59,6 @@ def layout_problem(dims: ParallelDims, spec, gpus_per_node: int) -> str | None:
     cfg = dims.cfg
     if dims.pp * cfg.virtual_pipeline_degree > spec.layers:
         return f"{dims.pp * cfg.virtual_pipeline_degree} pipeline stages for {spec.layers} layers"
-    if dims.pp > 1 and cfg.microbatches < dims.pp:
-        return f"{cfg.microbatches} microbatches for {dims.pp} pipeline ranks (the pipeline never fills)"
     if dims.tp > 1 and spans_nodes(dims.grid.tp_group(0), gpus_per_node):
         return "tensor-parallel groups span nodes (every layer's exchanges cross the network)"
     if dims.hpz_partition_size > 1 and spans_nodes(dims.grid.sdp_groups(dims.sdp)[0], gpus_per_node):
@@ -138,7 +136,7 @@ def realisations(options: dict, world: int, global_batch: int):
     for b in divisors(samples):
         n = samples // b
         for m in sorted(divisors(n), reverse=True):
-            if pp > 1 and m < pp:
+            if pp > 1 and m < pp:  # fewer microbatches than pipeline ranks never fill the pipeline
                 break
             dims = probe if m == probe.cfg.microbatches else with_microbatches(options, world, m)
             if dims is not None:
