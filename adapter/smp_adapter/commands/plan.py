@@ -1,6 +1,8 @@
 """``smp-adapter plan OPTIONS --model CONFIG``: memory, communication and step time of a layout on a
-cluster, before launching (docs/plan.md). The formulas are plan/costs.py; the layout rules are the
-config layer's (ParallelDims); ``--search`` ranks every valid layout that fits."""
+cluster, before launching (docs/plan.md). The formulas are plan/costs.py and plan/timing.py; the
+layout rules are the config layer's (ParallelDims); ``--search`` holds the job (model, cluster,
+global batch) fixed and ranks every layout that realises it within usable memory minus a headroom.
+"""
 
 from __future__ import annotations
 
@@ -8,99 +10,176 @@ import argparse
 import json
 from pathlib import Path
 
-from smp_adapter.config.problems import ConfigProblem, raise_if_any
+from smp_adapter.plan.input_errors import PlanInputError
 
 NAME = "plan"
 GiB, GB = 2**30, 10**9
+HARDWARE_FLAGS = ("gpus_per_node", "gpu_memory", "intra_node_bandwidth", "inter_node_bandwidth", "gpu_flops")
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser(NAME, help="predict memory, traffic and step time of a layout on a cluster",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("options", metavar="OPTIONS", help="smp options, a distribution dict (file or inline JSON)")
-    p.add_argument("--model", required=True, metavar="CONFIG", help="Hugging Face config.json or its directory")
-    p.add_argument("--batch-size", type=int, required=True, metavar="B", help="batch per data-parallel rank (smp.step)")
+    p.add_argument("--model", required=True, metavar="CONFIG",
+                   help="Hugging Face config.json, its directory, or a recipe naming one")
+    batch = p.add_argument_group("the job's batch (one of them; --search needs the global batch or --batch-size)")
+    batch.add_argument("--batch-size", type=int, metavar="B", help="samples per data-parallel rank per smp.step call")
+    batch.add_argument("--global-batch", type=int, metavar="N", help="samples per optimizer step over the whole job")
+    batch.add_argument("--global-batch-tokens", type=int, metavar="T", help="tokens per optimizer step (N x sequence length)")
+    p.add_argument("--accumulation", type=int, default=1, metavar="K",
+                   help="smp.step calls per optimizer step (DistributedModel backward_passes_per_step; default 1)")
     p.add_argument("--seq-len", type=int, metavar="S", help="sequence length (default: the config's; images: patches + 1)")
-    p.add_argument("--activation-checkpointing", action="store_true", help="every transformer layer checkpointed")
-    p.add_argument("--script", metavar="train.py", help="read activation checkpointing from the script (static check)")
+    p.add_argument("--activation-checkpointing", action="store_true",
+                   help="every transformer layer checkpointed (--search: fixed on instead of searched)")
+    p.add_argument("--script", metavar="train.py",
+                   help="read activation checkpointing and delayed parameter initialisation from the script")
     p.add_argument("--optimizer", choices=("adam", "sgd"), default="adam")
     p.add_argument("--instance-type", metavar="TYPE", help="e.g. ml.p4d.24xlarge (docs/plan.md lists them)")
     p.add_argument("--instance-count", type=int, default=1, metavar="N")
     hw = p.add_argument_group("hardware described explicitly (instead of --instance-type)")
     hw.add_argument("--gpus-per-node", type=int)
-    hw.add_argument("--gpu-memory", type=float, metavar="GiB")
+    hw.add_argument("--gpu-memory", type=float, metavar="GiB", help="what the framework can allocate per GPU")
     hw.add_argument("--intra-node-bandwidth", type=float, metavar="GB/s", help="per GPU, per direction")
     hw.add_argument("--inter-node-bandwidth", type=float, metavar="GB/s", help="per node, per direction")
     hw.add_argument("--gpu-flops", type=float, metavar="TFLOP/s", help="peak dense FLOP/s at the job's precision")
+    p.add_argument("--headroom", type=float, default=10.0, metavar="PERCENT",
+                   help="device memory kept free of the plan's peak (default 10; the plan's own error is ~10%%)")
     p.add_argument("--search", action="store_true",
-                   help="rank every valid layout that fits by predicted throughput (samples/s at the given per-rank batch)")
+                   help="hold the job fixed and rank every layout that realises its global batch and fits")
+    p.add_argument("--cross-node-groups", action="store_true",
+                   help="--search: also offer tensor-parallel and hpZ groups that span nodes")
     p.add_argument("--top", type=int, default=5, help="layouts shown by --search (default 5)")
     p.add_argument("--json", action="store_true", help="one JSON object")
     return p
 
 
+def _bad(label, flag, message, fix, *value):
+    raise PlanInputError(label, flag, message, fix, *value)
+
+
+def check_arguments(args) -> None:
+    """Every command-line figure, before anything is read: one message each, exit 2."""
+    for flag, value in (("--batch-size", args.batch_size), ("--global-batch", args.global_batch),
+                        ("--global-batch-tokens", args.global_batch_tokens), ("--accumulation", args.accumulation),
+                        ("--instance-count", args.instance_count), ("--top", args.top)):
+        if value is not None and value < 1:
+            _bad("command line", flag, "must be a positive integer", f"give {flag} 1 or more", value)
+    if args.global_batch is not None and args.global_batch_tokens is not None:
+        _bad("command line", "--global-batch-tokens", "cannot be combined with --global-batch (both set the global batch)",
+             "give one of them", args.global_batch_tokens)
+    if args.batch_size is None and args.global_batch is None and args.global_batch_tokens is None:
+        _bad("command line", "--batch-size", "is missing: plan needs the job's batch",
+             "give --batch-size B (samples per rank per smp.step call) or --global-batch N / --global-batch-tokens T")
+    if not 0 <= args.headroom < 90:
+        _bad("command line", "--headroom", "must be a percentage from 0 to 90", "e.g. --headroom 10", args.headroom)
+    given = [f"--{f.replace('_', '-')}" for f in HARDWARE_FLAGS if getattr(args, f) is not None]
+    if args.instance_type and given:
+        _bad("hardware", given[0], f"cannot be combined with --instance-type ({', '.join(given)} would be ignored)",
+             "give --instance-type for a SageMaker instance, or describe the hardware with all of --gpus-per-node "
+             "--gpu-memory --intra-node-bandwidth --inter-node-bandwidth --gpu-flops, not both", args.instance_type)
+
+
 def cluster_from_args(args):
     from smp_adapter.plan.instances import GB as _GB, Cluster, instance_cluster
 
-    explicit = [args.gpus_per_node, args.gpu_memory, args.intra_node_bandwidth, args.inter_node_bandwidth, args.gpu_flops]
     if args.instance_type:
         return instance_cluster(args.instance_type, args.instance_count)
+    explicit = [getattr(args, f) for f in HARDWARE_FLAGS]
     if any(v is None for v in explicit):
-        raise_if_any([ConfigProblem("--instance-type", "is missing and the hardware is not fully described",
-                                    "give --instance-type ml.p4d.24xlarge --instance-count N, or all of --gpus-per-node "
-                                    "--gpu-memory --intra-node-bandwidth --inter-node-bandwidth --gpu-flops")])
-    if any(v <= 0 for v in explicit) or args.instance_count < 1:
-        raise_if_any([ConfigProblem("hardware", "every figure must be positive", "give positive numbers")])
+        _bad("hardware", "--instance-type", "is missing and the hardware is not fully described",
+             "give --instance-type ml.p4d.24xlarge --instance-count N, or all of --gpus-per-node --gpu-memory "
+             "--intra-node-bandwidth --inter-node-bandwidth --gpu-flops")
+    for flag, value in zip(HARDWARE_FLAGS, explicit):
+        if value <= 0:
+            _bad("hardware", f"--{flag.replace('_', '-')}", "must be positive", "give a positive number", value)
     flops = args.gpu_flops * 1e12
     return Cluster("custom", args.gpus_per_node, args.instance_count, int(args.gpu_memory * GiB),
                    {"fp32": flops, "fp16": flops, "bf16": flops}, args.intra_node_bandwidth * _GB,
                    args.inter_node_bandwidth * _GB)
 
 
-def script_checkpoints(path: str) -> bool:
+def read_options(text: str):
+    """The OPTIONS argument: a file that cannot be read or parsed is a file problem, not an smp one."""
+    from smp_adapter.config.distribution import load_job, parse_inline_or_file
+    from smp_adapter.errors import SMPConfigError
+
+    try:
+        parse_inline_or_file(text)
+    except SMPConfigError as exc:
+        first = exc.problems[0]
+        label = "smp options (inline JSON)" if text.lstrip().startswith("{") else "smp options file"
+        raise PlanInputError(label, "OPTIONS", first.message, first.fix, text) from None
+    return load_job(text)
+
+
+def script_features(path: str) -> tuple[bool, bool]:
+    """(activation checkpointing, delayed parameter initialisation) the script asks for."""
     from smp_adapter.script_check import check_source
 
     try:
         source = Path(path).read_text()
     except OSError as exc:
-        raise_if_any([ConfigProblem("--script", f"cannot be read ({exc.strerror})", "give the training script's path", path)])
-    return any(u.name == "set_activation_checkpointing" for u in check_source(source, path).uses)
+        _bad("training script", "--script", f"cannot be read ({exc.strerror})", "give the training script's path", path)
+    except UnicodeDecodeError:
+        _bad("training script", "--script", "is not a text file", "give the training script (a .py file)", path)
+    try:
+        uses = check_source(source, path).uses
+    except SyntaxError as exc:
+        _bad("training script", "--script", f"is not valid Python ({exc.msg}, line {exc.lineno})",
+             "give the training script", path)
+    names = {u.name for u in uses}
+    return "set_activation_checkpointing" in names, "delay_param_initialization" in names
 
 
 def run(args) -> int:
     from smp_adapter.config.dims import ParallelDims
-    from smp_adapter.config.distribution import load_job
-    from smp_adapter.plan import costs
-    from smp_adapter.plan.layouts import model_problems, valid_layouts
+    from smp_adapter.config.problems import raise_if_any
+    from smp_adapter.plan.layouts import model_problems
     from smp_adapter.plan.model_spec import model_spec
 
-    job_spec = load_job(args.options)
+    check_arguments(args)
+    job_spec = read_options(args.options)
     cluster = cluster_from_args(args)
     spec = model_spec(args.model, args.seq_len)
-    checkpointing = args.activation_checkpointing or (bool(args.script) and script_checkpoints(args.script))
-    if args.batch_size < 1:
-        raise_if_any([ConfigProblem("--batch-size", "must be a positive integer", "give the per-rank batch", args.batch_size)])
-    job = costs.Job(args.batch_size, checkpointing, args.optimizer)
+    checkpointing, delayed = script_features(args.script) if args.script else (False, False)
+    checkpointing = checkpointing or args.activation_checkpointing
     cfg = job_spec.config()
-    if args.search:
-        layouts = valid_layouts(dict(job_spec.options), cluster.world_size, args.batch_size, spec)
-        results = [(d, _plan(spec, d, cluster, job)) for d in layouts]
-        fitting = sorted([(d, p) for d, p in results if p.peak_bytes <= cluster.gpu_memory], key=lambda r: -r[1].samples_per_s)
-        if args.json:
-            print(json.dumps({"cluster": _cluster_dict(cluster), "valid_layouts": len(results),
-                              "fitting": [dict(_layout(d), **_summary(p, cluster)) for d, p in fitting]}, indent=1))
-        else:
-            print(_search_text(spec, cluster, job, results, fitting, args.top))
-        return 0
+    if args.global_batch_tokens is not None and args.global_batch_tokens % spec.seq_len:
+        _bad("command line", "--global-batch-tokens", f"is not a whole number of sequences of {spec.seq_len} tokens",
+             f"give a multiple of {spec.seq_len}, or --global-batch in samples", args.global_batch_tokens)
+    global_batch = args.global_batch or (args.global_batch_tokens // spec.seq_len if args.global_batch_tokens else None)
+    if args.search and global_batch is not None:
+        return _search(args, spec, job_spec, cluster, global_batch, checkpointing, delayed)
     dims = ParallelDims.from_config(cfg, cluster.world_size)
-    raise_if_any(model_problems(spec, dims.tp))
-    dims.micro_batch_size(args.batch_size)
+    if args.search:  # the job as given: its per-rank batch on its own layout
+        return _search(args, spec, job_spec, cluster, dims.global_batch_size(args.batch_size) * args.accumulation,
+                       checkpointing, delayed)
+    raise_if_any(model_problems(spec, dims.tp, dims.pp))
+    batch = args.batch_size
+    if batch is None:
+        replicas = dims.global_batch_size(1) * args.accumulation
+        if global_batch % replicas:
+            _bad("command line", "--global-batch", f"is not a multiple of this layout's {replicas} replicas x "
+                 "accumulation steps", f"give a multiple of {replicas}, or --batch-size", global_batch)
+        batch = global_batch // replicas
+    elif global_batch is not None and dims.global_batch_size(batch) * args.accumulation != global_batch:
+        _bad("command line", "--global-batch", f"disagrees with --batch-size {batch}: this layout trains "
+             f"{dims.global_batch_size(batch) * args.accumulation} samples per optimizer step",
+             "give one of them", global_batch)
+    dims.micro_batch_size(batch)
+    from smp_adapter.plan import costs
+
+    job = costs.Job(batch, checkpointing, args.optimizer, args.accumulation, delayed)
     result = _plan(spec, dims, cluster, job)
+    headroom = args.headroom / 100
+    lines = _notices(result, dims, cluster)
     if args.json:
-        print(json.dumps({"layout": _layout(dims), "cluster": _cluster_dict(cluster), "model": _model_dict(spec),
-                          "activation_checkpointing": checkpointing, **_summary(result, cluster)}, indent=1))
+        print(json.dumps({"layout": _layout(dims, job), "cluster": _cluster_dict(cluster), "model": _model_dict(spec),
+                          "activation_checkpointing": checkpointing, **_summary(result, cluster, headroom),
+                          "notices": lines}, indent=1))
     else:
-        print(_text(spec, dims, cluster, job, result))
+        print(_text(spec, dims, cluster, job, result, headroom, lines))
     return 0
 
 
@@ -109,18 +188,35 @@ def _plan(spec, dims, cluster, job):
 
     try:
         return costs.plan(spec, dims, cluster, job)
-    except ValueError as exc:  # the precision the GPU lacks (T4: bf16)
-        raise_if_any([ConfigProblem("bf16" if dims.cfg.bf16 else "fp16", str(exc), "use fp16 or fp32 on this GPU")])
+    except ValueError as exc:  # the precision the GPU lacks (T4, V100: bf16)
+        raise PlanInputError("precision", "bf16" if dims.cfg.bf16 else "fp16", str(exc),
+                             "use fp16 on this GPU (or fp32)", True) from None
 
 
-def _layout(dims) -> dict:
-    return {"pipeline_parallel_degree": dims.pp, "tensor_parallel_degree": dims.tp, "rdp": dims.rdp,
-            "sharded_data_parallel_degree": dims.sdp, "zero_stage": dims.zero_stage,
-            "hpz_partition_size": dims.hpz_partition_size, "microbatches": dims.cfg.microbatches}
+def _notices(result, dims, cluster) -> list[str]:
+    from smp_adapter.plan import costs
+    from smp_adapter.plan.notices import notices
+
+    return notices(result, dims, cluster, costs.precision(dims.cfg))
+
+
+def _layout(dims, job=None) -> dict:
+    cfg = dims.cfg
+    out = {"pipeline_parallel_degree": dims.pp, "tensor_parallel_degree": dims.tp, "rdp": dims.rdp,
+           "sharded_data_parallel_degree": dims.sdp, "zero_stage": dims.zero_stage,
+           "hpz_partition_size": dims.hpz_partition_size, "prescaled_batch": cfg.prescaled_batch,
+           "microbatches": cfg.microbatches}
+    if dims.pp > 1:
+        out.update(pipeline=cfg.pipeline, virtual_pipeline_degree=cfg.virtual_pipeline_degree)
+    if job is not None:
+        out.update(batch_per_rank=job.batch, microbatch_size=job.batch // cfg.microbatches,
+                   accumulation=job.accumulation, activation_checkpointing=job.activation_checkpointing)
+    return out
 
 
 def _cluster_dict(c) -> dict:
-    return {"name": c.name, "nodes": c.nodes, "gpus_per_node": c.gpus_per_node, "gpu_memory_bytes": c.gpu_memory,
+    return {"name": c.name, "nodes": c.nodes, "gpus_per_node": c.gpus_per_node, "gpu": c.gpu,
+            "gpu_memory_bytes": c.gpu_memory, "usable_memory_bytes": c.allocatable, "host_memory_bytes": c.host_memory,
             "intra_node_bandwidth": c.intra_node_bandwidth, "inter_node_bandwidth": c.inter_node_bandwidth}
 
 
@@ -134,88 +230,172 @@ def comm_by_group(result) -> dict:
     for term in result.comm:
         entry = out.setdefault(term.group, {"intra_node_bytes": 0, "inter_node_bytes": 0, "ops": {}})
         entry["intra_node_bytes" if term.intra_node else "inter_node_bytes"] += int(term.bytes)
-        op = entry["ops"].setdefault(term.op, {"bytes": 0, "calls": 0})
+        op = entry["ops"].setdefault(term.op, {"bytes": 0, "calls": 0, "overlapped_bytes": 0})
         op["bytes"] += int(term.bytes)
         op["calls"] += int(term.calls)
+        op["overlapped_bytes"] += int(term.bytes) if term.overlap else 0
     return out
 
 
-def _summary(result, cluster) -> dict:
-    return {"fits": result.peak_bytes <= cluster.gpu_memory, "peak_memory_bytes": int(result.peak_bytes),
+def _budget(cluster, headroom) -> int:
+    return int(cluster.allocatable * (1 - headroom))
+
+
+def _summary(result, cluster, headroom) -> dict:
+    budget = _budget(cluster, headroom)
+    return {"fits": result.peak_bytes <= budget, "peak_memory_bytes": int(result.peak_bytes),
+            "usable_memory_bytes": cluster.allocatable, "headroom": headroom, "memory_left_bytes": budget - result.peak_bytes,
             "memory_breakdown": {k: int(v) for k, v in result.memory.items()},
+            "host_memory_per_rank_bytes": result.host,
             "comm_bytes_per_step": comm_by_group(result), "step_time_s": result.step_time_s,
             "global_batch": result.samples, "samples_per_s": result.samples_per_s,
-            "compute_s": result.compute_s, "comm_s": result.comm_s, "bubble_s": result.bubble_s}
+            "tokens_per_s_per_gpu": result.tokens_per_s_per_gpu, "mfu": result.mfu,
+            "compute_efficiency": result.efficiency, "compute_efficiency_calibrated": result.efficiency_calibrated,
+            "compute_s": result.compute_s, "comm_s": result.comm_s, "exposed_comm_s": result.exposed_comm_s,
+            "bubble_s": result.bubble_s, "pipeline_overhead_s": result.overhead_s}
 
 
 def _gib(n) -> str:
     return f"{n / GiB:8.2f} GiB"
 
 
-def _text(spec, dims, cluster, job, result) -> str:
-    from smp_adapter.plan import costs
+def _text(spec, dims, cluster, job, result, headroom, notes) -> str:
+    from smp_adapter.plan import costs, timing
 
+    budget = _budget(cluster, headroom)
     lines = [f"model: {spec.family}, {spec.total_params / 1e6:,.1f}M parameters, {spec.layers} layers, hidden {spec.hidden}, "
              f"sequence {spec.seq_len}; batch {job.batch} per data-parallel rank, microbatches {dims.cfg.microbatches}, "
-             f"activation checkpointing {'on' if job.activation_checkpointing else 'off'}, {job.optimizer}, "
-             f"{costs.precision(dims.cfg)}",
-             f"cluster: {cluster.nodes} x {cluster.name} ({cluster.gpus_per_node} GPUs of {cluster.gpu_memory / GiB:.0f} GiB "
-             f"per node), {cluster.world_size} ranks",
-             f"layout: {dims.describe()}",
-             "", "memory of the largest rank (pipeline: stage 0, activations of the stage holding the most):"]
+             f"{job.accumulation} smp.step call(s) per optimizer step (global batch {result.samples}), activation "
+             f"checkpointing {'on' if job.activation_checkpointing else 'off'}, {job.optimizer}, {costs.precision(dims.cfg)}",
+             f"cluster: {cluster.nodes} x {cluster.name} ({cluster.gpus_per_node} GPUs of {cluster.gpu_memory / GiB:.0f} GiB, "
+             f"{cluster.allocatable / GiB:.2f} GiB usable, per node), {cluster.world_size} ranks",
+             f"layout: {dims.describe()}" + (f", pipeline {dims.cfg.pipeline}" if dims.pp > 1 else ""),
+             "", "memory of the largest rank (pipeline: its stage; activations of the stage holding the most):"]
     for name, value in result.memory.items():
         lines.append(f"  {name:<30}{_gib(value)}")
-    verdict = "fits" if result.peak_bytes <= cluster.gpu_memory else "does NOT fit"
-    lines += [f"  {'total':<30}{_gib(result.peak_bytes)}  of {cluster.gpu_memory / GiB:.1f} GiB: {verdict}", "",
-              "communication per step (bytes as passed by the largest rank):"]
+    verdict = "fits" if result.peak_bytes <= budget else "does NOT fit"
+    lines += [f"  {'total':<30}{_gib(result.peak_bytes)}  of {cluster.allocatable / GiB:.2f} GiB usable less "
+              f"{headroom:.0%} headroom = {budget / GiB:.2f} GiB: {verdict} ({(budget - result.peak_bytes) / GiB:+.2f} GiB left)",
+              "", "communication per optimizer step (bytes as passed by the largest rank):"]
     for group, entry in comm_by_group(result).items():
-        ops = ", ".join(f"{op} {v['bytes'] / GB:.3f} GB in {v['calls']} calls" for op, v in entry["ops"].items())
+        ops = ", ".join(f"{op} {v['bytes'] / GB:.3f} GB in {v['calls']} calls"
+                        + (f" ({v['overlapped_bytes'] / GB:.3f} GB overlapped with compute)" if v["overlapped_bytes"] else "")
+                        for op, v in entry["ops"].items())
         lines.append(f"  {group:<5} intra-node {entry['intra_node_bytes'] / GB:9.3f} GB  inter-node "
                      f"{entry['inter_node_bytes'] / GB:9.3f} GB   ({ops})")
-    lines += ["", f"step time: {result.step_time_s:.3f} s = compute {result.compute_s:.3f} s (at "
-              f"{costs.COMPUTE_EFFICIENCY:.0%} of peak) + communication {result.comm_s:.3f} s (ring/tree at "
-              f"{costs.COMM_EFFICIENCY:.0%} of link bandwidth, not overlapped) + pipeline bubble {result.bubble_s:.3f} s"]
+    source = "calibrated" if result.efficiency_calibrated else "assumed"
+    lines += ["", f"step time: {result.step_time_s:.3f} s = compute {result.compute_s:.3f} s (at {result.efficiency:.0%} "
+              f"of peak, {source}) + communication not hidden by compute {result.exposed_comm_s:.3f} s (of "
+              f"{result.comm_s:.3f} s at {timing.COMM_EFFICIENCY:.0%} of link bandwidth) + pipeline bubble "
+              f"{result.bubble_s:.3f} s + pipeline actions' fixed cost {result.overhead_s:.3f} s",
+              f"throughput: {result.samples_per_s:,.1f} samples/s, {result.tokens_per_s_per_gpu:,.0f} tokens/s per GPU, "
+              f"MFU {result.mfu:.1%}"]
+    if notes:
+        lines += [""] + [f"note: {n}" for n in notes]
     return "\n".join(lines)
+
+
+# -- --search ------------------------------------------------------------------------------------------
+def _search(args, spec, job_spec, cluster, global_batch, checkpointing, delayed) -> int:
+    from smp_adapter.plan.search import search
+
+    result = search(spec, dict(job_spec.options), cluster, global_batch, args.optimizer, args.headroom / 100,
+                    (True,) if checkpointing else (False, True), args.cross_node_groups, delayed, args.top)
+    shown = result.ranked
+    notes = _notices(shown[0].plan, shown[0].dims, cluster) if shown else []
+    if args.json:
+        print(json.dumps({"cluster": _cluster_dict(cluster), "model": _model_dict(spec), "global_batch": global_batch,
+                          "layouts": result.layouts, "plans": result.planned, "fitting_shown": len(shown),
+                          "recommended_options": _options(shown[0], notes) if shown else None,
+                          "ranked": [dict(_layout(r.dims, r.job), **_summary(r.plan, cluster, args.headroom / 100))
+                                     for r in shown], "notices": notes}, indent=1))
+    else:
+        print(_search_text(spec, cluster, result, args.headroom / 100, notes))
+    return 0
 
 
 def _name(dims) -> str:
-    extra = f" hpZ {dims.hpz_partition_size}" if dims.hpz_partition_size > 1 else ""
-    return (f"pp {dims.pp} tp {dims.tp} sdp {dims.sdp} zero {dims.zero_stage}{extra} mb {dims.cfg.microbatches}")
+    cfg = dims.cfg
+    zero = {0: "dp", 1: "ZeRO-1", 3: f"ZeRO-3/{dims.rdp}"}[dims.zero_stage]
+    parts = [f"tp {dims.tp}{'p' if cfg.prescaled_batch else ''}", zero + (f" hpZ {dims.sdp}" if dims.hpz_partition_size > 1 else "")]
+    if dims.pp > 1:
+        schedule = {"interleaved": "1F1B", "interleaved_1f1b": f"i1F1B v{cfg.virtual_pipeline_degree}",
+                    "zero_bubble": "ZB", "zbv": "ZBV", "dualpipev": "DualPipeV"}.get(cfg.pipeline, cfg.pipeline)
+        parts.insert(0, f"pp {dims.pp} {schedule}")
+    return ", ".join(parts)
 
 
-def _search_text(spec, cluster, job, results, fitting, top) -> str:
-    lines = [f"{len(results)} valid layouts for {cluster.world_size} ranks ({cluster.nodes} x {cluster.name}); "
-             f"{len(fitting)} fit in {cluster.gpu_memory / GiB:.1f} GiB", ""]
-    if not fitting:
-        best = min(results, key=lambda r: r[1].peak_bytes, default=None)
+def _options(row, notes) -> dict:
+    """The smp options that run the recommended layout (and delayed init when the host needs it)."""
+    cfg = row.dims.cfg
+    out = {"ddp": True}
+    for key in ("pipeline_parallel_degree", "tensor_parallel_degree", "sharded_data_parallel_degree", "microbatches"):
+        if getattr(cfg, key) > 1:
+            out[key] = getattr(cfg, key)
+    if cfg.shard_optimizer_state:
+        out["shard_optimizer_state"] = True
+    if cfg.prescaled_batch:
+        out["prescaled_batch"] = True
+    if row.dims.pp > 1 and cfg.pipeline != "interleaved":
+        out["pipeline"] = cfg.pipeline
+    for key in ("bf16", "fp16", "delayed_parameter_initialization"):
+        if getattr(cfg, key):
+            out[key] = True
+    if any("delayed_parameter_initialization" in n and "does NOT fit" in n for n in notes):
+        out["delayed_parameter_initialization"] = True
+    return out
+
+
+def _search_text(spec, cluster, result, headroom, notes) -> str:
+    budget = result.budget
+    lines = [f"job: {spec.family} {spec.total_params / 1e9:.2f}B parameters, sequence {spec.seq_len}, global batch "
+             f"{result.global_batch} samples ({result.global_batch * spec.seq_len:,} tokens) per optimizer step, on "
+             f"{cluster.nodes} x {cluster.name} ({cluster.world_size} GPUs)",
+             f"{result.layouts} layouts realise it ({result.planned} plans over microbatch sizes); memory budget "
+             f"{cluster.allocatable / GiB:.2f} GiB usable less {headroom:.0%} headroom = {budget / GiB:.2f} GiB per GPU", ""]
+    if not result.ranked:
+        best = min(result.over_memory, key=lambda r: r.plan.peak_bytes, default=None)
         if best is not None:
-            lines.append(f"none fits: the smallest is {_name(best[0])} at {best[1].peak_bytes / GiB:.2f} GiB; use more "
-                         "nodes, activation checkpointing, or a smaller batch")
+            lines.append(f"none fits: the smallest is {_name(best.dims)}{', checkpointed' if best.job.activation_checkpointing else ''} "
+                         f"at {best.plan.peak_bytes / GiB:.2f} GiB; use more nodes, a larger instance, or a smaller global batch")
+        else:
+            lines.append("no layout realises this global batch: give a multiple of the data-parallel sizes")
         return "\n".join(lines)
-    lines.append("ranked by samples/s: a layout's global batch is its data-parallel size x the per-rank batch "
-                 "(smp's batch arithmetic), so step times of different layouts cover different numbers of samples")
-    lines.append(f"{'rank':<5}{'layout':<38}{'samples/s':>10}{'batch':>7}{'step s':>8}{'compute':>9}{'comm':>8}"
-                 f"{'bubble':>8}{'peak GiB':>10}{'inter-node GB':>15}")
-    for i, (dims, p) in enumerate(fitting[:top], 1):
+    from smp_adapter.plan.search import TIME_TIE
+
+    lines.append(f"ranked by step time (the same samples in every row); rows within {TIME_TIE:.0%} of each other rank "
+                 "by memory left")
+    lines.append(f"{'#':<3}{'layout':<34}{'AC':<4}{'B':>5}{'mb':>5}{'k':>4}{'step s':>9}{'tok/s/GPU':>11}{'MFU':>7}"
+                 f"{'exposed comm':>14}{'bubble':>8}{'peak GiB':>10}{'left GiB':>10}{'inter GB':>10}")
+    for i, row in enumerate(result.ranked, 1):
+        p, dims = row.plan, row.dims
         inter = sum(t.bytes for t in p.comm if not t.intra_node) / GB
-        lines.append(f"{i:<5}{_name(dims):<38}{p.samples_per_s:10.1f}{p.samples:7d}{p.step_time_s:8.3f}{p.compute_s:9.3f}"
-                     f"{p.comm_s:8.3f}{p.bubble_s:8.3f}{p.peak_bytes / GiB:10.2f}{inter:15.3f}")
-    lines.append("")
-    for i, (dims, p) in enumerate(fitting[:top], 1):
-        if i < len(fitting):
-            lines.append(f"{i}. {_name(dims)}: {_why(p, fitting[i][1], fitting[i][0])}")
+        lines.append(f"{i:<3}{_name(dims):<34}{'on' if row.job.activation_checkpointing else 'off':<4}{row.job.batch:>5}"
+                     f"{dims.cfg.microbatches:>5}{row.job.accumulation:>4}{p.step_time_s:9.2f}{p.tokens_per_s_per_gpu:11,.0f}"
+                     f"{p.mfu:7.1%}{p.exposed_comm_s:14.2f}{p.bubble_s + p.overhead_s:8.2f}{p.peak_bytes / GiB:10.2f}"
+                     f"{row.memory_left / GiB:10.2f}{inter:10.1f}")
+    lines += ["", "(B: samples per rank per smp.step call; mb: microbatches; k: smp.step calls per optimizer step, "
+              "DistributedModel(backward_passes_per_step=k); tp Np: prescaled_batch)", ""]
+    for i, row in enumerate(result.ranked[:-1], 1):
+        lines.append(f"{i}. {_why(row, result.ranked[i])}")
+    best = result.ranked[0]
+    lines += ["", f"recommended smp options: {json.dumps(_options(best, notes))} with a per-rank batch of {best.job.batch}"
+              + (f" and DistributedModel(..., backward_passes_per_step={best.job.accumulation})"
+                 if best.job.accumulation > 1 else "")]
+    lines += [f"note: {n}" for n in notes]
     return "\n".join(lines)
 
 
-def _why(p, q, q_dims) -> str:
-    """What makes layout p faster than the next one, q: the component that differs most."""
-    per_sample = lambda r, x: x / r.samples  # noqa: E731 - seconds per sample of one component
-    diffs = {"communication": per_sample(q, q.comm_s) - per_sample(p, p.comm_s),
-             "compute": per_sample(q, q.compute_s) - per_sample(p, p.compute_s),
-             "pipeline bubble": per_sample(q, q.bubble_s) - per_sample(p, p.bubble_s)}
+def _why(row, nxt) -> str:
+    """Why ``row`` ranks above ``nxt``: faster by more than the tie band (and by what), or a tie won on memory."""
+    p, q = row.plan, nxt.plan
+    from smp_adapter.plan.search import TIME_TIE
+
+    if q.step_time_s <= p.step_time_s * (1 + TIME_TIE):
+        return (f"{_name(row.dims)}: within {TIME_TIE:.0%} of {_name(nxt.dims)} ({p.step_time_s:.2f} s vs {q.step_time_s:.2f} s), "
+                f"more memory left ({row.memory_left / GiB:.1f} vs {nxt.memory_left / GiB:.1f} GiB)")
+    diffs = {"exposed communication": q.exposed_comm_s - p.exposed_comm_s, "compute": q.compute_s - p.compute_s,
+             "pipeline bubble and actions": q.bubble_s + q.overhead_s - p.bubble_s - p.overhead_s}
     what, gain = max(diffs.items(), key=lambda kv: kv[1])
-    inter_p = sum(t.bytes for t in p.comm if not t.intra_node) / GB / p.samples
-    inter_q = sum(t.bytes for t in q.comm if not t.intra_node) / GB / q.samples
-    return (f"{p.samples_per_s / q.samples_per_s - 1:.1%} more samples/s than {_name(q_dims)}, mostly less "
-            f"{what} per sample ({gain * 1e3:.2f} ms); inter-node traffic {inter_p * 1e3:.1f} MB vs {inter_q * 1e3:.1f} MB "
-            "per sample")
+    return (f"{_name(row.dims)}: {q.step_time_s / p.step_time_s - 1:.1%} faster than {_name(nxt.dims)}, mostly less "
+            f"{what} ({gain:.2f} s per step)")

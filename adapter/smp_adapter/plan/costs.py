@@ -1,10 +1,12 @@
-"""The cost formulas of ``smp-adapter plan``, written once: memory of the largest rank, bytes per
-training step per group (the communication ledger's quantity: payload as the caller passes it), and
-the predicted step time. Pure arithmetic over a ModelSpec, a ParallelDims and a Cluster.
+"""The cost formulas of ``smp-adapter plan``, written once: memory of the largest rank (device, and
+the host memory model creation needs), bytes per optimizer step per group (the communication
+ledger's quantity: payload as the caller passes it), and the predicted step time (plan/timing.py).
+Pure arithmetic over a ModelSpec, a ParallelDims and a Cluster.
 
 Notation (per rank): B = batch per data-parallel rank (per smp.step call), m = microbatches,
-b = B / m samples per microbatch, s = sequence length, h = hidden size, f = intermediate size,
-L = layers, a = activation bytes per element (4 fp32, 2 fp16/bf16), t = tp, p = pp.
+b = B / m samples per microbatch, k = smp.step calls per optimizer step (DistributedModel's
+backward_passes_per_step), s = sequence length, h = hidden size, f = intermediate size, L = layers,
+a = activation bytes per element (4 fp32, 2 fp16/bf16), t = tp, p = pp, v = stages per pipeline rank.
 """
 
 from __future__ import annotations
@@ -12,10 +14,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from smp_adapter.config.pipeline_schedule import V_SHAPED
+from smp_adapter.plan import timing
 from smp_adapter.plan.instances import Cluster
 
-COMPUTE_EFFICIENCY = 0.40  # achieved / peak FLOP/s of a training step (dense transformer, typical MFU)
-COMM_EFFICIENCY = 0.70  # achieved / link bandwidth of large NCCL collectives (bus bandwidth)
 CUDA_CONTEXT_BYTES = 600 * 2**20  # CUDA context + cuBLAS/NCCL workspaces, measured order on A100/T4 (stated)
 FRAGMENTATION = 0.10  # caching allocator slack on top of live tensors (stated allowance)
 # DeepSpeed's stage3_max_reuse_distance default (elements); smp-adapter's translation does not set it
@@ -43,6 +45,8 @@ class Job:
     batch: int  # per data-parallel rank, per smp.step call
     activation_checkpointing: bool = False
     optimizer: str = "adam"  # adam | sgd
+    accumulation: int = 1  # smp.step calls per optimizer step (backward_passes_per_step)
+    delayed_init: bool = False  # the script creates the model under smp.delay_param_initialization()
 
 
 @dataclass
@@ -54,17 +58,26 @@ class CommTerm:
     size: int  # ranks in the group (2 for p2p)
     intra_node: bool
     stride: int = 1  # rank distance between neighbours in the group
+    overlap: str = timing.EXPOSED  # how the engine runs it against compute (timing.WHOLE_STEP, LAST_BACKWARD)
 
 
 @dataclass
 class Plan:
     memory: dict = field(default_factory=dict)  # name -> bytes (largest rank)
-    comm: list = field(default_factory=list)  # CommTerm per (group, op)
+    comm: list = field(default_factory=list)  # CommTerm per (group, op), per optimizer step
     compute_s: float = 0.0
-    comm_s: float = 0.0
-    bubble_s: float = 0.0
-    samples: int = 0  # global batch of one step
-    notes: list = field(default_factory=list)
+    comm_s: float = 0.0  # every collective's time, overlapped or not
+    exposed_comm_s: float = 0.0  # the part compute does not hide
+    bubble_s: float = 0.0  # the pipeline schedule's idle time
+    overhead_s: float = 0.0  # the pipeline's fixed cost per action (timing.PIPELINE_ACTION_S)
+    samples: int = 0  # global batch of one optimizer step
+    tokens: int = 0  # samples x sequence length
+    world: int = 1
+    model_flops: float = 0.0  # the model's training FLOPs per optimizer step (timing.model_flops_per_token)
+    peak_flops: float = 0.0  # per GPU, at the job's precision
+    efficiency: float = 0.0  # compute efficiency used (timing.COMPUTE_EFFICIENCY)
+    efficiency_calibrated: bool = False
+    host: dict = field(default_factory=dict)  # per-rank host bytes at model creation, with and without delayed init
 
     # bytes of the breakdown never alive together: ZeRO-0's all-reduce buffer is made after backward
     # has freed the activations (peak = breakdown total - overlap)
@@ -81,11 +94,20 @@ class Plan:
 
     @property
     def step_time_s(self) -> float:
-        return self.compute_s + self.comm_s + self.bubble_s
+        return self.compute_s + self.exposed_comm_s + self.bubble_s + self.overhead_s
 
     @property
     def samples_per_s(self) -> float:
         return self.samples / self.step_time_s if self.step_time_s else 0.0
+
+    @property
+    def tokens_per_s_per_gpu(self) -> float:
+        return self.tokens / self.step_time_s / self.world if self.step_time_s else 0.0
+
+    @property
+    def mfu(self) -> float:
+        """Model FLOPs utilisation: the model's FLOPs per second over the GPUs' peak (PaLM's definition)."""
+        return self.model_flops / (self.step_time_s * self.world * self.peak_flops) if self.step_time_s else 0.0
 
 
 def element_bytes(cfg) -> int:
@@ -101,14 +123,17 @@ def stage_layers(spec, pp: int) -> int:
     return math.ceil(spec.layers / pp)
 
 
-def rank_tensors(spec, dims, whole_model: bool = False) -> list[int]:
-    """numel of each parameter tensor on the largest rank (stage 0 holds the embeddings; with
-    pp > 1 it holds ceil(L / pp) layers; ``whole_model``: every layer), tensor-parallel tensors
-    divided by t."""
+def pipeline_stage_tensors(spec, dims) -> list[int]:
+    """numel of each parameter tensor of the largest pipeline stage, as one rank materialises and
+    keeps it (tensor-parallel tensors divided by t). With pp > 1 each rank holds only its own stage
+    (issue 40: the other stages are never materialised under delayed parameter initialisation and
+    freed after partitioning without it): ceil(L / pp) layers, plus every tensor outside the layers
+    (embeddings, final norm, head), which the partitioner spreads over the first and last stages and
+    plan counts on one: the largest stage, or a little more. pp = 1: the whole model."""
     t = dims.tp
     per_layer = [n // t if split and t > 1 else n for n, split in spec.layer_tensors]
     outer = [n // t if split and t > 1 else n for n, split in spec.outer_tensors]
-    return per_layer * (spec.layers if whole_model else stage_layers(spec, dims.pp)) + outer
+    return per_layer * stage_layers(spec, dims.pp) + outer
 
 
 def persistent(numel: int, cfg) -> bool:
@@ -149,14 +174,37 @@ def head_activation_bytes(spec, b: int, r: int, a: int) -> int:
     return norm + b * (spec.num_labels or 2) * (a + 4)
 
 
-def in_flight_microbatches(dims, stage: int = 0) -> int:
-    """Microbatches whose activations pipeline stage ``stage`` holds at once: all m under the simple
-    schedule (all forwards, then all backwards), min(m, p - stage) under interleaved (1F1B: stage i
-    runs p - i forwards before its first backward; the last stage one)."""
-    m, p = dims.cfg.microbatches, dims.pp
+# Activations the split-backward and looped schedules hold beyond 1F1B's, on their most loaded rank:
+# measured (held activations per rank, saved-tensor hooks, pp 2, benchmarks/pipeline.py, RESULTS.md
+# §11.1: 1F1B 60.3 MiB; zero_bubble 110.4, zbv 88.3, interleaved_1f1b 64.8, dualpipev 81.0). A
+# deferred weight-gradient pass keeps its layer's inputs until it runs.
+SCHEDULE_ACTIVATION_FACTOR = {"zero_bubble": 1.83, "zbv": 1.47, "interleaved_1f1b": 1.08, "dualpipev": 1.34}
+
+
+def in_flight_microbatches(dims, stage: int = 0) -> float:
+    """Microbatches' worth of a whole rank's layer activations pipeline rank ``stage`` holds at once.
+    simple (GPipe): all m, in groups of active_microbatches (smp's default p + 2); interleaved (1F1B):
+    min(m, p - stage), stage i running p - i forwards before its first backward; the other schedules:
+    1F1B's times the factor measured for them (SCHEDULE_ACTIVATION_FACTOR)."""
+    cfg, p = dims.cfg, dims.pp
+    m = cfg.microbatches
     if p == 1:
         return 1  # microbatches run one after another, each backward before the next forward
-    return m if dims.cfg.pipeline == "simple" else min(m, p - stage)
+    if cfg.pipeline == "simple":
+        return min(m, max(1, cfg.active_microbatches))
+    return min(m, p - stage) * SCHEDULE_ACTIVATION_FACTOR.get(cfg.pipeline, 1.0)
+
+
+def host_bytes(spec, dims, tensors: list[int], delayed: bool) -> int:
+    """Host memory one rank needs while the model is created (fp32, as PyTorch builds modules).
+    Without delayed parameter initialisation every rank builds the whole model on the host before
+    partitioning. With it nothing is materialised before partitioning: a pipeline rank materialises
+    its own stage (counted on the host, as the brief of issue 40 bounds it) and every rank at least
+    the largest single parameter it initialises."""
+    largest = max([n for n, _ in spec.layer_tensors] + [n for n, _ in spec.outer_tensors] or [0])
+    if not delayed:
+        return 4 * spec.total_params
+    return 4 * ((sum(tensors) if dims.pp > 1 else 0) + largest)
 
 
 # -- the plan ---------------------------------------------------------------------------------------
@@ -166,9 +214,10 @@ def plan(spec, dims, cluster: Cluster, job: Job) -> Plan:
     pb = element_bytes(cfg)  # parameters and gradients
     a = pb
     m = cfg.microbatches
+    k = job.accumulation
     b = dims.micro_batch_size(job.batch)
     t, p, rdp, sdp = dims.tp, dims.pp, dims.rdp, dims.sdp
-    tensors = rank_tensors(spec, dims)
+    tensors = pipeline_stage_tensors(spec, dims)
     n_rank = sum(tensors)
     mixed = pb == 2
     stage = dims.zero_stage
@@ -195,9 +244,8 @@ def plan(spec, dims, cluster: Cluster, job: Job) -> Plan:
         # optimizer is built, however small the model: 2 GB at smp's default 5e8 in fp32
         mem["gradient_buckets"] = int(cfg.sdp_reduce_bucket_size) * pb
     else:
-        # pp > 1: every rank builds the whole model and the pipeline engine cuts its stages from it;
-        # the other stages' parameters stay allocated (gradients and optimizer state: the stage's only)
-        mem["parameters"] = (sum(rank_tensors(spec, dims, whole_model=True)) if p > 1 else n_rank) * pb
+        # pp > 1: the rank's own stage only (pipeline_stage_tensors), like its gradients and optimizer state
+        mem["parameters"] = n_rank * pb
         mem["gradients"] = n_rank * pb
         mem["optimizer_state"] = math.ceil(n_rank / (rdp if stage == 1 else 1)) * opt_per_param
         if stage == 1 and rdp > 1:  # from backward's start to the step's end, fp32, two with overlap_comm
@@ -215,11 +263,13 @@ def plan(spec, dims, cluster: Cluster, job: Job) -> Plan:
     def stage_activations(stage: int) -> int:
         n = in_flight_microbatches(dims, stage)
         if job.activation_checkpointing:  # every layer's input of each microbatch in flight, and one
-            body = layers * boundary * n + per_layer  # layer recomputed at a time in backward
+            body = int(layers * boundary * n) + per_layer  # layer recomputed at a time in backward
         else:
-            body = layers * per_layer * n
-        # the head runs on the last stage, one microbatch at a time (its backward follows its forward)
-        return body + (head_activation_bytes(spec, b, r if vocab_split else b, a) if stage == p - 1 else 0)
+            body = int(layers * per_layer * n)
+        # the head runs on the last stage, one microbatch at a time (its backward follows its forward);
+        # the V schedules (zbv, dualpipev) put the last stage on rank 0
+        head_rank = 0 if cfg.pipeline in V_SHAPED and p > 1 else p - 1
+        return body + (head_activation_bytes(spec, b, r if vocab_split else b, a) if stage == head_rank else 0)
 
     # stage 0 holds the most microbatches, the last stage the head: the larger of the two
     mem["activations"] = max(stage_activations(0), stage_activations(p - 1))
@@ -227,6 +277,9 @@ def plan(spec, dims, cluster: Cluster, job: Job) -> Plan:
         out.overlap = min(mem["activations"], mem.get("gradient_buckets", 0))
     mem["cuda_context"] = CUDA_CONTEXT_BYTES if cluster.name != "cpu" else 0
     mem["fragmentation"] = int(FRAGMENTATION * out.tensor_bytes)
+    out.host = {"without_delayed_init": host_bytes(spec, dims, tensors, False),
+                "with_delayed_init": host_bytes(spec, dims, tensors, True),
+                "delayed_init": bool(job.delayed_init or cfg.delayed_parameter_initialization)}
 
     # -- communication per step --------------------------------------------------------------
     groups = rank0_groups(dims)
@@ -234,16 +287,25 @@ def plan(spec, dims, cluster: Cluster, job: Job) -> Plan:
     intra = {kind: len({r // cluster.gpus_per_node for r in ranks}) == 1 for kind, ranks in groups.items()}
     strides = {kind: ranks[1] - ranks[0] if len(ranks) > 1 else 1 for kind, ranks in groups.items()}
 
-    def add(group, op, nbytes, calls, size):
+    def add(group, op, nbytes, calls, size, overlap=timing.EXPOSED, per_call=True):
+        """A term of one smp.step call (per_call: repeated for each of the k calls of an optimizer
+        step) or of the optimizer step (the gradient reduction at the accumulation boundary)."""
+        times = k if per_call else 1
         if size > 1 and nbytes > 0:
-            out.comm.append(CommTerm(group, op, nbytes, calls, size, intra[group], strides[group]))
+            out.comm.append(CommTerm(group, op, nbytes * times, calls * times, size, intra[group], strides[group],
+                                     overlap))
 
     grads = n_rank * pb
+    # DeepSpeed reduces ZeRO-0/1 gradients once per optimizer step: ZeRO-0 after backward (the
+    # engine's all-reduce, on the critical path), ZeRO-1 from backward hooks during the last
+    # microbatch's backward when overlap_comm is on (the translation's setting with NCCL). The
+    # pipeline engine reduces after its schedule.
+    hooked = timing.LAST_BACKWARD if p == 1 and cluster.name != "cpu" else timing.EXPOSED
     if stage == 0:
-        add("rdp", "all_reduce", grads, 1, rdp)
+        add("rdp", "all_reduce", grads, 1, rdp, per_call=False)
     elif stage == 1:
-        add("rdp", "all_reduce", grads, 1, rdp)
-        add("rdp", "all_gather", grads, 1, rdp)  # the updated parameter shards
+        add("rdp", "all_reduce", grads, 1, rdp, hooked, per_call=False)
+        add("rdp", "all_gather", grads, 1, rdp, per_call=False)  # the updated parameter shards
     else:
         # ZeRO-3: parameters below the persistence threshold stay whole and are gathered once, after
         # the optimizer step. The others are gathered by the first forward; DeepSpeed keeps what it
@@ -251,17 +313,22 @@ def plan(spec, dims, cluster: Cluster, job: Job) -> Plan:
         # part again for every later pass (m - 1 forwards, m backwards; a checkpointed layer's
         # recompute comes right before its backward and shares its gather). Gradients are
         # reduce-scattered every microbatch.
+        # DeepSpeed sees each of the k calls' m microbatches as one more micro-step (its
+        # gradient_accumulation_steps is m x k), so an optimizer step is k m passes of each kind.
+        # Its prefetch and overlap_comm run both on side streams while layers compute.
         kept_bytes = sum(n for n in tensors if persistent(n, cfg)) * pb
         gathered_numel = sum(n for n in tensors if not persistent(n, cfg))
         gathered = gathered_numel * pb
-        again = gathered * zero3_released_fraction(gathered_numel, cfg) * (2 * m - 1)
-        add("rdp", "all_gather", kept_bytes, 1, rdp)
+        passes = 2 * m * k
+        again = gathered * zero3_released_fraction(gathered_numel, cfg) * (passes - 1)
+        step = timing.WHOLE_STEP
+        add("rdp", "all_gather", kept_bytes, 1, rdp, per_call=False)
         if dims.hpz_partition_size > 1:  # the first gather from the primary partition builds hpZ's
-            add("rdp", "all_gather", gathered, 1, rdp)  # node-local copy; later ones read that copy
-            add("sdp", "all_gather", again, 2 * m - 1, sdp)
+            add("rdp", "all_gather", gathered, 1, rdp, step, per_call=False)  # node-local copy; later ones
+            add("sdp", "all_gather", again, passes - 1, sdp, step, per_call=False)  # read that copy
         else:
-            add("rdp", "all_gather", gathered + again, 2 * m, rdp)
-        add("rdp", "reduce_scatter", grads * m, m, rdp)
+            add("rdp", "all_gather", gathered + again, passes, rdp, step, per_call=False)
+        add("rdp", "reduce_scatter", grads * m, m, rdp, step)
     if t > 1 and cfg.prescaled_batch:
         # prescaled_batch: the TP group shares one batch (r = b) and Megatron's pair surrounds each unit:
         # its entry (copy_to) all-reduces the input's gradient in backward, its row layer (reduce_from)
@@ -305,30 +372,40 @@ def plan(spec, dims, cluster: Cluster, job: Job) -> Plan:
         # booleans, which Hugging Face models build once and hand to every layer) and receives their
         # gradients; tied input/output embeddings (GPT-2) have their gradient all-reduced between the
         # first and last stage
-        act = a * b * spec.seq_len * spec.hidden
-        mask = b * spec.seq_len * spec.seq_len if spec.vocab else 0
-        add("pp", "send", (act + mask) * m, (2 if mask else 1) * m, p)
-        add("pp", "recv", act * m, m, p)
+        # (v stages per rank: a microbatch leaves each of the rank's v stages)
+        v = cfg.virtual_pipeline_degree
+        act = a * b * spec.seq_len * spec.hidden * v
+        mask = b * spec.seq_len * spec.seq_len * v if spec.vocab else 0
+        add("pp", "send", (act + mask) * m, (2 if mask else 1) * m * v, p)
+        add("pp", "recv", act * m, m * v, p)
         if spec.tied_embeddings:
-            add("pp", "all_reduce", spec.vocab * spec.hidden // t * pb, 1, p)
+            add("pp", "all_reduce", spec.vocab * spec.hidden // t * pb, 1, p, per_call=False)
 
-    # -- time ---------------------------------------------------------------------------------------
-    peak = cluster.flops.get(precision(cfg))
+    # -- time (plan/timing.py) ---------------------------------------------------------------------
+    prec = precision(cfg)
+    peak = cluster.flops.get(prec)
     if peak is None:
-        raise ValueError(f"{precision(cfg)} is not supported by the GPU of {cluster.name}")
-    # Each rank passes B samples to smp.step. Without prescaled_batch the TP group gathers its t
-    # batches and each rank computes 1/t of t·B samples: B samples' worth; with prescaled_batch the
-    # group shares one batch: B / t. A pipeline stage holds 1/p of the layers.
-    tokens = dims.tp_region_batch(job.batch) / t * spec.seq_len
-    out.samples = dims.global_batch_size(job.batch)
-    matmul = 2 * (spec.layers * sum(n for n, s in spec.layer_tensors if s) + (spec.vocab * spec.hidden))
-    attention = 4 * spec.layers * spec.seq_len * spec.hidden  # q k^T and attention x v, per token
-    forward = (matmul + attention) * tokens / p
+        raise ValueError(f"{prec} is not supported by the GPU of {cluster.name}")
+    # Each rank passes B samples to smp.step, k times per optimizer step. Without prescaled_batch the
+    # TP group gathers its t batches and each rank computes 1/t of t·B samples: B samples' worth; with
+    # prescaled_batch the group shares one batch: B / t. A pipeline stage holds 1/p of the layers.
+    tokens = dims.tp_region_batch(job.batch) / t * spec.seq_len * k
+    out.samples = dims.global_batch_size(job.batch) * k
+    out.tokens = out.samples * spec.seq_len
+    out.world = dims.world_size
     passes = 4 if job.activation_checkpointing else 3  # forward, backward = 2 x forward, recompute
-    out.compute_s = forward * passes / (peak * COMPUTE_EFFICIENCY)
-    out.comm_s = sum(collective_seconds(term, cluster) for term in out.comm)
-    if p > 1:  # 1F1B / GPipe bubble: (p - 1) / m of the compute
-        out.bubble_s = out.compute_s * (p - 1) / m
+    out.model_flops = timing.model_flops_per_token(spec) * out.tokens
+    out.peak_flops = peak
+    out.efficiency, out.efficiency_calibrated = timing.compute_efficiency(cluster.gpu, prec)
+    # a pipeline runs at the pace of its slowest stage: the most layers (ceil(L / (p v)) per stage, v
+    # stages per rank) and the head; without a pipeline the whole model
+    v = cfg.virtual_pipeline_degree if p > 1 else 1
+    slowest = timing.model_flops_per_token(spec, math.ceil(spec.layers / (p * v)) * v if p > 1 else None)
+    out.compute_s = slowest / 3 * tokens * passes / (peak * out.efficiency)
+    out.comm_s, out.exposed_comm_s = timing.exposed_seconds(out.comm, cluster, out.compute_s, m * k, passes)
+    if p > 1:  # idle time of the schedule, and the fixed cost of its actions (timing.PIPELINE_ACTION_S)
+        out.bubble_s = out.compute_s * timing.bubble_fraction(cfg.pipeline, p, m, v)
+        out.overhead_s = timing.pipeline_overhead_s(cfg.pipeline, p, m * k, v)
     return out
 
 
@@ -338,20 +415,3 @@ def rank0_groups(dims) -> dict:
     grid = dims.grid
     sdp = grid.sdp_groups(dims.sdp)[0] if 1 < dims.sdp < dims.rdp else grid.rdp_group(0)
     return {"tp": grid.tp_group(0), "pp": grid.pp_group(0), "rdp": grid.rdp_group(0), "sdp": tuple(sdp)}
-
-
-def collective_seconds(term: CommTerm, cluster: Cluster) -> float:
-    """Ring algorithms (NCCL's choice for large messages): all_reduce moves 2 (n-1)/n of its bytes
-    over each rank's link, all_gather / reduce_scatter (n-1)/n, send/recv the message. A group
-    spanning nodes runs at the node's network bandwidth shared by the GPUs of the node that take
-    part (one ring per GPU), else at the intra-node link."""
-    n = term.size
-    factor = {"all_reduce": 2 * (n - 1) / n, "all_gather": (n - 1) / n, "reduce_scatter": (n - 1) / n}.get(term.op, 1.0)
-    if term.op == "recv":
-        return 0.0  # a send and its receive are one transfer; counted with the send
-    if term.intra_node:
-        bandwidth = cluster.intra_node_bandwidth
-    else:
-        sharing = cluster.gpus_per_node // max(1, min(n, cluster.gpus_per_node // max(1, term.stride)))
-        bandwidth = min(cluster.intra_node_bandwidth, cluster.inter_node_bandwidth / sharing)
-    return term.bytes * factor / (bandwidth * COMM_EFFICIENCY)

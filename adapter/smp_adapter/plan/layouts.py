@@ -1,51 +1,144 @@
-"""Which layouts a cluster can run (``plan --search``): every (pp, tp, sdp, ZeRO-1, microbatches)
-the config layer accepts (ParallelDims decides; nothing is re-implemented here), plus the model's
-own limit that tensor parallelism splits attention heads."""
+"""Which layouts ``plan --search`` considers, and how each realises the job's global batch.
+
+A layout is every choice that changes how the job runs but not what it computes: (pp, tp, sdp,
+ZeRO-1, prescaled_batch, pipeline schedule) x activation checkpointing x the microbatch size.
+The config layer decides what is valid (ParallelDims, SMPConfig: nothing is re-implemented here);
+on top of it plan drops what smp would refuse for this model or no practitioner would run: a
+tensor-parallel degree that does not divide the attention (or key/value) heads, more pipeline
+stages than layers, fewer microbatches than pipeline ranks, and tensor-parallel or hpZ groups
+spanning nodes (kept with ``cross_node=True``).
+"""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from smp_adapter.config.dims import ParallelDims
 from smp_adapter.config.options import SMPConfig
 from smp_adapter.config.problems import ConfigProblem
 from smp_adapter.errors import SMPConfigError
 
+# the pipeline schedules the search tries (config/pipeline_schedule.py): smp's 1F1B ("interleaved")
+# and the ones with smaller bubbles; GPipe ("simple") keeps every microbatch in flight and is left out
+SEARCHED_SCHEDULES = ("interleaved", "interleaved_1f1b", "zero_bubble", "zbv", "dualpipev")
+# the layout options the search sets; any other option the user gave (precision, sdp_* sizes, ...) is kept
+SEARCHED_KEYS = ("pipeline_parallel_degree", "tensor_parallel_degree", "sharded_data_parallel_degree",
+                 "shard_optimizer_state", "prescaled_batch", "pipeline", "virtual_pipeline_degree", "microbatches",
+                 "active_microbatches", "ddp", "partitions", "fp16_params")
+
 
 def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def candidate_options(base: dict, world: int, batch: int) -> list[dict]:
+def kv_heads(spec) -> int:
+    return spec.kv_hidden * spec.heads // spec.hidden if spec.kv_hidden else spec.heads
+
+
+def model_problems(spec, tp: int, pp: int = 1) -> list[ConfigProblem]:
+    """The model's own limits on a layout: tensor parallelism splits the attention and key/value
+    heads; a pipeline stage holds at least one layer."""
     out = []
-    for pp in divisors(world):
-        for tp in divisors(world // pp):
-            rdp = world // (pp * tp)
-            micro = [base.get("microbatches", 1)] if pp == 1 else [m for m in divisors(batch) if m >= pp] or [batch]
-            for sdp in divisors(rdp):
-                for shard in ((False, True) if sdp == 1 and rdp > 1 else (False,)):
-                    for m in micro:
-                        out.append({**base, "pipeline_parallel_degree": pp, "tensor_parallel_degree": tp,
-                                    "sharded_data_parallel_degree": sdp, "shard_optimizer_state": shard,
-                                    "microbatches": m, "ddp": True})
+    for what, count in (("attention heads", spec.heads), ("key/value heads", kv_heads(spec))):
+        if count % tp:
+            out.append(ConfigProblem("tensor_parallel_degree", f"must divide the model's {count} {what}",
+                                     f"choose a tensor_parallel_degree that divides {count}", tp))
+            break
+    if pp > spec.layers:
+        out.append(ConfigProblem("pipeline_parallel_degree", f"must not exceed the model's {spec.layers} layers (a "
+                                 "stage holds at least one)", f"use at most {spec.layers} stages", pp))
     return out
 
 
-def model_problems(spec, tp: int) -> list[ConfigProblem]:
-    """The model's own limit on a layout: tensor parallelism splits the attention heads."""
-    if spec.heads % tp:
-        return [ConfigProblem("tensor_parallel_degree", f"must divide the model's {spec.heads} attention heads",
-                              "choose a tensor_parallel_degree that divides the head count", tp)]
-    return []
+def spans_nodes(ranks, gpus_per_node: int) -> bool:
+    return len({r // gpus_per_node for r in ranks}) > 1
 
 
-def valid_layouts(base: dict, world: int, batch: int, spec) -> list[ParallelDims]:
-    layouts = []
-    for options in candidate_options(base, world, batch):
-        if model_problems(spec, options["tensor_parallel_degree"]):
+def layout_problem(dims: ParallelDims, spec, gpus_per_node: int) -> str | None:
+    """Why a valid layout is one no practitioner would run on this model and cluster, or None."""
+    cfg = dims.cfg
+    if dims.pp * cfg.virtual_pipeline_degree > spec.layers:
+        return f"{dims.pp * cfg.virtual_pipeline_degree} pipeline stages for {spec.layers} layers"
+    if dims.tp > 1 and spans_nodes(dims.grid.tp_group(0), gpus_per_node):
+        return "tensor-parallel groups span nodes (every layer's exchanges cross the network)"
+    if dims.hpz_partition_size > 1 and spans_nodes(dims.grid.sdp_groups(dims.sdp)[0], gpus_per_node):
+        return "hpZ groups span nodes (the secondary copy's gathers cross the network)"
+    return None
+
+
+@dataclass(frozen=True)
+class Sharding:
+    sdp: int
+    shard_optimizer_state: bool
+
+
+def shardings(rdp: int, pp: int) -> list[Sharding]:
+    """Plain data parallel (ZeRO-0), ZeRO-1, and ZeRO-3 over every divisor of rdp (hpZ below rdp);
+    sharded data parallel does not combine with pipelines (smp v1's rule)."""
+    out = [Sharding(1, False)]
+    if rdp > 1:
+        out.append(Sharding(1, True))
+        if pp == 1:
+            out += [Sharding(sdp, False) for sdp in divisors(rdp) if sdp > 1]
+    return out
+
+
+def base_layouts(base: dict, world: int, spec, gpus_per_node: int, cross_node: bool = False):
+    """(ParallelDims with microbatches 1, why skipped or None) for every (pp, tp, sharding,
+    prescaled_batch, schedule) the config layer accepts; microbatches are set per microbatch size."""
+    kept = {k: v for k, v in base.items() if k not in SEARCHED_KEYS}
+    for pp in divisors(world):
+        if pp > spec.layers:
             continue
-        try:
-            dims = ParallelDims.from_config(SMPConfig.from_dict(options), world)
-            dims.micro_batch_size(batch)
-        except SMPConfigError:
-            continue
-        layouts.append(dims)
-    return layouts
+        for tp in divisors(world // pp):
+            if model_problems(spec, tp):
+                continue
+            rdp = world // (pp * tp)
+            for sharding in shardings(rdp, pp):
+                for prescaled in ((False, True) if tp > 1 else (False,)):
+                    for schedule in (SEARCHED_SCHEDULES if pp > 1 else ("interleaved",)):
+                        options = {**kept, "ddp": True, "pipeline_parallel_degree": pp, "tensor_parallel_degree": tp,
+                                   "sharded_data_parallel_degree": sharding.sdp, "prescaled_batch": prescaled,
+                                   "shard_optimizer_state": sharding.shard_optimizer_state, "pipeline": schedule,
+                                   # the extension schedules need m >= pp: checked per microbatch count below
+                                   "microbatches": max(pp, 2 * pp if schedule == "dualpipev" else pp)}
+                        try:
+                            dims = ParallelDims.from_config(SMPConfig.from_dict(options), world)
+                        except SMPConfigError:
+                            continue
+                        problem = layout_problem(dims, spec, gpus_per_node)
+                        if problem and not (cross_node and "span nodes" in problem):
+                            continue
+                        yield options
+
+
+def with_microbatches(options: dict, world: int, microbatches: int) -> ParallelDims | None:
+    """The layout with this microbatch count, or None when the config layer refuses it."""
+    try:
+        return ParallelDims.from_config(SMPConfig.from_dict({**options, "microbatches": microbatches}), world)
+    except SMPConfigError:
+        return None
+
+
+def realisations(options: dict, world: int, global_batch: int):
+    """(dims, per-rank batch, accumulation) realising ``global_batch`` samples per optimizer step, one
+    per microbatch size b dividing the samples of a replica: n = samples / b microbatches, as many as
+    the schedule accepts in one smp.step call (m, the largest divisor of n it accepts, m >= pp), the
+    rest as k = n / m calls per optimizer step (backward_passes_per_step)."""
+    pp = options["pipeline_parallel_degree"]
+    probe = with_microbatches(options, world, options["microbatches"])
+    if probe is None:
+        return
+    replicas = probe.global_batch_size(1)
+    if global_batch % replicas:
+        return
+    samples = global_batch // replicas
+    for b in divisors(samples):
+        n = samples // b
+        for m in sorted(divisors(n), reverse=True):
+            if pp > 1 and m < pp:  # fewer microbatches than pipeline ranks never fill the pipeline
+                break
+            dims = probe if m == probe.cfg.microbatches else with_microbatches(options, world, m)
+            if dims is not None:
+                yield dims, b * m, n // m
+                break

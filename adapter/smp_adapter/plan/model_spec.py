@@ -1,20 +1,24 @@
 """A model's shape for the plan: parameter counts and the sizes activations scale with, read from a
 Hugging Face config (file, directory or dict) as pure arithmetic over its fields, no torch needed.
 
-Families with their parameter formulas written out: gpt2, llama-style decoders (llama, mistral,
-qwen2, ...: gated MLP, optional grouped KV heads), vit, bert/roberta. Any other config with the
-usual size fields is built on the meta device with transformers (no weights) to count parameters.
+Families with their parameter formulas written out: gpt2, gpt_neox, llama-style decoders (llama,
+mistral, qwen2, ...: gated MLP, optional grouped KV heads), vit, bert/roberta. Any other family
+transformers knows is built on the meta device (no weights) to count parameters, as the class its
+``architectures`` names (so a causal LM keeps its head); a family transformers does not know is
+refused at once, from the list of model types in transformers' source, without importing it.
 Per-layer parameters are what a transformer layer holds; the rest (embeddings, final norm, head) is
 ``outer_params``. ``tp_split_params`` is the part tensor parallelism divides (the layers' matrices).
 """
 
 from __future__ import annotations
 
+import difflib
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from smp_adapter.config.problems import ConfigProblem, raise_if_any
+from smp_adapter.plan.input_errors import PlanInputError
 
 LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3", "gemma", "mixtral_dense", "olmo", "phi3")
 
@@ -82,11 +86,11 @@ def recipe_model(path: Path):
         return named
     if isinstance(named, str):
         return read_config(path.parent / named)
-    raise_if_any([ConfigProblem("--model", "is a recipe that names no model config plan can read (its script "
-                                "builds the model from its own arguments)",
-                                "add model_config: <a Hugging Face config mapping, or the path of its config.json> to "
-                                "the recipe, set hyperparameters.model_name_or_path to a local model directory, or give "
-                                "--model config.json", str(path))])
+    raise PlanInputError("recipe", "--model", "is a recipe that names no model config plan can read (its script "
+                         "builds the model from its own arguments)",
+                         "add model_config: <a Hugging Face config mapping, or the path of its config.json> to "
+                         "the recipe, set hyperparameters.model_name_or_path to a local model directory, or give "
+                         "--model config.json", str(path))
 
 
 def read_config(path_or_dict) -> dict:
@@ -100,13 +104,14 @@ def read_config(path_or_dict) -> dict:
     try:
         data = json.loads(path.read_text())
     except OSError as exc:
-        raise_if_any([ConfigProblem("--model", f"cannot be read ({exc.strerror})",
-                                    "give a Hugging Face config.json (or the directory holding it)", str(path_or_dict))])
+        raise PlanInputError("model config file", "--model", f"cannot be read ({exc.strerror})",
+                             "give a Hugging Face config.json (or the directory holding it)", str(path_or_dict)) from None
     except ValueError:
-        raise_if_any([ConfigProblem("--model", "is not JSON", "give a Hugging Face config.json (or its directory)",
-                                    str(path_or_dict))])
+        raise PlanInputError("model config file", "--model", "is not JSON",
+                             "give a Hugging Face config.json (or its directory)", str(path_or_dict)) from None
     if not isinstance(data, dict):
-        raise_if_any([ConfigProblem("--model", "is not a JSON object", "give a Hugging Face config.json", str(path_or_dict))])
+        raise PlanInputError("model config file", "--model", "is not a JSON object", "give a Hugging Face config.json",
+                             str(path_or_dict))
     return data
 
 
@@ -118,13 +123,19 @@ def model_spec(config, seq_len: int | None = None) -> ModelSpec:
     h = _field(cfg, "hidden_size", "n_embd", "d_model")
     layers = _field(cfg, "num_hidden_layers", "n_layer", "num_layers")
     heads = _field(cfg, "num_attention_heads", "n_head")
-    if not all(isinstance(v, int) and v > 0 for v in (h, layers, heads)):
-        raise_if_any([ConfigProblem("--model", "is not a transformer model config: hidden_size/n_embd, "
-                                    "num_hidden_layers/n_layer and num_attention_heads/n_head must be positive integers",
-                                    "give a Hugging Face model config.json (e.g. saved by AutoConfig.save_pretrained)",
-                                    kind or "<no model_type>")])
+    if seq_len is not None and (isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1):
+        raise PlanInputError("sequence length", "--seq-len", "must be a positive integer (tokens per sample)",
+                             "give the training sequence length, e.g. --seq-len 4096, or leave it out to use the "
+                             "config's maximum", seq_len)
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in (h, layers, heads)):
+        raise PlanInputError("model config", "--model", "is not a transformer model config: hidden_size/n_embd, "
+                             "num_hidden_layers/n_layer and num_attention_heads/n_head must be positive integers",
+                             "give a Hugging Face model config.json (e.g. saved by AutoConfig.save_pretrained)",
+                             kind or "<no model_type>")
     if kind == "gpt2":
         return _gpt2(cfg, h, layers, heads, seq_len)
+    if kind == "gpt_neox":
+        return _gpt_neox(cfg, h, layers, heads, seq_len)
     if kind in LLAMA_LIKE:
         return _llama(cfg, kind, h, layers, heads, seq_len)
     if kind == "vit":
@@ -138,9 +149,9 @@ def _seq(seq_len, cfg, *names):
     if seq_len is not None:
         return seq_len
     value = _field(cfg, *names)
-    if value is None:
-        raise_if_any([ConfigProblem("--seq-len", "is needed: the config gives no maximum sequence length",
-                                    "give --seq-len N")])
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise PlanInputError("sequence length", "--seq-len", "is needed: the config gives no maximum sequence length",
+                             "give --seq-len N")
     return value
 
 
@@ -157,6 +168,23 @@ def _gpt2(cfg, h, layers, heads, seq_len):
     return ModelSpec("gpt2", layers, h, heads, inner, vocab, _seq(seq_len, cfg, "n_positions"), layer, outer,
                      tied_embeddings=cfg.get("tie_word_embeddings", True), mlp_saved=mlp_saved,
                      position_tables=1)  # wpe
+
+
+def _gpt_neox(cfg, h, layers, heads, seq_len):
+    """GPT-NeoX (EleutherAI's GPT-NeoX-20B, Pythia): rotary positions (no table), a fused q|k|v with
+    biases, a GELU MLP with biases, two LayerNorms per layer, and an untied output head (embed_out)."""
+    inter = cfg.get("intermediate_size") or 4 * h
+    vocab = cfg.get("vocab_size", 50432)
+    # input_layernorm, post_attention_layernorm, query_key_value (+bias), dense (+bias), h->4h (+bias), 4h->h (+bias)
+    layer = ((h, False), (h, False), (h, False), (h, False), (h * 3 * h, True), (3 * h, True), (h * h, True), (h, False),
+             (h * inter, True), (inter, True), (inter * h, True), (h, False))
+    tied = bool(cfg.get("tie_word_embeddings", False))
+    outer = ((vocab * h, True), (h, False), (h, False)) + (() if tied else ((vocab * h, True),))  # embed_in, final LN, embed_out
+    # GELU keeps its input and output; the tanh approximations (gelu_fast, gelu_new: GPT-NeoX-20B's
+    # config names gelu_fast) are formulas of Python operators keeping five tensors, as GPT-2's
+    mlp_saved = 5 if cfg.get("hidden_act", "gelu") in ("gelu_fast", "gelu_new") else 2
+    return ModelSpec("gpt_neox", layers, h, heads, inter, vocab, _seq(seq_len, cfg, "max_position_embeddings"), layer,
+                     outer, tied_embeddings=tied, mlp_saved=mlp_saved)
 
 
 def _llama(cfg, kind, h, layers, heads, seq_len):
@@ -204,18 +232,69 @@ def _bert(cfg, kind, h, layers, heads, seq_len):
                      _encoder_layer(h, inter), outer)
 
 
+def transformers_model_types() -> set[str] | None:
+    """The model types transformers knows, read from its source (CONFIG_MAPPING_NAMES in
+    models/auto/configuration_auto.py, or auto_mappings.py where newer releases generate it) without
+    importing it: importing its registry takes seconds, and a typo in model_type must be refused at
+    once. None when transformers is not installed or its layout is not recognised."""
+    import importlib.util
+
+    try:
+        found = importlib.util.find_spec("transformers")
+    except (ImportError, ValueError):
+        return None
+    if found is None or not found.origin:
+        return None
+    auto = Path(found.origin).parent / "models" / "auto"
+    names: set[str] = set()
+    for file in ("configuration_auto.py", "auto_mappings.py"):
+        try:
+            text = (auto / file).read_text()
+        except OSError:
+            continue
+        # ("gpt_neox", "GPTNeoXConfig") tuples and "gpt_neox": "GPTNeoXConfig" entries
+        names.update(re.findall(r'"([\w\-]+)"\s*[,:]\s*"\w+Config"', text))
+    return names or None
+
+
+def _known_family(kind: str) -> None:
+    """Refuse a model_type no family here and no transformers release installed here knows."""
+    known = transformers_model_types()
+    if known is None or kind in known:
+        return
+    own = ["gpt2", "gpt_neox", "vit", "bert", "roberta", *LLAMA_LIKE]
+    close = difflib.get_close_matches(kind, sorted(known | set(own)), n=3, cutoff=0.6)
+    raise PlanInputError("model family", "model_type", "is not a model family transformers knows (plan counts "
+                         f"{', '.join(own[:5])} and llama-style decoders itself, and any family transformers can build)",
+                         (f"did you mean {', '.join(repr(c) for c in close)}? " if close else "")
+                         + "Set model_type in the config to the family's name as transformers spells it", kind)
+
+
 def _meta_built(cfg, kind, h, layers, heads, seq_len):
-    """Any other family: count its parameters on the meta device (no memory, no weights)."""
+    """Any other family: count its parameters on the meta device (no memory, no weights), built as
+    the class the config's ``architectures`` names (GPTNeoXForCausalLM keeps its output head, which
+    the bare AutoModel drops), else as a causal LM when the family has one, else the bare model."""
+    _known_family(kind)
     try:
         import torch
-        from transformers import AutoConfig, AutoModel
+        import transformers
+        from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
-        hf_cfg = AutoConfig.for_model(kind, **{k: v for k, v in cfg.items() if k != "model_type"})
+        hf_cfg = AutoConfig.for_model(kind, **{k: v for k, v in cfg.items() if k not in ("model_type", "architectures")})
+        named = [getattr(transformers, a, None) for a in cfg.get("architectures") or [] if isinstance(a, str)]
         with torch.device("meta"):
-            model = AutoModel.from_config(hf_cfg)
+            if named and named[0] is not None:
+                model = named[0](hf_cfg)
+            else:
+                try:
+                    model = AutoModelForCausalLM.from_config(hf_cfg)
+                except ValueError:  # the family has no causal-LM head (an encoder, a vision model)
+                    model = AutoModel.from_config(hf_cfg)
     except Exception as exc:  # noqa: BLE001 - any failure means "not a model transformers can build"
-        raise_if_any([ConfigProblem("--model", f"transformers cannot build model_type {kind!r} ({type(exc).__name__}: "
-                                    f"{str(exc)[:200]})", "give a Hugging Face model config.json", kind)])
+        raise PlanInputError("model family", "model_type", f"transformers cannot build this model from the config "
+                             f"({type(exc).__name__}: {str(exc)[:300]})",
+                             "give a complete Hugging Face model config.json (AutoConfig.save_pretrained writes one)",
+                             kind) from None
     blocks = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m) == layers]
     in_layers = {id(p) for b in blocks[:1] for layer in b for p in layer.parameters()}
     layer = tuple((p.numel(), p.dim() == 2) for p in blocks[0][0].parameters()) if blocks else ()

@@ -1,0 +1,99 @@
+"""``plan --search``: the job held fixed (model, cluster, global batch, optimizer), every layout that
+realises it planned, those within usable memory minus the headroom kept, ranked by step time.
+
+Every row trains the same number of samples per optimizer step, so step times compare directly.
+Two layouts whose step times differ by less than the time model can tell apart (TIME_TIE) are a
+tie, and a tie goes to the one with more memory left: the fastest row of what remains is found, and
+of the rows within TIME_TIE of it the one with the most memory left is ranked next.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from smp_adapter.plan import costs
+from smp_adapter.plan.layouts import base_layouts, realisations
+
+# relative step-time difference below which two layouts are a tie (docs/plan.md, "How far to trust
+# the time model": the model's error between layouts on one cluster, from seed 002 and the
+# calibration runs, is of this order)
+TIME_TIE = 0.05
+DEFAULT_HEADROOM = 0.10  # device memory kept free for what the plan does not count
+
+
+@dataclass
+class Row:
+    dims: object  # ParallelDims
+    job: costs.Job
+    plan: costs.Plan
+    budget: int  # usable device bytes minus the headroom
+
+    @property
+    def memory_left(self) -> int:
+        return self.budget - self.plan.peak_bytes
+
+    @property
+    def step_s(self) -> float:
+        return self.plan.step_time_s
+
+
+@dataclass
+class SearchResult:
+    global_batch: int
+    budget: int
+    ranked: list = field(default_factory=list)  # Rows that fit, best first (TIME_TIE ties to memory left)
+    layouts: int = 0  # layouts x checkpointing choices that realise the global batch
+    planned: int = 0  # plans made (one per microbatch size)
+    over_memory: list = field(default_factory=list)  # the best Row of each layout choice that fits nowhere
+
+
+def search(spec, base: dict, cluster, global_batch: int, optimizer: str = "adam", headroom: float = DEFAULT_HEADROOM,
+           checkpointing=(False, True), cross_node: bool = False, delayed_init: bool = False, top: int = 0) -> SearchResult:
+    budget = int(cluster.allocatable * (1 - headroom))
+    result = SearchResult(global_batch, budget)
+    fitting = []
+    world = cluster.world_size
+    for options in base_layouts(base, world, spec, cluster.gpus_per_node, cross_node):
+        for ac in checkpointing:
+            best = smallest = None
+            for dims, batch, accumulation in realisations(options, world, global_batch):
+                job = costs.Job(batch, ac, optimizer, accumulation, delayed_init)
+                planned = costs.plan(spec, dims, cluster, job)
+                result.planned += 1
+                row = Row(dims, job, planned, budget)
+                if row.memory_left >= 0 and (best is None or _better(row, best)):
+                    best = row
+                if smallest is None or row.plan.peak_bytes < smallest.plan.peak_bytes:
+                    smallest = row
+            if smallest is None:
+                continue  # this layout cannot realise the global batch
+            result.layouts += 1
+            if best is not None:
+                fitting.append(best)
+            else:
+                result.over_memory.append(smallest)
+    result.ranked = rank(fitting, top or len(fitting))
+    return result
+
+
+def _better(row: Row, than: Row) -> bool:
+    """Within one layout: the faster microbatch size, ties (TIME_TIE) to more memory left."""
+    if row.step_s < than.step_s * (1 - TIME_TIE):
+        return True
+    if than.step_s < row.step_s * (1 - TIME_TIE):
+        return False
+    return row.memory_left > than.memory_left
+
+
+def rank(rows: list, top: int) -> list:
+    """The ``top`` best rows: repeatedly, of the rows within TIME_TIE of the fastest remaining one,
+    the one with the most memory left."""
+    remaining = sorted(rows, key=lambda r: r.step_s)
+    ranked = []
+    while remaining and len(ranked) < top:
+        limit = remaining[0].step_s * (1 + TIME_TIE)
+        tied = [r for r in remaining if r.step_s <= limit]
+        pick = max(tied, key=lambda r: r.memory_left)
+        ranked.append(pick)
+        remaining.remove(pick)
+    return ranked

@@ -1,0 +1,119 @@
+"""The step-time model of ``smp-adapter plan``, written once (docs/plan.md, "Time"): compute at a
+stated efficiency per GPU type and precision, collectives at a stated share of the link bandwidth,
+the communication the engine overlaps with compute hidden behind that compute, the pipeline bubble
+of each schedule, and the figures a practitioner compares runs by (tokens/s per GPU, MFU). Pure
+arithmetic: no torch.
+"""
+
+from __future__ import annotations
+
+COMM_EFFICIENCY = 0.70  # achieved / link bandwidth of large NCCL collectives (bus bandwidth): stated, not calibrated
+
+# Achieved / peak FLOP/s of the compute of a transformer training step, recompute included (hardware
+# FLOPs utilisation of the compute phases, before communication and bubbles), per GPU and precision.
+# Calibrated entries: the hardware utilisation of published runs whose communication was hidden
+# (docs/plan.md, "Calibration", cites each); the others are stated assumptions.
+COMPUTE_EFFICIENCY = {
+    # A100, 16-bit: MosaicML llm-foundry benchmarks (FSDP FULL_SHARD, A100 40/80GB): HFU 42.6-79.3 %
+    # (7B: 66.8 % on 8 x A100-40GB at seq 4096); torchtitan (FSDP2, 64 x A100-80GB): MFU 50.5-61.1 %
+    ("A100-40GB", "bf16"): 0.60, ("A100-40GB", "fp16"): 0.60,
+    ("A100-80GB", "bf16"): 0.60, ("A100-80GB", "fp16"): 0.60,
+    # H100 / H200 (same die), 16-bit: llm-foundry H100 HFU 31.8-59.0 % (7B seq 4096: 53.9 %); torchtitan
+    # Llama 3.1 8B on H100: MFU 33-39 %; Llama 3 405B: MFU 38-43 % (paper, Table 4)
+    ("H100-SXM-80GB", "bf16"): 0.50, ("H100-SXM-80GB", "fp16"): 0.50,
+    ("H200-141GB", "bf16"): 0.50, ("H200-141GB", "fp16"): 0.50,
+    # V100, fp16: Megatron-LM v1.0 sustained 62.4 TFLOP/s per GPU, 48 % of peak (NVIDIA ADLR blog)
+    ("V100-SXM2-16GB", "fp16"): 0.48, ("V100-SXM2-32GB", "fp16"): 0.48,
+}
+# not calibrated: fp32 matmuls without tensor cores reach a larger share of their (much lower) peak
+ASSUMED_EFFICIENCY = {"fp32": 0.60, "fp16": 0.40, "bf16": 0.40}
+
+
+def compute_efficiency(gpu: str, precision: str) -> tuple[float, bool]:
+    """(efficiency, calibrated) for a GPU name (instances.py) and a precision."""
+    if (gpu, precision) in COMPUTE_EFFICIENCY:
+        return COMPUTE_EFFICIENCY[gpu, precision], True
+    return ASSUMED_EFFICIENCY[precision], False
+
+
+def model_flops_per_token(spec, layers: int | None = None) -> float:
+    """Training FLOPs per token of the model itself (PaLM's MFU numerator, Chowdhery et al. 2022, App. B):
+    6 x the matrix parameters (the layers' matrices and the token head) + 12 L s h for attention's
+    two s x s products. Recompute is not counted (it is not the model's work). ``layers``: of that
+    many layers and the head (a pipeline's slowest stage: its most layers and the head)."""
+    layers = spec.layers if layers is None else layers
+    matmul = layers * sum(n for n, split in spec.layer_tensors if split) + spec.vocab * spec.hidden
+    return 6 * matmul + 12 * layers * spec.seq_len * spec.hidden
+
+
+def bubble_fraction(schedule: str, p: int, m: int, v: int) -> float:
+    """Idle time of a pipeline step as a share of its compute: b / m, b in units of one microbatch's
+    F + B on a rank, with a weight-gradient share w = W / (F + B) = 1/3 (F, dX and dW are one matrix
+    product each): 1F1B and GPipe p - 1; interleaved 1F1B (p - 1) / v (Narayanan et al. 2021); ZB-H1
+    (zero_bubble) (p - 1)(1 - 2w) (Qi et al. 2023), / v when looped; ZBV (p - 1)(1 - 2w) / 2; DualPipeV
+    max(0, (p - 1)(1 - 3w) / 2) = 0. The same predictions benchmarks/pipeline.py prints next to each
+    rank's measured idle fraction (RESULTS.md §11.1)."""
+    if p <= 1:
+        return 0.0
+    w = 1 / 3
+    b = {"interleaved": p - 1, "simple": p - 1, "interleaved_1f1b": (p - 1) / v,
+         "zero_bubble": (p - 1) * (1 - 2 * w) / v, "zbv": (p - 1) * (1 - 2 * w) / 2,
+         "dualpipev": max(0.0, (p - 1) * (1 - 3 * w) / 2)}.get(schedule, p - 1)
+    return b / m
+
+
+# Fixed cost of one pipeline action (one stage's forward, backward or weight-gradient pass of one
+# microbatch): the schedule's Python, the send/receive set-up, kernel launches that do not overlap.
+# Stated, not measured on a GPU; on the 2-core CPU machine the excess over the ideal pipeline was
+# ~1.6 ms per action (RESULTS.md §3: pp 2, m 16, 52 ms for 32 actions), an upper bound for GPUs.
+PIPELINE_ACTION_S = 0.5e-3
+
+
+def pipeline_overhead_s(schedule: str, p: int, microbatches: int, v: int) -> float:
+    """Per-action overhead of a rank: forward and backward (and a separate weight-gradient pass under
+    the split-backward schedules) of each microbatch on each of its v stages."""
+    if p <= 1:
+        return 0.0
+    passes = 3 if schedule in ("zero_bubble", "zbv", "dualpipev") else 2
+    return PIPELINE_ACTION_S * microbatches * v * passes
+
+
+def collective_seconds(term, cluster) -> float:
+    """Ring algorithms (NCCL's choice for large messages): all_reduce moves 2 (n-1)/n of its bytes
+    over each rank's link, all_gather / reduce_scatter (n-1)/n, send/recv the message. A group
+    spanning nodes runs at the node's network bandwidth shared by the GPUs of the node that take
+    part (one ring per GPU), else at the intra-node link."""
+    n = term.size
+    factor = {"all_reduce": 2 * (n - 1) / n, "all_gather": (n - 1) / n, "reduce_scatter": (n - 1) / n}.get(term.op, 1.0)
+    if term.op == "recv":
+        return 0.0  # a send and its receive are one transfer; counted with the send
+    if term.intra_node:
+        bandwidth = cluster.intra_node_bandwidth
+    else:
+        sharing = cluster.gpus_per_node // max(1, min(n, cluster.gpus_per_node // max(1, term.stride)))
+        bandwidth = min(cluster.intra_node_bandwidth, cluster.inter_node_bandwidth / sharing)
+    return term.bytes * factor / (bandwidth * COMM_EFFICIENCY)
+
+
+# How each CommTerm's time relates to compute (CommTerm.overlap):
+EXPOSED = ""  # on the critical path (TP's exchanges, ZeRO-0's all-reduce after backward, pipeline p2p)
+WHOLE_STEP = "step"  # prefetched / reduced on side streams all through the step (ZeRO-3 gathers and reduce-scatters)
+LAST_BACKWARD = "last_backward"  # reduced by backward hooks during the last microbatch's backward (ZeRO-1, overlap_comm)
+
+
+def exposed_seconds(terms, cluster, compute_s: float, microbatches: int, passes: int) -> tuple[float, float]:
+    """(all communication seconds, the part not hidden behind compute). Overlapped traffic hides
+    behind the compute it overlaps (the whole step's, or the last microbatch's backward: 2 of the
+    ``passes`` forward-equivalents of one of the ``microbatches``); what exceeds it shows."""
+    total = exposed = step = last = 0.0
+    for term in terms:
+        seconds = collective_seconds(term, cluster)
+        total += seconds
+        if term.overlap == WHOLE_STEP:
+            step += seconds
+        elif term.overlap == LAST_BACKWARD:
+            last += seconds
+        else:
+            exposed += seconds
+    window = compute_s * 2 / passes / max(1, microbatches)
+    return total, exposed + max(0.0, step - compute_s) + max(0.0, last - window)
