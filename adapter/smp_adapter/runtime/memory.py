@@ -4,7 +4,7 @@ checkpointing, register_parameter.
 * ``delay_param_initialization`` enters the job engine's module-init context: under sharded data
   parallel DeepSpeed's ``zero.Init`` (runtime/engines/deepspeed/zero3.py), so parameters are created
   already sharded, never whole on one rank. Otherwise tensors are created without storage and their
-  creation recorded (runtime/deferred_init.py); the engine materialises what the rank keeps
+  creation recorded (runtime/deferred_init/); the engine materialises what the rank keeps
   (``materialize_kept``: everything at wrap time at pp = 1, each rank's stage at pp > 1).
 * ``set_activation_checkpointing`` re-runs the module's forward during backward
   (torch.utils.checkpoint, non-reentrant, which also works under ZeRO-3; the mechanism, and how

@@ -53,7 +53,7 @@ class Engine(ABC):
     @classmethod
     def module_init_context(cls, dtype):
         """The context parameters are created in under delayed parameter initialisation: tensors
-        without storage whose creation is recorded (runtime/deferred_init.py), materialised when the
+        without storage whose creation is recorded (runtime/deferred_init/), materialised when the
         engine knows what this rank keeps (``materialize_kept``)."""
         import weakref
 

@@ -8,7 +8,7 @@ the stage modules are then pointed at them by name (tied.point_stages_at_model).
 
 ``keep_stage`` then gives the tensors of this rank's stage(s) their values on the rank's device
 (moved from the host, or replayed from the creation record under delayed initialisation,
-runtime/deferred_init.py) and turns every other tensor of the model into a meta tensor, keeping
+runtime/deferred_init/) and turns every other tensor of the model into a meta tensor, keeping
 each Python object (the optimizer, hooks and stage modules hold them): nothing of another stage
 stays allocated on the rank (tests/distributed/test_pipeline_memory.py measures it against the
 kernel's resident-memory count).

@@ -1,80 +1,19 @@
-"""Delayed parameter initialisation for any ``nn.Module``: create it without storage, materialise
-only what a rank keeps, with the values the script would have got without delaying.
-
-Inside ``record.creating()`` every tensor a factory makes (``torch.empty``, ``randn``, ``zeros``,
-...) is a ``DeferredTensor``: it reports the device and dtype the script asked for, is not
-``is_meta``, and has no storage of its own (it is backed by a meta tensor). Every operation that
-writes one is logged, there or later (a cast, the tensor-parallel split): the factory, in-place
-initialisers (``normal_``, ``zero_``, ``copy_`` from a slice of another), out-of-place results.
-A random operation also runs once for real, on a scratch tensor of the same layout, so the random
-generator advances exactly as it would have; the log keeps the generator's state from before it.
-Reading a value (``.item()``, ``any()``: trunc_normal_'s rejection loop) computes it for real.
-Nothing larger than one tensor and what it was computed from is ever allocated.
-
-``record.materialize(tensors, device)`` replays, in order, only the logged operations that lead to
-those tensors' storages (what they read, recursively), random ones on a private generator set to
-the recorded state: the same operation, shapes and generator state give the same values to the
-bit. Each storage moves to ``device`` as soon as nothing later reads it on the host.
-
-A tensor in the log is (storage, dtype, size, stride, offset), so views cost nothing: a write
-through ``weight.data[0].zero_()`` or a Parameter made from a view replays on the same bytes.
-torchdistx's ``deferred_init`` records the same way in C++; this follows torch's operator schema
-(which arguments an operator writes, which results only view an input) and FakeTensor's way of
-reporting a device for a meta-backed tensor.
-"""
+"""The record of a delayed creation: ``DeferredInit`` (recording, and the replay that materialises
+chosen tensors), the ``DeferredTensor`` its tensors are, and the dispatch mode that makes factories
+create them (runtime/deferred_init/__init__.py says how it works)."""
 
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, field
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from smp_adapter.errors import SMPUsageError
-
-META = torch.device("meta")
-
-
-class RecordingError(SMPUsageError):
-    """Module creation did something delayed initialisation cannot record or replay."""
-
-
-@dataclass(frozen=True)
-class _Ref:
-    """A tensor of the log: a view of a recorded storage."""
-    key: int
-    dtype: torch.dtype
-    size: tuple
-    stride: tuple
-    offset: int
-
-
-@dataclass(frozen=True)
-class _Const:
-    """A real tensor the recorded code read (made outside the recording), and its version then."""
-    value: torch.Tensor
-    version: int
-
-
-@dataclass
-class _Storage:
-    meta: object  # the meta UntypedStorage (kept, so that its address is never reused)
-    device: torch.device  # where the script would have created it
-    nbytes: int
-
-
-@dataclass
-class _Entry:
-    func: object
-    args: tuple
-    kwargs: dict
-    writes: frozenset  # storage keys written in place or created
-    reads: frozenset  # storage keys of the tensor arguments
-    outputs: list = field(default_factory=list)  # _Ref of each new storage (out-of-place results)
-    rng: list | None = None  # [device, generator state before the op] (a list: synced over ranks)
-    device: torch.device | None = None  # where it runs (factories: the device the script asked for)
+from smp_adapter.runtime.deferred_init.heap import release_freed_heap
+from smp_adapter.runtime.deferred_init.log import (
+    META, RecordingError, _Const, _default_generator, _Entry, _is_random, _is_view, _laid_out, _meta_alias, _moved,
+    _random_state, _reads, _Ref, _ref, _Storage, _view)
 
 
 class DeferredInit:
@@ -310,29 +249,6 @@ class _Creating(TorchDispatchMode):
         return self.record.record_factory(func, args, kwargs)
 
 
-def _is_view(func) -> bool:
-    returns = func._schema.returns
-    return bool(returns) and all(r.alias_info is not None and not r.alias_info.is_write for r in returns)
-
-
-def _is_random(func) -> bool:
-    return torch.Tag.nondeterministic_seeded in func.tags
-
-
-def _reads(largs, lkwargs) -> frozenset:
-    return frozenset(a.key for a in tree_flatten((largs, lkwargs))[0] if isinstance(a, _Ref))
-
-
-def _ref(t: torch.Tensor) -> _Ref:
-    return _Ref(t.untyped_storage()._cdata, t.dtype, tuple(t.size()), tuple(t.stride()), t.storage_offset())
-
-
-def _meta_alias(t: torch.Tensor) -> torch.Tensor:
-    """A plain meta tensor on the same (meta) storage as ``t``."""
-    return torch.empty(0, dtype=t.dtype, device=META).set_(t.untyped_storage(), t.storage_offset(), t.size(),
-                                                           t.stride())
-
-
 def _real(record: DeferredInit, a):
     """A logged argument's value now: a recorded tensor replayed, a constant as it is."""
     if isinstance(a, _Ref):
@@ -358,150 +274,3 @@ def _advance(record: DeferredInit, func, largs, lkwargs, device):
     if generator is not None:
         lkwargs["generator"] = None  # replayed on a private generator of the same state
     return [gen.device, state]
-
-
-@contextlib.contextmanager
-def _random_state(e: _Entry, kwargs: dict):
-    if e.rng is None:
-        yield
-        return
-    device, state = e.rng
-    if any(a.name == "generator" for a in e.func._schema.arguments):
-        g = torch.Generator(device=device)
-        g.set_state(state)
-        kwargs["generator"] = g
-        yield
-        return
-    gen = _default_generator(torch.device(device))
-    saved = gen.get_state()
-    gen.set_state(state)
-    try:
-        yield
-    finally:
-        gen.set_state(saved)
-
-
-def _default_generator(device: torch.device):
-    if device.type == "cpu":
-        return torch.default_generator
-    if device.type == "cuda":
-        return torch.cuda.default_generators[device.index if device.index is not None else torch.cuda.current_device()]
-    raise RecordingError(f"delayed initialisation cannot reproduce random values drawn on {device}")
-
-
-def _view(storage, ref: _Ref) -> torch.Tensor:
-    return torch.empty(0, dtype=ref.dtype, device=storage.device).set_(storage, ref.offset, ref.size, ref.stride)
-
-
-def _laid_out(result: torch.Tensor, ref: _Ref, nbytes: int):
-    """The storage of an out-of-place result, laid out as the meta result was (the log's views of it
-    use the meta strides)."""
-    storage = result.untyped_storage()
-    if (tuple(result.stride()) == ref.stride and result.storage_offset() == ref.offset
-            and storage.nbytes() == nbytes and result.dtype == ref.dtype):
-        return storage
-    out = torch.empty(nbytes, dtype=torch.uint8, device=result.device).untyped_storage()
-    _view(out, ref).copy_(result)
-    return out
-
-
-def _moved(storage, device):
-    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage).to(device).untyped_storage()
-
-
-# -- modules ---------------------------------------------------------------------------------------
-def module_tensors(module) -> list[torch.Tensor]:
-    """Every parameter and buffer of ``module`` once (a tied weight once)."""
-    seen, out = set(), []
-    for t in list(module.parameters()) + list(module.buffers()):
-        if id(t) not in seen:
-            seen.add(id(t))
-            out.append(t)
-    return out
-
-
-def holds_deferred(module) -> bool:
-    return any(isinstance(t, DeferredTensor) for t in module_tensors(module))
-
-
-def record_of(module) -> DeferredInit | None:
-    """The record ``module``'s delayed tensors belong to (None: it has none). A record lives as long
-    as a tensor of it does: once every tensor of a model was materialised or replaced, the log, and
-    the tensors it refers to (a checkpoint loaded before the first step), are freed."""
-    records = {id(t._deferred_record): t._deferred_record for t in module_tensors(module)
-               if isinstance(t, DeferredTensor)}
-    if len(records) > 1:
-        raise RecordingError("the model mixes tensors of two separate delayed creations; create it inside one "
-                             "smp.delay_param_initialization() / smp.model_creation() block")
-    return next(iter(records.values()), None)
-
-
-def open_record(holder) -> DeferredInit:
-    """The record a new delayed creation adds to: the one still alive (``holder``: a weak reference
-    to it, or None), else a new one."""
-    record = holder() if holder is not None else None
-    return record if record is not None else DeferredInit()
-
-
-def replace_in_place(tensor: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-    """Give the Python object ``tensor`` (a parameter or buffer, which the optimizer, hooks and
-    stage modules may hold) the data of ``value``, keeping its identity, class and requires_grad.
-    Returns an object holding what ``tensor`` held before."""
-    if isinstance(tensor, torch.nn.Parameter) or getattr(tensor, "_is_param", False):
-        value = torch.nn.Parameter(value, requires_grad=tensor.requires_grad)
-    elif tensor.requires_grad != value.requires_grad:
-        value = value.requires_grad_(tensor.requires_grad)
-    # swap_tensors swaps the attribute dicts too: the marks others set on the tensor (the tensor-
-    # parallel layout, Hugging Face's _is_hf_initialized) stay with the object
-    value.__dict__.update({k: v for k, v in tensor.__dict__.items() if k not in ("_deferred_record", "_is_param")})
-    # gradient hooks live with the tensor's autograd data, which swap_tensors swaps: put them back on the
-    # object (tensor parallelism's 1/tp gradient scale is one; without it split weights got 2x gradients)
-    hooks = {name: getattr(tensor, name) for name in _HOOK_TABLES if getattr(tensor, name, None)}
-    torch.utils.swap_tensors(tensor, value)
-    for name, table in hooks.items():
-        setattr(tensor, name, table)
-        setattr(value, name, None)
-    return value
-
-
-_HOOK_TABLES = ("_backward_hooks", "_post_accumulate_grad_hooks")
-
-
-def meta_like(tensor: torch.Tensor) -> torch.Tensor:
-    """A meta tensor of ``tensor``'s layout; on a deferred tensor's own storage (it stays replayable)."""
-    if isinstance(tensor, DeferredTensor) or tensor.is_meta:
-        return _meta_alias(tensor)
-    return torch.empty_strided(tensor.size(), tensor.stride(), dtype=tensor.dtype, device=META)
-
-
-def materialize_in_place(record: DeferredInit, tensors: list[torch.Tensor], device) -> None:
-    """The deferred (or meta alias) ``tensors`` become real on ``device``, each keeping its identity;
-    storages they shared are shared again."""
-    tensors = [t for t in tensors if record.key_of(t) is not None]
-    if not tensors:
-        return
-    with torch.no_grad():
-        for tensor, value in zip(tensors, record.materialize(tensors, device)):
-            replace_in_place(tensor, value)
-    release_freed_heap()  # what the replay computed on the way
-
-
-def release_freed_heap() -> None:
-    """Return the memory freed on the host heap to the kernel. glibc keeps freed blocks below its
-    (self-raising) mmap threshold in the heap: creating a model of N tensors of 4 MB under recording
-    left N x 4 MB of resident, free heap (measured: 60 MB after a 64 MB MLP; 0 after trimming).
-    Nothing to do where the C library has no malloc_trim."""
-    global _malloc_trim
-    if _malloc_trim is None:
-        import ctypes
-        import ctypes.util
-
-        try:
-            _malloc_trim = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
-        except (OSError, AttributeError):
-            _malloc_trim = False
-    if _malloc_trim:
-        _malloc_trim(0)
-
-
-_malloc_trim = None  # glibc's malloc_trim, looked up once (False where there is none)
