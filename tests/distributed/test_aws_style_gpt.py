@@ -145,10 +145,10 @@ def test_gpt_simple_style_pp2_tp2_fp16_auto_partition(tmp_path):
     _assert_learns(results["losses"])
 
 
-@pytest.mark.parametrize("model_type,tp", [("gpt2", 2), ("llama", 1)], ids=["gpt2-pp2xtp2", "llama-pp2"])
+@pytest.mark.parametrize("model_type,tp", [("gpt2", 2), ("llama", 2)], ids=["gpt2-pp2xtp2", "llama-pp2xtp2"])
 def test_delayed_init_pipeline_matches_one_process_and_saves_a_loadable_model(tmp_path, model_type, tp):
-    """delayed_parameter_initialization at pp 2 (x tp 2 for GPT-2, its distributed-transformer
-    layout; Llama's Hugging Face layers at pp 2): no rank ever holds the whole model (each replays
+    """delayed_parameter_initialization at pp 2 x tp 2 (GPT-2 in smp's distributed-transformer
+    layout, Llama's Hugging Face layers split in place): no rank ever holds the whole model (each replays
     its stage's creation from the record, the tensor-parallel split included), and the losses are
     those of one process training the same model built without delayed initialisation, from the
     first step's on (which is the initial weights' loss). The full checkpoint saved from the
