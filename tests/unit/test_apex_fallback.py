@@ -251,8 +251,11 @@ def test_the_script_imports_every_name_the_public_scripts_use(finder):
     from apex.optimizers import FusedAdam, FusedLAMB
     from apex.parallel import DistributedDataParallel  # noqa: F401
     from apex.parallel.distributed import flat_dist_call
+    from torch._six import container_abcs, inf, string_classes  # removed in torch 2.0 (the templates' fp16/)
 
     from smp_adapter.runtime import fused_optimizers
+
+    assert inf == float("inf") and string_classes == (str, bytes) and container_abcs.Mapping
 
     assert amp_C.multi_tensor_l2norm is mt.multi_tensor_l2norm and apex_C.unflatten is mt.unflatten
     assert multi_tensor_applier is mt.multi_tensor_applier and amp.initialize is modules.initialize

@@ -14,6 +14,8 @@ finder makes the names these scripts use importable from this package instead:
   ``apex.amp``                 initialize, scale_loss, master_params, _amp_state (modules.py: amp itself is
                                not carried out; the smp options that replace it are named in the error)
   ``apex.parallel``            DistributedDataParallel (refused: smp does data parallelism), flat_dist_call
+  ``torch._six``               inf, nan, string_classes, ... (removed in torch 2.0; the 2022 GPT templates'
+                               fp16/ helpers import ``inf`` from it: torch_six.py)
 
 Rules:
 * **Real apex wins.** The finder is the last entry of ``sys.meta_path``: it is asked only after
@@ -66,13 +68,44 @@ MODULES: dict[str, tuple[str | None, tuple[str, ...]]] = {
     "apex.normalization": (_MOD, ("FusedLayerNorm",)),
     "apex.normalization.fused_layer_norm": (_MOD, ("FusedLayerNorm",)),
     "apex.amp": (_MOD, _AMP),
-    "apex.amp._amp_state": (_MOD, ("_amp_state", "master_params")),
     "apex.amp.handle": (_MOD, ("scale_loss",)),
     "apex.amp.frontend": (_MOD, ("initialize", "state_dict", "load_state_dict")),
     "apex.parallel": (_MOD, ("DistributedDataParallel",)),
     "apex.parallel.distributed": (_MOD, ("DistributedDataParallel", "flat_dist_call")),
+    "torch._six": ("smp_adapter.apex_fallback.torch_six", ("inf", "nan", "string_classes", "int_classes",
+                                                            "container_abcs", "PY3", "PY37", "with_metaclass")),
 }
-_PACKAGES = {name.rpartition(".")[0] for name in MODULES if "." in name}
+_PACKAGES = {name.rpartition(".")[0] for name in MODULES if "." in name} - {"torch"}
+# (apex.amp._amp_state is apex.amp's AmpState object, not a module here: importing a submodule of that name
+# would rebind the attribute to the module)
+
+# What each module is, for smp-adapter check's notes
+_KINDS = {"amp_C": "apex's multi-tensor kernels in plain PyTorch (torch._foreach_*), apex's semantics",
+          "apex_C": "flatten / unflatten (torch's dense-tensor flattening, the same views)",
+          "apex.multi_tensor_apply": "multi_tensor_applier calls the plain-PyTorch kernels",
+          "apex.optimizers": "FusedAdam / FusedLAMB with apex's update rules in plain PyTorch (smp.optimizers' classes)",
+          "apex.normalization": "FusedLayerNorm is torch's LayerNorm",
+          "apex.amp": "amp itself is not carried out: initialize(enabled=True) and scale_loss raise, naming the smp "
+                      "options; master_params works",
+          "apex.parallel": "DistributedDataParallel raises (smp does data parallelism); flat_dist_call works",
+          "torch._six": "the names torch 1.x had there (inf, nan, string_classes, ...)"}
+
+AMP_REPLACEMENT = ("in an smp job set fp16: true (or bf16: true) in the smp options, which gives the model fp16 "
+                   "parameters and loss scaling (smp.DistributedOptimizer's static_loss_scale / dynamic_loss_scale "
+                   "arguments), or use torch.autocast with smp.amp.GradScaler in the step function")
+DDP_REPLACEMENT = ("in an smp job smp.DistributedModel does data parallelism (ddp: true in the smp options); "
+                   "elsewhere use torch.nn.parallel.DistributedDataParallel")
+# names the fallback has but refuses when used (modules.py raises UnsupportedFeatureError with these)
+REFUSED = {**{f"apex.amp.{n}": AMP_REPLACEMENT for n in ("initialize", "scale_loss", "state_dict", "load_state_dict")},
+           "apex.parallel.DistributedDataParallel": DDP_REPLACEMENT,
+           "apex.parallel.distributed.DistributedDataParallel": DDP_REPLACEMENT}
+
+
+def describe(module: str) -> str:
+    """One line on what the fallback's ``module`` is (its closest described package)."""
+    while module and module not in _KINDS:
+        module = module.rpartition(".")[0]
+    return _KINDS.get(module, "plain PyTorch")
 
 
 def provides(module: str, name: str | None = None) -> bool:
@@ -118,10 +151,13 @@ _LOADER = _Loader()
 
 class ApexFallbackFinder(importlib.abc.MetaPathFinder):
     def find_spec(self, fullname, path=None, target=None):
-        if fullname not in MODULES or real_apex(fullname.partition(".")[0]) or real_apex("apex"):
+        if fullname not in MODULES:
             return None
-        if "." in fullname and getattr(sys.modules.get("apex"), "__loader__", None) is not _LOADER:
-            return None  # a submodule of an apex that is not ours
+        if fullname.partition(".")[0] in ROOTS:  # (torch._six: torch's own finder found none already)
+            if real_apex(fullname.partition(".")[0]) or real_apex("apex"):
+                return None
+            if "." in fullname and getattr(sys.modules.get("apex"), "__loader__", None) is not _LOADER:
+                return None  # a submodule of an apex that is not ours
         if is_library_module(_importer()):
             return None
         return importlib.util.spec_from_loader(fullname, _LOADER, is_package=fullname in _PACKAGES)
