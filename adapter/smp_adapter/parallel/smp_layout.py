@@ -112,3 +112,14 @@ def add_smp_layout(model: nn.Module) -> bool:
         _with_properties(block, {"attention": _part_getter(attention), "output": _part_getter(output)})
     _with_properties(body, {"seq_layers": lambda self: nn.Sequential(*block_list(self))})
     return True
+
+
+def add_pre_1_10_module_alias(model: nn.Module) -> None:
+    """smp < 1.10 kept the wrapped model one level further down: scripts of that time reach it as
+    ``model.module.module`` (the 2022 GPT templates: ``model.module.module.transformer.h``), where
+    smp 1.10+ and smp-adapter have ``model.module`` / ``model.get_module()``. The wrapped model answers
+    ``.module`` with itself when it has no attribute of that name (a class-level property, as above:
+    nothing registered, state dicts unchanged); a model with its own ``module`` (a wrapper holding the
+    real model there) keeps it."""
+    if not hasattr(model, "module"):
+        _with_properties(model, {"module": lambda self: self})
