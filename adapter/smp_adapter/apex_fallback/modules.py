@@ -19,12 +19,9 @@ from collections import OrderedDict
 import torch
 from torch import nn
 
+from smp_adapter.apex_fallback import AMP_REPLACEMENT, DDP_REPLACEMENT
 from smp_adapter.apex_fallback.multi_tensor import flatten, unflatten
 from smp_adapter.errors import UnsupportedFeatureError
-
-AMP_REPLACEMENT = ("in an smp job set fp16: true (or bf16: true) in the smp options, which gives the model fp16 "
-                   "parameters and loss scaling (smp.DistributedOptimizer's static_loss_scale / dynamic_loss_scale "
-                   "arguments), or use torch.autocast with smp.amp.GradScaler in the step function")
 
 
 class FusedLayerNorm(nn.LayerNorm):
@@ -98,9 +95,7 @@ class DistributedDataParallel(nn.Module):
 
     def __init__(self, module, *args, **kwargs):
         raise UnsupportedFeatureError(
-            "apex.parallel.DistributedDataParallel is not carried out by smp-adapter's apex fallback: in an smp job "
-            "smp.DistributedModel does data parallelism (ddp: true in the smp options); elsewhere use "
-            "torch.nn.parallel.DistributedDataParallel")
+            f"apex.parallel.DistributedDataParallel is not carried out by smp-adapter's apex fallback: {DDP_REPLACEMENT}")
 
 
 def flat_dist_call(tensors, call, extra_args=None):
