@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from smp_adapter import script_check_api as provided
+from smp_adapter.parallel.hf_hooks import HOOKED as HF_HOOKED
 from smp_adapter.script_check_apex import helper_uses, status as apex_status, uses_in as apex_uses_in
 from smp_adapter.script_check_local import APEX_ROOTS, GPU_ONLY_PACKAGES, imported_roots, missing_imports, module_files
 
@@ -78,6 +79,10 @@ SUPPORT: dict[str, tuple[str, str]] = {
     "test.torch.utils.verify": (_S, "compares with a dump_model record"),
     "nn.huggingface": (_S, "translation functions validate and pass through: smp-adapter's full state dict "
                            "already has the Hugging Face layout"),
+    **{f"nn.huggingface.{family}.{getter}": (_P, f"smp v1's hooks for {cls}: registering {cls} with them keeps its "
+                                                 "in-place split on Megatron-core layers (same function, Hugging Face "
+                                                 "state-dict keys), not a rebuild as an smp.nn module")
+       for (family, getter), (_, cls) in HF_HOOKED.items()},
     "model": (_S, "smp.model.DistributedModel, the module path transformers' Trainer checks"),
     "amp": (_S, ""), "amp.GradScaler": (_S, "torch.amp.GradScaler, overflow agreed over all ranks (pipeline stages too)"),
     "optimizers": (_S, ""), "optimizers.FusedAdam": (_S, "torch.optim.AdamW (fused kernel on CUDA)"),

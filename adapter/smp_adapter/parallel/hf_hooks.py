@@ -28,7 +28,9 @@ import functools
 import importlib
 import inspect
 
-from smp_adapter.parallel.marking import SPLIT_IN_PLACE
+# set on the hooks below: marking.tp_register_with_module keeps the class's in-place split for them
+# (this module imports no torch: smp-adapter check reads HOOKED)
+SPLIT_IN_PLACE = "_smp_split_in_place"
 
 _MODELS = "transformers.models"
 # (family, getter name) -> (module of the Hugging Face class, class name): the modules smp v1's getters

@@ -29,13 +29,11 @@ import torch.nn as nn
 
 from smp_adapter.errors import SMPUsageError
 from smp_adapter.module_init_hooks import on_module_created
+from smp_adapter.parallel.hf_hooks import SPLIT_IN_PLACE  # smp v1's own Hugging Face hooks: keep the in-place split
 from smp_adapter.parallel.context import DistributedModule
 
 _MARK_ATTR = "_smp_tp_mark"
 _INIT_ARGS_ATTR = "_smp_tp_init_args"
-# set on hooks (hf_hooks.py: smp v1's Hugging Face hook getters) that ask to keep smp-adapter's own
-# in-place split of a class instead of rebuilding it from the hooks
-SPLIT_IN_PLACE = "_smp_split_in_place"
 
 
 @dataclass(frozen=True)
