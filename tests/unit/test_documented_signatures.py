@@ -305,3 +305,42 @@ def test_gpt2_per_block_translators_import_and_pass_the_hf_dict_through():
         assert out == sd and out is not sd
         with pytest.raises(smp.exceptions.SMPCheckpointError, match="gpt2"):
             translate({"bert.encoder.layer.0.attention.self.query.weight": torch.ones(1)})
+
+
+def test_gpt2_blocks_registered_with_smps_hooks_compute_the_hf_blocks_at_tp1(fresh):
+    """The GPT-2 custom template's registration at tp 1 (tp 2: tests/distributed/test_aws_style_2022.py,
+    losses against the unregistered model): the wrapped model's logits equal the unregistered one's."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers.models.gpt2.modeling_gpt2 import GPT2Block
+
+    from smdistributed.modelparallel.torch.nn.huggingface.gpt2 import get_hf_gpt2_transformer_layer_hooks
+
+    smp.init({})
+    config = GPT2Config(n_positions=16, n_embd=32, n_layer=2, n_head=4, vocab_size=64, resid_pdrop=0.0,
+                        embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False)
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(config)
+    reference = GPT2LMHeadModel(config)
+    reference.load_state_dict(model.state_dict())
+    smp.set_tensor_parallelism(model.transformer.h, True)
+    smp.tp_register_with_module(GPT2Block, smp.nn.DistributedTransformerLayer, *get_hf_gpt2_transformer_layer_hooks())
+    wrapped = smp.DistributedModel(model)
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert torch.equal(wrapped(input_ids=ids)["logits"], reference(input_ids=ids)["logits"])
+
+
+def test_pre_1_10_scripts_reach_the_model_as_model_module_module(fresh):
+    """The 2022 GPT templates: model.module.module.transformer.h (fp32), and one level more below their
+    FP16_Module wrapper; nothing is registered (state-dict keys unchanged)."""
+
+    class FP16Module(torch.nn.Module):  # the templates' wrapper: the model is its `module` child
+        def __init__(self, module):
+            super().__init__()
+            self.module = module
+
+    smp.init({})
+    inner = _model()
+    model = smp.DistributedModel(FP16Module(inner))
+    assert model.module.module is inner and model.module.module.module is inner
+    assert list(inner.state_dict()) == ["0.weight", "0.bias"] and len(list(inner.modules())) == 2

@@ -116,10 +116,13 @@ def add_smp_layout(model: nn.Module) -> bool:
 
 def add_pre_1_10_module_alias(model: nn.Module) -> None:
     """smp < 1.10 kept the wrapped model one level further down: scripts of that time reach it as
-    ``model.module.module`` (the 2022 GPT templates: ``model.module.module.transformer.h``), where
-    smp 1.10+ and smp-adapter have ``model.module`` / ``model.get_module()``. The wrapped model answers
-    ``.module`` with itself when it has no attribute of that name (a class-level property, as above:
-    nothing registered, state dicts unchanged); a model with its own ``module`` (a wrapper holding the
-    real model there) keeps it."""
-    if not hasattr(model, "module"):
-        _with_properties(model, {"module": lambda self: self})
+    ``model.module.module`` (the 2022 GPT templates: ``model.module.module.transformer.h``, and with
+    their FP16_Module wrapper one level more), where smp 1.10+ and smp-adapter have ``model.module`` /
+    ``model.get_module()``. The innermost model (below wrappers that hold it as their ``module`` child)
+    answers ``.module`` with itself when it has no attribute of that name: a class-level property, as
+    above (nothing registered, state dicts unchanged)."""
+    inner = model
+    while isinstance(inner._modules.get("module"), nn.Module):
+        inner = inner._modules["module"]
+    if not hasattr(inner, "module"):
+        _with_properties(inner, {"module": lambda self: self})
