@@ -342,5 +342,12 @@ def test_pre_1_10_scripts_reach_the_model_as_model_module_module(fresh):
     smp.init({})
     inner = _model()
     model = smp.DistributedModel(FP16Module(inner))
-    assert model.module.module is inner and model.module.module.module is inner
+    assert model.module.module is inner
+    below = model.module.module.module  # the model itself, seen from one level further down
+    assert below[0] is inner[0] and isinstance(below, torch.nn.Sequential) and below.training is inner.training
+    assert torch.equal(below(torch.ones(1, 4)), inner(torch.ones(1, 4)))
+    unwrapped = model
+    while hasattr(unwrapped, "module"):  # a script's or library's unwrapping loop ends
+        unwrapped = unwrapped.module
+    assert unwrapped[0] is inner[0]
     assert list(inner.state_dict()) == ["0.weight", "0.bias"] and len(list(inner.modules())) == 2
