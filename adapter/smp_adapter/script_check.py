@@ -11,7 +11,9 @@ The script is parsed with ``ast``, never executed. Reported, with line numbers:
     ``model_creation`` keywords the runtime accepts without carrying them out;
   * option dicts given to ``smp.init({...})`` (literal, or a name bound to a literal), validated
     with ``SMPConfig.from_dict``;
-  * imports of NVIDIA apex (smp v1's containers had it; smp-adapter does not install it);
+  * the NVIDIA apex names the script and its own modules beside it use (smp v1's containers had apex;
+    smp-adapter does not install it), and whether the run gets real apex or smp-adapter's apex
+    fallback for each (script_check_apex.py);
   * imports of the script and of its own modules beside it that the environment ``check`` runs in
     cannot find (script_check_local.missing_imports; CUDA-only packages such as flash_attn named so);
   * CPU blockers (``torch.cuda.set_device``, ``torch.device("cuda")``, ``.cuda()``) not guarded by
@@ -26,7 +28,9 @@ from pathlib import Path
 from typing import Any
 
 from smp_adapter import script_check_api as provided
-from smp_adapter.script_check_local import APEX_ROOTS, GPU_ONLY_PACKAGES, apex_need, missing_imports
+from smp_adapter.parallel.hf_hooks import HOOKED as HF_HOOKED
+from smp_adapter.script_check_apex import helper_uses, status as apex_status, uses_in as apex_uses_in
+from smp_adapter.script_check_local import APEX_ROOTS, GPU_ONLY_PACKAGES, imported_roots, missing_imports, module_files
 
 SMP = "smdistributed.modelparallel.torch"
 SMP_ROOT = "smdistributed.modelparallel"
@@ -77,6 +81,10 @@ SUPPORT: dict[str, tuple[str, str]] = {
     "test.torch.utils.verify": (_S, "compares with a dump_model record"),
     "nn.huggingface": (_S, "translation functions validate and pass through: smp-adapter's full state dict "
                            "already has the Hugging Face layout"),
+    **{f"nn.huggingface.{family}.{getter}": (_P, f"smp v1's hooks for {cls}: registering {cls} with them keeps its "
+                                                 "in-place split on Megatron-core layers (same function, Hugging Face "
+                                                 "state-dict keys), not a rebuild as an smp.nn module")
+       for (family, getter), (_, cls) in HF_HOOKED.items()},
     "model": (_S, "smp.model.DistributedModel, the module path transformers' Trainer checks"),
     "amp": (_S, ""), "amp.GradScaler": (_S, "torch.amp.GradScaler, overflow agreed over all ranks (pipeline stages too)"),
     "optimizers": (_S, ""), "optimizers.FusedAdam": (_S, "torch.optim.AdamW (fused kernel on CUDA)"),
@@ -105,9 +113,6 @@ SUPPORT: dict[str, tuple[str, str]] = {
 _NAMESPACES = {"nn", "amp", "optimizers", "patches", "patches.checkpoint", "utils", "state_mod", "test.torch.utils"}  # their unknown members are unknown
 _WRAPPERS = ("DistributedModel", "DistributedOptimizer")
 _GPU_CALLS = ("torch.cuda.set_device", "torch.cuda.current_device", "torch.cuda.synchronize")
-_APEX = APEX_ROOTS
-APEX_NOTE = ("NVIDIA apex is not installed by smp-adapter; use smp.optimizers / smp.nn replacements or "
-             "torch.cuda.amp")
 GPU_NOTE = ("a GPU call: through smp-adapter launch on CPU ranks it runs on the CPU (CUDA on CPU ranks); run "
             "directly (python script.py) on a machine without GPUs it fails")
 
@@ -118,7 +123,7 @@ class Use:
     col: int
     expr: str  # as written in the script
     name: str  # table key, option key, or what was flagged
-    kind: str  # api | import | method | keyword | options | gpu | compat
+    kind: str  # api | import | method | keyword | options | gpu | compat | apex | environment
     status: str
     note: str = ""
 
@@ -161,12 +166,24 @@ class _Checker:
         self.init_options: dict | None = None  # the literal dict given to smp.init, if any
 
     def add(self, node: ast.AST, expr: str, name: str, kind: str, status: str, note: str = "") -> None:
+        if status in FAILING and kind in ("method", "keyword"):
+            branch = self.branch_of(node)
+            if branch is not None:  # e.g. the templates' `if args.fp16:` path: the script runs until it is taken
+                status, note = PARTIAL, f"only when `if {ast.unparse(branch.test)}:` (line {branch.lineno}) is taken: {note}"
         self.uses.append(Use(node.lineno, node.col_offset + 1, expr, name, kind, status, note))
 
+    def branch_of(self, node: ast.AST) -> ast.If | ast.While | None:
+        """The innermost ``if`` / ``while`` whose body (not test) holds ``node``."""
+        while node in self.parents:
+            child, node = node, self.parents[node]
+            if isinstance(node, (ast.If, ast.While)) and child is not node.test:
+                return node
+        return None
+
     def run(self) -> list[Use]:
+        if not self.options_only:
+            self.visit_apex()
         for node in ast.walk(self.tree):
-            if isinstance(node, (ast.Import, ast.ImportFrom)):
-                self.visit_apex(node)
             if isinstance(node, ast.Import):
                 for a in node.names:
                     self.bindings[a.asname or a.name.split(".")[0]] = a.name if a.asname else a.name.split(".")[0]
@@ -307,34 +324,32 @@ class _Checker:
                     self.add(keywords[kw], ast.unparse(keywords[kw]), f"model_creation({kw}=)", "keyword", PARTIAL,
                              f"smp.model_creation({kw}=...) is not carried out: {reason}")
 
-    def visit_apex(self, node: ast.Import | ast.ImportFrom) -> None:
-        if isinstance(node, ast.ImportFrom):
-            modules = [node.module or ""] if not node.level else []  # `from . import apex` is the script's own
-        else:
-            modules = [a.name for a in node.names]
-        roots = {m.split(".")[0] for m in modules}
-        needs = {root: "" for root in roots & set(_APEX)}
-        if self.path and Path(self.path).is_file():  # the script's own modules beside it, e.g. the DLC fp16/ package
-            for root in sorted(roots - set(_APEX)):
-                where = apex_need(self.path, root)
-                if where:
-                    needs[root] = f" (the script's own module {root} imports it: {where})"
-        for root, where in sorted(needs.items()):
-            if self.import_guarded(node):
-                self.add(node, ast.unparse(node), root, "import", PARTIAL,
-                         APEX_NOTE + where + " (this import is guarded: the script's fallback runs without apex)")
-            else:
-                self.add(node, ast.unparse(node), root, "import", UNSUPPORTED, APEX_NOTE + where)
-
-    def import_guarded(self, node: ast.AST) -> bool:
-        """Inside ``try:`` whose handlers catch a failed import."""
-        while node in self.parents:
-            child, node = node, self.parents[node]
-            if isinstance(node, ast.Try) and child in node.body and any(
-                    h.type is None or any(n in ast.unparse(h.type) for n in ("ImportError", "Exception"))
-                    for h in node.handlers):
-                return True
-        return False
+    def visit_apex(self) -> None:
+        """Each apex name the script uses, where it first appears with each status (a refused name
+        under an ``if`` and unconditionally: both); then those its own modules beside it use (the GPT
+        templates' fp16/ package), at the script's import of that module."""
+        seen: set[tuple[str, str]] = set()
+        for use in apex_uses_in(self.tree):
+            state, note = apex_status(use)
+            if (use.name, state) not in seen:
+                seen.add((use.name, state))
+                self.uses.append(Use(use.line, use.col, use.expr, use.name, "apex", state, note))
+        if not (self.path and Path(self.path).is_file()):
+            return
+        base, followed = Path(self.path).resolve().parent, set()
+        for node in ast.walk(self.tree):
+            if not isinstance(node, (ast.Import, ast.ImportFrom)):
+                continue
+            for root, level in imported_roots(node):
+                if level or root in followed or root in APEX_ROOTS or not module_files(base, root):
+                    continue
+                followed.add(root)
+                for where, use in helper_uses(self.path, root):
+                    state, note = apex_status(use)
+                    if (use.name, state) not in seen:
+                        seen.add((use.name, state))
+                        self.add(node, ast.unparse(node), use.name, "apex", state,
+                                 f"in the script's own module {root} ({where}:{use.line}): {note}")
 
     def visit_init(self, node: ast.Call) -> None:
         if node.args:

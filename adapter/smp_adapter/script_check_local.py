@@ -1,11 +1,11 @@
-"""The script's own helper modules, as ``smp-adapter check`` sees them: whether one that the script
-imports needs NVIDIA apex, and which imports of the script and of those modules the environment
-``check`` runs in cannot find (``missing_imports``; CUDA-only packages are named as such).
+"""The script's own helper modules, as ``smp-adapter check`` sees them: which imports of the script and
+of those modules the environment ``check`` runs in cannot find (``missing_imports``; CUDA-only packages
+are named as such), and the file walk script_check_apex.py uses for the apex names they use.
 
-Why: the DLC GPT-2 test script imports its bundled ``fp16`` package unconditionally, and that package
-imports apex's ``amp_C``; the script itself names no apex module, yet cannot start without it. Only
-modules found beside the script (``name.py`` or a package ``name/``) are read, never executed, and
-only up to a few levels of their own imports of each other.
+Why: the public AWS scripts import bundled helpers unconditionally (the GPT templates' ``fp16``
+package imports apex's ``amp_C`` and ``humanize``); the script itself names neither. Only modules
+found beside the script (``name.py`` or a package ``name/``) are read, never executed, and only up to
+a few levels of their own imports of each other.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ APEX_ROOTS = ("apex", "amp_C", "apex_C")
 _MAX_FILES = 50  # a helper package is small; a huge tree beside the script is not followed further
 
 
-def _imported_roots(node: ast.Import | ast.ImportFrom) -> list[tuple[str, int]]:
+def imported_roots(node: ast.Import | ast.ImportFrom) -> list[tuple[str, int]]:
     """(top-level module, relative level) of each module an import statement names."""
     if isinstance(node, ast.ImportFrom):
         if node.level:  # `from .fp16util import x`, `from . import loss_scaler`: the package's own
@@ -36,7 +36,7 @@ def _guarded(tree: ast.Module, node: ast.AST) -> bool:
                for t in ast.walk(tree))
 
 
-def _module_files(base: Path, name: str) -> list[Path]:
+def module_files(base: Path, name: str) -> list[Path]:
     if (base / f"{name}.py").is_file():
         return [base / f"{name}.py"]
     package = base / name
@@ -45,7 +45,7 @@ def _module_files(base: Path, name: str) -> list[Path]:
     return []
 
 
-def _parsed_files(queue: list[Path]):
+def parsed_files(queue: list[Path]):
     """(path, syntax tree) of each file in ``queue`` once, breadth first, including the files the
     caller appends to ``queue`` while reading (a module's own imports); at most ``_MAX_FILES``.
     Files that cannot be read or parsed are passed over (the script's own run would say why)."""
@@ -59,22 +59,6 @@ def _parsed_files(queue: list[Path]):
             yield path, ast.parse(path.read_text(), filename=str(path))
         except (OSError, SyntaxError, ValueError):
             continue
-
-
-def apex_need(script: str | Path, module: str) -> str | None:
-    """Where the script's own module ``module`` (beside ``script``) imports apex unguarded, as
-    ``fp16/fp16.py:9 (amp_C)``; None when it does not, or when no such module is beside the script."""
-    root = Path(script).resolve().parent
-    queue = list(_module_files(root, module))
-    for path, tree in _parsed_files(queue):
-        for node in ast.walk(tree):
-            if not isinstance(node, (ast.Import, ast.ImportFrom)):
-                continue
-            for name, level in _imported_roots(node):
-                if not level and name in APEX_ROOTS and not _guarded(tree, node):
-                    return f"{path.relative_to(root)}:{node.lineno} ({name})"
-                queue += _module_files(path.parent if level else root, name)
-    return None
 
 
 # Packages that build or run only with CUDA: on a machine without it they are absent by design,
@@ -136,10 +120,10 @@ def missing_imports(script: str | Path, skip: tuple[str, ...] = APEX_ROOTS) -> l
     for node in ast.walk(script_tree):
         if not isinstance(node, (ast.Import, ast.ImportFrom)) or _guarded(script_tree, node):
             continue
-        for name, level in _imported_roots(node):
+        for name, level in imported_roots(node):
             if level or name in skip:
                 continue
-            local = _module_files(root, name)
+            local = module_files(root, name)
             if local:
                 for module, where, conditional in _missing_in_helpers(root, local, skip, cache):
                     found.append(MissingImport(node.lineno, node.col_offset + 1, ast.unparse(node), module, where,
@@ -154,12 +138,12 @@ def _missing_in_helpers(root: Path, files: list[Path], skip, cache: dict) -> lis
     """(module, "file.py:line", conditional) for each unresolvable import in the helper files and
     the helpers they import in turn (breadth first, a few dozen files at most)."""
     queue, found = list(files), []
-    for path, tree in _parsed_files(queue):
+    for path, tree in parsed_files(queue):
         for node in ast.walk(tree):
             if not isinstance(node, (ast.Import, ast.ImportFrom)) or _guarded(tree, node):
                 continue
-            for name, level in _imported_roots(node):
-                beside = _module_files(path.parent if level else root, name)
+            for name, level in imported_roots(node):
+                beside = module_files(path.parent if level else root, name)
                 if beside or level:
                     queue += beside
                 elif name not in skip and not cache.setdefault(name, _resolves(name)):

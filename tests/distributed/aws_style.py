@@ -160,7 +160,7 @@ def bert_reference(data_dir: Path, data_ranks: int, microbatches: int, steps: in
     for step in range(steps):
         total, mine = 0.0, []
         for rank in range(data_ranks):
-            rows = [t[step * global_batch + rank:(step + 1) * global_batch:data_ranks] for t in data]
+            rows = [t[step * global_batch + rank:(step + 1) * global_batch:data_ranks].contiguous() for t in data]
             for chunk in zip(*(r.chunk(microbatches) for r in rows)):
                 out = model(input_ids=chunk[0], token_type_ids=chunk[1], attention_mask=chunk[2])
                 loss = criterion(out.prediction_logits, out.seq_relationship_logits, chunk[3], chunk[4])

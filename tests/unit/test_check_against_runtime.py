@@ -168,7 +168,7 @@ model = smp.DistributedModel(net, trace_device="cpu", no_such_kw=1)
 opt = smp.DistributedOptimizer(base, dynamic_loss_scale=True, scale_window=10)
 smp.save(obj, "f", partial=True, bogus=True)
 smp.save(obj, "f", **extra)
-smp.load("f", None, None, None, True, True, 7)
+smp.load("f", None, None, None, True, False, True, 7)
 opt.zero_grad(set_to_none=True, foo=1)
 model.state_dict(gather_to_rank0=True)
 FusedLayerNorm(8, eps=1e-5)
@@ -224,29 +224,45 @@ with smp.model_creation(tensor_parallelism=True, dtype=torch.bfloat16, flash_att
     assert report.exit_status() == 0  # partial: the script runs, without those optimisations
 
 
-def test_apex_imports_are_unsupported():
-    from smp_adapter.script_check import APEX_NOTE
-
+def test_apex_names_and_what_the_run_gets_for_each(monkeypatch, tmp_path):
+    """Without apex: the fallback's names are supported, names it refuses are partial where only imported
+    or used under an if and unsupported where used unconditionally, names it lacks are unsupported; with
+    the fallback switched off every name is unsupported; with a real apex on the path every name is."""
     src = """
-import apex
-from apex.optimizers import FusedAdam
-import amp_C, apex_C
-import torch
-try:
-    from apex.normalization import FusedLayerNorm
-except ImportError:
-    FusedLayerNorm = torch.nn.LayerNorm
-from .apex import helper
+import amp_C
+from apex.multi_tensor_apply import multi_tensor_applier
+from apex import amp
+from apex.parallel import DistributedDataParallel as DDP
+from apex.contrib.optimizers import DistributedFusedAdam
+multi_tensor_applier(amp_C.multi_tensor_l2norm, flag, [grads], False)
+if fp16:
+    model, opt = amp.initialize(model, opt)
+amp.initialize(model, opt)
 """
-    report = check_source(src)
-    got = [(u.line, u.name, u.status, u.note) for u in report.uses]
-    assert APEX_NOTE == ("NVIDIA apex is not installed by smp-adapter; use smp.optimizers / smp.nn replacements or "
-                         "torch.cuda.amp")
-    assert got == [(2, "apex", "unsupported", APEX_NOTE), (3, "apex", "unsupported", APEX_NOTE),
-                   (4, "amp_C", "unsupported", APEX_NOTE), (4, "apex_C", "unsupported", APEX_NOTE),
-                   (7, "apex", "partial", APEX_NOTE + " (this import is guarded: the script's fallback runs "
-                                                      "without apex)")]
-    assert report.exit_status() == 1
+    def statuses(source=src):
+        return {(u.name, u.line): (u.status, u.note) for u in check_source(source).uses if u.kind == "apex"}
+
+    got = statuses()
+    assert {k: s for k, (s, _) in got.items()} == {
+        ("amp_C", 2): "supported", ("apex.multi_tensor_apply.multi_tensor_applier", 3): "supported",
+        ("apex.amp", 4): "supported", ("apex.parallel.DistributedDataParallel", 5): "partial",
+        ("apex.contrib.optimizers.DistributedFusedAdam", 6): "unsupported", ("amp_C.multi_tensor_l2norm", 7): "supported",
+        ("apex.amp.initialize", 9): "partial", ("apex.amp.initialize", 10): "unsupported"}  # under `if fp16:` / always
+    assert "smp-adapter's fallback" in got["amp_C", 2][1]
+    assert "install NVIDIA apex" in got["apex.contrib.optimizers.DistributedFusedAdam", 6][1]
+    assert "fp16: true" in got["apex.amp.initialize", 9][1]
+    assert "smp.DistributedModel" in got["apex.parallel.DistributedDataParallel", 5][1]
+    conditional_only = src.replace("\namp.initialize(model, opt)\n", "\n").replace("from apex.contrib", "# ")
+    assert check_source(conditional_only).exit_status() == 0 and check_source(src).exit_status() == 1
+
+    monkeypatch.setenv("SMP_ADAPTER_APEX_FALLBACK", "0")
+    assert {s for s, _ in statuses().values()} == {"unsupported"}
+    monkeypatch.delenv("SMP_ADAPTER_APEX_FALLBACK")
+    (tmp_path / "apex").mkdir()
+    (tmp_path / "apex" / "__init__.py").write_text("")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    got = statuses()
+    assert {s for s, _ in got.values()} == {"supported"} and str(tmp_path / "apex") in got["amp_C", 2][1]
 
 
 def test_deepspeed_internals_the_check_names_exist_where_it_says():
@@ -318,29 +334,41 @@ def test_script_options_reads_the_options_without_importing_torch():
     assert run.stdout.splitlines()[-1] == "False"
 
 
-def test_the_scripts_own_helper_package_that_needs_apex(tmp_path, capsys):
-    """Like the DLC GPT-2 script: it names no apex module, but its bundled fp16/ package (imported
-    unconditionally) imports amp_C, so it cannot start. A helper whose apex import is guarded, or a
-    module not beside the script, is not a blocker."""
+def test_the_scripts_own_helper_package_that_uses_apex(tmp_path, capsys, monkeypatch):
+    """Like the GPT templates: the script names no apex module, but its bundled fp16/ package (imported
+    unconditionally) imports amp_C and torch._six (removed in torch 2.0): the check lists those names at
+    the script's import of fp16, with the helper's line, and what the run gets. A helper whose apex
+    import is guarded is followed too; a module not beside the script is not read."""
     (tmp_path / "fp16").mkdir()
     (tmp_path / "fp16/__init__.py").write_text("from .fp16 import FP16_Optimizer\n")
-    (tmp_path / "fp16/fp16.py").write_text("import torch\nfrom .loss_scaler import Scaler\n\nclass FP16_Optimizer: pass\n")
+    (tmp_path / "fp16/fp16.py").write_text("import torch\nfrom torch._six import inf\nfrom .loss_scaler import Scaler\n"
+                                         "\nclass FP16_Optimizer: pass\n")
     (tmp_path / "fp16/loss_scaler.py").write_text("import torch\nimport amp_C\n\nclass Scaler: pass\n")
     (tmp_path / "optional.py").write_text("try:\n    import apex\nexcept ImportError:\n    apex = None\n")
     script = tmp_path / "train.py"
     script.write_text("import smdistributed.modelparallel.torch as smp\nimport optional\nimport numpy\n"
                       "from fp16 import FP16_Optimizer\nsmp.init({'ddp': True})\n")
     code, report = check_json(capsys, script)
-    blockers = [(u["line"], u["name"], u["status"], u["note"]) for u in report["uses"] if u["kind"] == "import"]
-    assert code == 1 and blockers == [(4, "fp16", "unsupported", APEX_NOTE_FOR_TEST + " (the script's own module fp16 "
-                                       "imports it: fp16/loss_scaler.py:2 (amp_C))")], blockers
-    (tmp_path / "fp16/loss_scaler.py").write_text("class Scaler: pass\n")
+    apex = [(u["line"], u["name"], u["status"], u["note"].split(":")[0]) for u in report["uses"] if u["kind"] == "apex"]
+    assert code == 0 and apex == [(2, "apex", "supported", "in the script's own module optional (optional.py"),
+                                  (4, "torch._six.inf", "supported", "in the script's own module fp16 (fp16/fp16.py"),
+                                  (4, "amp_C", "supported", "in the script's own module fp16 (fp16/loss_scaler.py")], apex
+    monkeypatch.setenv("SMP_ADAPTER_APEX_FALLBACK", "0")
     code, report = check_json(capsys, script)
-    assert code == 0 and not [u for u in report["uses"] if u["kind"] == "import"]
+    assert code == 1 and {u["status"] for u in report["uses"] if u["kind"] == "apex"} == {"unsupported"}
 
 
-APEX_NOTE_FOR_TEST = ("NVIDIA apex is not installed by smp-adapter; use smp.optimizers / smp.nn replacements or "
-                      "torch.cuda.amp")
+def test_a_failing_wrapper_use_under_an_if_is_partial():
+    """The 2022 GPT templates call their own FP16_Optimizer's methods on smp's optimizer only under
+    `if args.fp16:`: the fp32 run does not reach them, so they do not make the verdict "does not run"."""
+    src = ("import smdistributed.modelparallel.torch as smp\nopt = smp.DistributedOptimizer(base)\n"
+           "if args.fp16:\n    opt.update_master_grads()\n    opt.zero_grad(set_grads_to_None=True)\n"
+           "opt.update_master_grads()\n")
+    uses = {(u.line, u.name): (u.status, u.note) for u in check_source(src).uses if u.line >= 4}
+    assert uses[4, "DistributedOptimizer.update_master_grads"][0] == "partial"
+    assert uses[4, "DistributedOptimizer.update_master_grads"][1].startswith("only when `if args.fp16:` (line 3) is taken")
+    assert uses[5, "DistributedOptimizer.zero_grad(set_grads_to_None=)"][0] == "partial"
+    assert uses[6, "DistributedOptimizer.update_master_grads"][0] == "unknown"
 
 
 def test_smp_before_1_10_fp16_internals_are_unsupported_with_the_fix():

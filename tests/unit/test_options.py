@@ -31,13 +31,14 @@ SPEC_V1_KEYS = [
     "sharded_data_parallel_degree", "sdp_reduce_bucket_size", "sdp_param_persistence_threshold",
     "sdp_max_live_parameters", "sdp_hierarchical_allgather", "sdp_gradient_clipping",
     # seen in public material, not documented
-    "fast_mode", "static_mode", "load_partition", "partition_file",
+    "fast_mode", "static_mode", "load_partition", "partition_file", "_match_weights", "_fp32_grad_accumulation",
 ]
 SPEC_V2_ONLY_KEYS = ["hybrid_shard_degree", "sm_activation_offloading", "fsdp_cache_flush_warnings",
                      "allow_empty_shards", "context_parallel_degree", "expert_parallel_degree", "random_seed"]
 IGNORED_KEYS = {"skip_tracing": True, "deterministic_server": True, "contiguous": False, "fast_mode": True,
                 "static_mode": True, "load_partition": True, "partition_file": "p.txt",
-                "activation_loading_horizon": 2, "sdp_hierarchical_allgather": False}
+                "activation_loading_horizon": 2, "sdp_hierarchical_allgather": False, "_match_weights": True,
+                "_fp32_grad_accumulation": True}
 
 
 # -- the policy table ---------------------------------------------------------------------------

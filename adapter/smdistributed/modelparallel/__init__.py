@@ -11,6 +11,13 @@ from smp_adapter.env_bundle import unpack_into as _unpack_job_environment  # noq
 
 _unpack_job_environment()
 
+# NVIDIA apex's names in plain PyTorch where apex is not installed (smp_adapter/apex_fallback): here for
+# bare mpirun/torchrun runs of scripts that import smp before apex (smp-adapter launch installs it
+# before the script starts); SMP_ADAPTER_APEX_FALLBACK=0 turns it off
+from smp_adapter.apex_fallback import install as _install_apex_fallback  # noqa: E402
+
+_install_apex_fallback()
+
 # `smp-adapter launch` on a machine without GPUs asks for CUDA on CPU ranks (docs/launch.md): done
 # here, at the first smp import, before the script's own torch.cuda calls
 from smp_adapter.runtime.cuda_on_cpu import install_if_requested as _install_cuda_on_cpu  # noqa: E402

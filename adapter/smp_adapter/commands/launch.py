@@ -27,6 +27,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from smp_adapter.apex_fallback import BOOT_DIR as APEX_FALLBACK_BOOT, ENV as APEX_FALLBACK
 from smp_adapter.config.distribution import job_from_mapping, load_mapping
 from smp_adapter.config.limits import MAX_WORLD_SIZE
 from smp_adapter.config.options import SMPConfig
@@ -256,8 +257,11 @@ def build(args: argparse.Namespace) -> dict[str, Any]:
         "additional_framework_parameters": json.loads(sm["SM_FRAMEWORK_PARAMS"])}, sort_keys=True)
     root = Path(__file__).resolve().parents[2]  # the directory holding smp_adapter/ and smdistributed/
     paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    if root.name not in ("site-packages", "dist-packages"):  # ranks import smp_adapter without pip install
-        sm["PYTHONPATH"] = os.pathsep.join([str(root), *(p for p in paths if p != str(root))])
+    front = [str(root)] if root.name not in ("site-packages", "dist-packages") else []  # smp_adapter without pip install
+    if os.environ.get(APEX_FALLBACK) != "0":  # apex's names for the script from its first line (apex_fallback/)
+        front.append(APEX_FALLBACK_BOOT)
+    if front:
+        sm["PYTHONPATH"] = os.pathsep.join([*front, *(p for p in paths if p not in front)])
     sm["PYTHONUNBUFFERED"] = "1"
     if args.comm_ledger:
         sm["SMP_ADAPTER_COMM_LEDGER"] = str(Path(args.comm_ledger).resolve())

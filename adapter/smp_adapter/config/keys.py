@@ -93,6 +93,10 @@ _ROWS = [
             "gradients are reduced by the DeepSpeed engine (overlapped with backward on GPUs, after it on CPU) either way"),
     KeySpec("checkpoint_attentions", "bool", False, I, "undocumented switch of the AWS DLC GPT-2 test; call "
             "smp.set_activation_checkpointing on the attention modules to checkpoint them"),
+    KeySpec("_match_weights", "bool", False, I, "undocumented test switch of the 2022 AWS GPT templates (TP weights "
+            "equal to the unsplit model's); split weights are slices of the model's own weights here anyway"),
+    KeySpec("_fp32_grad_accumulation", "bool", False, I, "undocumented switch of the 2022 AWS GPT templates: fp32 "
+            "gradient buffers for their own apex-style fp16 optimizer, which smp-adapter does not run (use fp16: true)"),
     KeySpec("load_partition", "bool", False, I, "undocumented smp partition-file switch; stages are recomputed deterministically here"),
     KeySpec("partition_file", "str", None, I, "undocumented smp partition file; stages are recomputed deterministically here"),
     # -- SMP v2 (torch.sagemaker) keys: a different library -------------------------------------

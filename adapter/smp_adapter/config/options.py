@@ -62,6 +62,18 @@ class SMPConfig:
     warnings: tuple[str, ...] = field(default=(), compare=False, repr=False)
 
     # -- smp v1 spellings ----------------------------------------------------------------------
+    def __getattr__(self, name: str):
+        """Every other smp key (keys.py: accepted-and-ignored ones such as ``skip_tracing``,
+        ``contiguous``, ``fast_mode``; rejected ones such as ``horovod``, which can only hold their
+        default) answers the value given, else its default, as smp v1's ``smp.state.cfg.<key>`` did.
+        Aliases answer their target's value. Only called for names that are not fields."""
+        row = KEYS.get(name) if not name.startswith("__") else None
+        if row is None:
+            raise AttributeError(f"{type(self).__name__} has no attribute {name!r} (not an smp option)")
+        if row.policy is Policy.ALIAS:
+            return getattr(self, row.alias_of)
+        return self.__dict__.get("given", {}).get(name, row.default)
+
     @property
     def partitions(self) -> int:
         return self.pipeline_parallel_degree

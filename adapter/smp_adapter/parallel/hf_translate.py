@@ -69,11 +69,11 @@ def _validated(state_dict, family: str, max_seq_len=None) -> dict:
     return sd
 
 
-def _to_hf(family):
+def _to_hf(family, name=None):
     def translate(state_dict, max_seq_len=None):
         return _validated(state_dict, family, max_seq_len)
 
-    translate.__name__ = f"translate_state_dict_to_hf_{family}"
+    translate.__name__ = name or f"translate_state_dict_to_hf_{family}"
     translate.__doc__ = (f"smp (full, gathered) -> Hugging Face {family} state dict. Identity with validation: "
                          "smp-adapter's full state dict already uses the Hugging Face keys and shapes.")
     return translate
@@ -108,6 +108,16 @@ translate_hf_gptj_state_dict_to_smdistributed_gptj = _from_hf("gptj", "translate
 translate_hf_state_dict_to_smdistributed_gptj = _from_hf("gptj")
 translate_state_dict_to_hf_gptneo = _to_hf("gptneo")
 translate_hf_state_dict_to_smdistributed_gptneo = _from_hf("gptneo")
+# the 2022 GPT-Neo and GPT-J templates import these spellings
+translate_hf_gptneo_state_dict_to_smdistributed = _from_hf("gptneo", "translate_hf_gptneo_state_dict_to_smdistributed")
+translate_hf_gptj_state_dict_to_smdistributed = _from_hf("gptj", "translate_hf_gptj_state_dict_to_smdistributed")
+# GPT-2 with its blocks registered by hand (get_hf_gpt2_transformer_layer_hooks, hf_hooks.py): smp v1 rebuilt
+# only the blocks, so it had per-block translators; the blocks are split in place here, so the whole dict is
+# Hugging Face's either way. PR 3388's custom template imports the first two names, later smp releases the others.
+translate_hf_block_state_dict_to_smdistributed = _from_hf("gpt2", "translate_hf_block_state_dict_to_smdistributed")
+translate_layer_state_dict_to_hf_gpt2_block = _to_hf("gpt2", "translate_layer_state_dict_to_hf_gpt2_block")
+translate_hf_state_dict_to_smdistributed_gpt2_layer = _from_hf("gpt2", "translate_hf_state_dict_to_smdistributed_gpt2_layer")
+translate_state_dict_to_hf_gpt2_layer = _to_hf("gpt2", "translate_state_dict_to_hf_gpt2_layer")
 translate_state_dict_to_hf_gptneox = _to_hf("gptneox")
 translate_hf_state_dict_to_smdistributed_gptneox = _from_hf("gptneox")  # not documented: our choice
 translate_state_dict_to_hf_llama = _to_hf("llama")  # not in smp v1: same convention, for v2 migrants
@@ -116,7 +126,11 @@ translate_hf_state_dict_to_smdistributed_llama = _from_hf("llama")
 FAMILY_FUNCTIONS = {
     "gpt2": {"translate_state_dict_to_hf_gpt2": translate_state_dict_to_hf_gpt2,
              "translate_hf_state_dict_to_smdistributed_gpt2": translate_hf_state_dict_to_smdistributed_gpt2,
-             "translate_hf_state_dict_to_smdistributed": translate_hf_state_dict_to_smdistributed},
+             "translate_hf_state_dict_to_smdistributed": translate_hf_state_dict_to_smdistributed,
+             "translate_hf_block_state_dict_to_smdistributed": translate_hf_block_state_dict_to_smdistributed,
+             "translate_layer_state_dict_to_hf_gpt2_block": translate_layer_state_dict_to_hf_gpt2_block,
+             "translate_hf_state_dict_to_smdistributed_gpt2_layer": translate_hf_state_dict_to_smdistributed_gpt2_layer,
+             "translate_state_dict_to_hf_gpt2_layer": translate_state_dict_to_hf_gpt2_layer},
     "t5": {"translate_state_dict_to_hf_t5": translate_state_dict_to_hf_t5,
            "translate_hf_state_dict_to_smdistributed_t5": translate_hf_state_dict_to_smdistributed_t5},
     "bert": {"translate_state_dict_to_hf_bert": translate_state_dict_to_hf_bert,
@@ -126,9 +140,11 @@ FAMILY_FUNCTIONS = {
                 "translate_state_dict_to_smdistributed": translate_state_dict_to_smdistributed},
     "gptj": {"translate_state_dict_to_hf_gptj": translate_state_dict_to_hf_gptj,
              "translate_hf_gptj_state_dict_to_smdistributed_gptj": translate_hf_gptj_state_dict_to_smdistributed_gptj,
-             "translate_hf_state_dict_to_smdistributed_gptj": translate_hf_state_dict_to_smdistributed_gptj},
+             "translate_hf_state_dict_to_smdistributed_gptj": translate_hf_state_dict_to_smdistributed_gptj,
+             "translate_hf_gptj_state_dict_to_smdistributed": translate_hf_gptj_state_dict_to_smdistributed},
     "gptneo": {"translate_state_dict_to_hf_gptneo": translate_state_dict_to_hf_gptneo,
-               "translate_hf_state_dict_to_smdistributed_gptneo": translate_hf_state_dict_to_smdistributed_gptneo},
+               "translate_hf_state_dict_to_smdistributed_gptneo": translate_hf_state_dict_to_smdistributed_gptneo,
+               "translate_hf_gptneo_state_dict_to_smdistributed": translate_hf_gptneo_state_dict_to_smdistributed},
     "gptneox": {"translate_state_dict_to_hf_gptneox": translate_state_dict_to_hf_gptneox,
                 "translate_hf_state_dict_to_smdistributed_gptneox": translate_hf_state_dict_to_smdistributed_gptneox},
     "llama": {"translate_state_dict_to_hf_llama": translate_state_dict_to_hf_llama,

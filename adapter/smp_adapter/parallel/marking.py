@@ -9,7 +9,9 @@ A mark is stored on the module instance as ``module._smp_tp_mark = TPMark(enable
   calls overwrite earlier ones; disabling thus applies to the whole subtree, as the spec says).
 * ``tp_register`` / ``tp_register_with_module``: register a ``DistributedModule`` subclass as the TP
   replacement of a class. The original ``__init__`` arguments of instances are recorded so the
-  distributed module can be built from them.
+  distributed module can be built from them. With smp v1's own Hugging Face hooks
+  (``smp.nn.huggingface.<family>.get_hf_*_hooks()``, hf_hooks.py) nothing is registered: the class keeps
+  its in-place split.
 
 Which marked modules are actually split is decided later by ``tensor.apply_tensor_parallelism``:
 only supported classes, only the outermost marked supported module of a subtree.
@@ -27,6 +29,7 @@ import torch.nn as nn
 
 from smp_adapter.errors import SMPUsageError
 from smp_adapter.module_init_hooks import on_module_created
+from smp_adapter.parallel.hf_hooks import SPLIT_IN_PLACE  # smp v1's own Hugging Face hooks: keep the in-place split
 from smp_adapter.parallel.context import DistributedModule
 
 _MARK_ATTR = "_smp_tp_mark"
@@ -192,6 +195,9 @@ def tp_register_with_module(
     _check_hook(forward_hook, module_cls.forward, "forward_hook", module_cls)
     if return_hook is not None and not callable(return_hook):
         raise SMPUsageError(f"tp_register: return_hook for {module_cls.__name__} must be callable")
+    if getattr(init_hook, SPLIT_IN_PLACE, None) is not None:  # smp v1's own hooks for a Hugging Face class:
+        _registry.pop(module_cls, None)  # its in-place split (hf.py) stays the rule, nothing is rebuilt
+        return
     _record_init_args(module_cls)
     _registry[module_cls] = Registration(dist_module, init_hook, forward_hook, return_hook)
 

@@ -112,3 +112,55 @@ def add_smp_layout(model: nn.Module) -> bool:
         _with_properties(block, {"attention": _part_getter(attention), "output": _part_getter(output)})
     _with_properties(body, {"seq_layers": lambda self: nn.Sequential(*block_list(self))})
     return True
+
+
+class _ModelSeenFromBelow:
+    """What the wrapped model's ``.module`` answers (see add_pre_1_10_module_alias): the model itself,
+    seen through a view that forwards every attribute and call to it except ``module`` (so a loop
+    unwrapping ``.module`` ends here instead of running forever); ``isinstance`` sees the model's class."""
+
+    __slots__ = ("_model",)
+
+    def __init__(self, model: nn.Module):
+        object.__setattr__(self, "_model", model)
+
+    def __getattr__(self, name):
+        if name == "module":
+            raise AttributeError(f"{type(self._model).__name__}.module.module: the model has no deeper module")
+        return getattr(self._model, name)
+
+    def __setattr__(self, name, value):
+        setattr(self._model, name, value)
+
+    def __call__(self, *args, **kwargs):
+        return self._model(*args, **kwargs)
+
+    def __getitem__(self, key):  # containers (nn.Sequential, ModuleList) index and iterate as themselves
+        return self._model[key]
+
+    def __iter__(self):
+        return iter(self._model)
+
+    def __len__(self):
+        return len(self._model)
+
+    @property
+    def __class__(self):
+        return type(self._model)
+
+    def __repr__(self):
+        return repr(self._model)
+
+
+def add_pre_1_10_module_alias(model: nn.Module) -> None:
+    """smp < 1.10 kept the wrapped model one level further down: scripts of that time reach it as
+    ``model.module.module`` (the 2022 GPT templates: ``model.module.module.transformer.h``, and with
+    their FP16_Module wrapper one level more), where smp 1.10+ and smp-adapter have ``model.module`` /
+    ``model.get_module()``. The innermost model (below wrappers that hold it as their ``module`` child)
+    answers ``.module`` with itself, seen through ``_ModelSeenFromBelow``, when it has no attribute of
+    that name: a class-level property, as above (nothing registered, state dicts unchanged)."""
+    inner = model
+    while isinstance(inner._modules.get("module"), nn.Module):
+        inner = inner._modules["module"]
+    if not hasattr(inner, "module"):
+        _with_properties(inner, {"module": _ModelSeenFromBelow})

@@ -104,15 +104,20 @@ def save(obj, f, partial: bool = True, pickle_module=None, pickle_protocol: int 
 
 
 def load(f, map_location=None, pickle_module=None, pickle_load_args=None, partial: bool = True,
-         weights_only: bool = True):
+         back_compat: bool = False, weights_only: bool = True):
     """torch.load; partial=True picks this rank's file (all historic names). Loading is weights-only
     plus plain data (transformers configs, argparse.Namespace); other objects need weights_only=False
-    or SMP_ADAPTER_TRUST_CHECKPOINTS=1 (checkpoint_files.safe_torch_load)."""
+    or SMP_ADAPTER_TRUST_CHECKPOINTS=1 (checkpoint_files.safe_torch_load).
+
+    ``back_compat=True`` (smp >= 1.10; transformers' SageMaker-MP resume passes it for checkpoints an
+    smp < 1.10 job wrote): that file name, ``f_<mp_rank>``, is looked for first; the others still follow."""
     require_initialized("load")
     f = str(f)
     if partial:
         c = state.coord
         candidates = [f"{f}_{c.pp}_{c.tp}_{c.rdp}", f"{f}_{c.pp}_{c.tp}", f"{f}_{c.mp_rank}"]
+        if back_compat:
+            candidates.insert(0, candidates.pop())
         found = [p for p in candidates if os.path.exists(p)]
         if not found:
             raise SMPCheckpointError(f"no partial checkpoint file for this rank: looked for {', '.join(candidates)}. "

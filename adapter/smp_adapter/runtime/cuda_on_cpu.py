@@ -49,17 +49,15 @@ from types import SimpleNamespace
 
 import torch
 
+from smp_adapter.libraries import is_library_module  # callers that must keep seeing the real machine
+
 ENV = "SMP_ADAPTER_CUDA_ON_CPU"
-# callers that must keep seeing the real machine
-_LIBRARIES = ("torch", "deepspeed", "megatron", "transformers", "accelerate", "smp_adapter", "smdistributed",
-              "apex", "triton", "safetensors", "huggingface_hub", "datasets", "numpy")
 _installed = False
 _current = 0
 
 
 def _from_library(depth: int = 2) -> bool:
-    name = sys._getframe(depth).f_globals.get("__name__", "")
-    return name.split(".", 1)[0] in _LIBRARIES
+    return is_library_module(sys._getframe(depth).f_globals.get("__name__", ""))
 
 
 def _is_cuda(device) -> bool:

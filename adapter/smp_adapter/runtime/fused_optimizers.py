@@ -1,5 +1,6 @@
-"""LAMB and NovoGrad with apex's semantics, in plain PyTorch (``smp.optimizers.FusedLAMB`` /
-``FusedLamb`` / ``FusedNovoGrad``).
+"""Adam, LAMB and NovoGrad with apex's semantics, in plain PyTorch (``smp.optimizers.FusedAdam`` /
+``FusedLAMB`` / ``FusedLamb`` / ``FusedNovoGrad``, and ``apex.optimizers.FusedAdam`` / ``FusedLAMB``
+where NVIDIA apex is not installed: smp_adapter/apex_fallback).
 
 smp v1's optimizers were apex's fused kernels. apex does not install without a CUDA toolchain, and
 DeepSpeed's ``FusedLamb`` kernel computes a different update (its trust ratio is clamped to
@@ -147,3 +148,24 @@ class FusedNovoGrad(torch.optim.Optimizer):
                     update = update + wd * w
                 p.copy_((w - group["lr"] * update).to(p.dtype))
         return loss
+
+
+class FusedAdam(torch.optim.AdamW):
+    """apex FusedAdam semantics (decoupled weight decay, adam_w_mode=True) on torch's AdamW;
+    adam_w_mode=False (L2 regularisation) is torch's Adam. torch's fused kernel is used on CUDA."""
+
+    def __new__(cls, params, lr=1e-3, bias_correction=True, betas=(0.9, 0.999), eps=1e-8, adam_w_mode=True,
+                weight_decay=0.0, amsgrad=False, **kwargs):
+        if not bias_correction:
+            raise UnsupportedFeatureError("FusedAdam(bias_correction=False) is not supported: torch's Adam always "
+                                          "corrects the moment bias; remove the argument")
+        if adam_w_mode:
+            return super().__new__(cls)
+        fused = kwargs.pop("fused", torch.cuda.is_available())
+        return torch.optim.Adam(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
+                                fused=fused)
+
+    def __init__(self, params, lr=1e-3, bias_correction=True, betas=(0.9, 0.999), eps=1e-8, adam_w_mode=True,
+                 weight_decay=0.0, amsgrad=False, **kwargs):
+        fused = kwargs.pop("fused", torch.cuda.is_available())
+        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, fused=fused)

@@ -36,6 +36,9 @@ class DistributedModel(nn.Module):
             raise SMPUsageError(f"backward_passes_per_step must be an integer >= 1, got {backward_passes_per_step!r}")
         super().__init__()
         self.module = module
+        from smp_adapter.parallel.smp_layout import add_pre_1_10_module_alias
+
+        add_pre_1_10_module_alias(module)  # smp < 1.10 scripts reach the model as model.module.module
         self.backward_passes_per_step = backward_passes_per_step
         self.average_grads_across_microbatches = average_grads_across_microbatches
         self.broadcast_buffers = broadcast_buffers
@@ -141,13 +144,13 @@ class DistributedModel(nn.Module):
     def is_distributed_parameter(self, param) -> bool:
         return _is_split(param)
 
-    def is_distributed_buffer(self, buffer) -> bool:
+    def is_distributed_buffer(self, buf) -> bool:
         return False
 
     def is_scaled_batch_parameter(self, param) -> bool:
         return self.is_distributed_parameter(param)
 
-    def is_scaled_batch_buffer(self, buffer) -> bool:
+    def is_scaled_batch_buffer(self, buf) -> bool:
         return False
 
     def default_reducer_named_parameters(self):
@@ -163,7 +166,7 @@ class DistributedModel(nn.Module):
     def register_post_step_hook(self, hook):
         return _Handle(self._post_step_hooks, hook)
 
-    def register_comm_hook(self, state_, hook):
+    def register_comm_hook(self, state, callable):  # noqa: A002  (the documented names, usable as keywords)
         from smp_adapter.errors import UnsupportedFeatureError
 
         raise UnsupportedFeatureError("register_comm_hook (DDP communication hooks) is not carried out on DeepSpeed "

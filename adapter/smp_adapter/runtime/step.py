@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import functools
 import inspect
-from typing import Any, Callable
+from collections.abc import Mapping
+from typing import Any
 
 from smp_adapter.errors import SMPUsageError
 from smp_adapter.runtime import comm_ledger
@@ -67,16 +68,41 @@ class StepOutput:
         return forwarded
 
 
-def step(func: Callable | None = None, *, non_split_inputs=None, input_split_axes=None, detach_outputs: bool = True):
-    """Decorator, bare (``@smp.step``) or called (``@smp.step(non_split_inputs=[...])``)."""
-    if func is None:
-        return functools.partial(step, non_split_inputs=non_split_inputs, input_split_axes=input_split_axes,
-                                 detach_outputs=detach_outputs)
+def step(non_split_inputs=None, input_split_axes=None, detach_outputs: bool = True):
+    """Decorator, bare (``@smp.step``) or called: ``@smp.step()``, ``@smp.step(["mask"])`` / ``@smp.step(
+    non_split_inputs, input_split_axes)`` (the documented positional form, spec 2.5) or with keywords.
+    ``non_split_inputs``: argument names passed whole to every microbatch; ``input_split_axes``: argument
+    name -> the axis it is split along (0 otherwise)."""
+    if callable(non_split_inputs) and input_split_axes is None:  # bare @smp.step: the decorated function itself
+        return _step(non_split_inputs, set(), {}, detach_outputs)
+    names, axes = _split_spec(non_split_inputs, input_split_axes)
+    return functools.partial(_step, non_split=names, axes=axes, detach_outputs=detach_outputs)
+
+
+def _split_spec(non_split_inputs, input_split_axes) -> tuple[set, dict]:
+    if non_split_inputs is None:
+        names = set()
+    elif isinstance(non_split_inputs, str) or not isinstance(non_split_inputs, (list, tuple, set, frozenset)) \
+            or not all(isinstance(n, str) for n in non_split_inputs):
+        raise SMPUsageError(f"smp.step: non_split_inputs must be a list of argument names (str), got "
+                            f"{non_split_inputs!r}: write e.g. @smp.step(non_split_inputs=['mask'])")
+    else:
+        names = set(non_split_inputs)
+    if input_split_axes is None:
+        axes = {}
+    elif not isinstance(input_split_axes, Mapping) or not all(
+            isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool) for k, v in input_split_axes.items()):
+        raise SMPUsageError(f"smp.step: input_split_axes must map argument names (str) to batch axes (int), got "
+                            f"{input_split_axes!r}: write e.g. @smp.step(input_split_axes={{'x': 1}})")
+    else:
+        axes = dict(input_split_axes)
+    return names, axes
+
+
+def _step(func, non_split: set, axes: dict, detach_outputs: bool):
     if not callable(func):
         raise SMPUsageError("smp.step decorates a function: write @smp.step or @smp.step(...) above `def train_step(...)`")
     params = inspect.signature(func).parameters
-    non_split = set(non_split_inputs or ())
-    axes = dict(input_split_axes or {})
     for name in list(non_split) + list(axes):
         if name not in params and not any(p.kind is p.VAR_KEYWORD for p in params.values()):
             raise SMPUsageError(f"smp.step: '{name}' in non_split_inputs/input_split_axes is not an argument of "

@@ -145,6 +145,10 @@ def _map_key(key: str, cfg: SMPConfig, dims: ParallelDims, ds: Mapping[str, Any]
             return "-", "-", "ignored", "only used with auto_partition: false and pipeline_parallel_degree > 1"
         return "stage of unplaced modules", cfg.default_partition, "exact", ""
     if key in ("optimize", "memory_weight"):
+        if dims.pp == 1:  # memory_weight only weighs the pipeline's auto-partition: nothing else reads it
+            return "-", "-", "ignored", ("no pipeline with pipeline_parallel_degree 1: it only weighs the automatic "
+                                         "stage assignment, which does not happen here (tensor-parallel layers always "
+                                         "use the memory-saving split)")
         return "auto-partition memory_weight", cfg.memory_weight, "approximated", KEYS["optimize"].note if key == "optimize" else row.note
     if key == "ddp":
         return "data-parallel gradient reduction (DeepSpeed engine)", cfg.ddp, "exact", f"over {dims.rdp} model replicas"

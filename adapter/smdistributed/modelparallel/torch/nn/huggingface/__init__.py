@@ -1,4 +1,4 @@
-"""smp.nn.huggingface.<family>: state-dict translation functions (spec §2.11)."""
+"""smp.nn.huggingface.<family>: state-dict translation functions (spec §2.11) and smp v1's hook getters."""
 
 _FAMILIES = ("bert", "gpt2", "gptj", "gptneo", "gptneox", "llama", "roberta", "t5")
 

@@ -1,6 +1,9 @@
-"""smp.nn.huggingface.bert: see smp_adapter.parallel.hf_translate (smp format == HF format here)."""
+"""smp.nn.huggingface.bert: state-dict translations (smp_adapter.parallel.hf_translate: smp format == HF format
+here) and smp v1's hook getters (smp_adapter.parallel.hf_hooks: the module is split in place)."""
 
+from smp_adapter.parallel.hf_hooks import FAMILY_HOOKS as _H
 from smp_adapter.parallel.hf_translate import FAMILY_FUNCTIONS as _F
 
-globals().update(_F["bert"])
-__all__ = sorted(_F["bert"])
+_NAMES = {**_F["bert"], **_H.get("bert", {})}
+globals().update(_NAMES)
+__all__ = sorted(_NAMES)

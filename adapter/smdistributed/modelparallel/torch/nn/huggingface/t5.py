@@ -1,6 +1,9 @@
-"""smp.nn.huggingface.t5: see smp_adapter.parallel.hf_translate (smp format == HF format here)."""
+"""smp.nn.huggingface.t5: state-dict translations (smp_adapter.parallel.hf_translate: smp format == HF format
+here) and smp v1's hook getters (smp_adapter.parallel.hf_hooks: the module is split in place)."""
 
+from smp_adapter.parallel.hf_hooks import FAMILY_HOOKS as _H
 from smp_adapter.parallel.hf_translate import FAMILY_FUNCTIONS as _F
 
-globals().update(_F["t5"])
-__all__ = sorted(_F["t5"])
+_NAMES = {**_F["t5"], **_H.get("t5", {})}
+globals().update(_NAMES)
+__all__ = sorted(_NAMES)

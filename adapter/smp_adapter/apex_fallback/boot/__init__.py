@@ -1,0 +1,1 @@
+"""The directory smp-adapter launch puts on PYTHONPATH (sitecustomize.py)."""
