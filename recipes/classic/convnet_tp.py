@@ -3,74 +3,24 @@ generated 28x28 images (no network): the conv + linear net is created inside
 smp.tensor_parallelism(), so both nn.Linear layers are split over the TP ranks, and it trains
 in plain PyTorch style (model(x), loss.backward(), optimizer.step())."""
 
-import argparse
 import sys
 from pathlib import Path
 
-import torch
-import torch.nn as nn
-import torch.nn.functional as F
 import torch.optim as optim
-from torch.utils.data import DataLoader
 
 import smdistributed.modelparallel.torch as smp
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import recipe_utils as ru  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from mnist_convnet import Net, digits_loader, gpu_device, parse_args, train  # noqa: E402
 
-
-class Net(nn.Module):
-    def __init__(self):
-        super(Net, self).__init__()
-        self.conv1 = nn.Conv2d(1, 32, 3, 1)
-        self.conv2 = nn.Conv2d(32, 64, 3, 1)
-        self.fc1 = nn.Linear(9216, 128)
-        self.fc2 = nn.Linear(128, 10)
-
-    def forward(self, x):
-        x = self.conv1(x)
-        x = F.relu(x)
-        x = self.conv2(x)
-        x = F.relu(x)
-        x = F.max_pool2d(x, 2)
-        x = torch.flatten(x, 1)
-        x = self.fc1(x)
-        x = F.relu(x)
-        x = self.fc2(x)
-        return F.log_softmax(x, 1)
-
-
-def train(model, device, train_loader, optimizer):
-    model.train()
-    for batch_idx, (data, target) in enumerate(train_loader):
-        data, target = data.to(device), target.to(device)
-        optimizer.zero_grad()
-        output = model(data)
-        loss = F.nll_loss(output, target, reduction="mean")
-        loss.backward()
-        optimizer.step()
-        if smp.rank() == 0:
-            print(f"batch {batch_idx}: loss {loss.item():.4f}", flush=True)
-
-
-parser = argparse.ArgumentParser()
-parser.add_argument("--samples", type=int, default=512)
-parser.add_argument("--batch_size", type=int, default=32)
-args, _ = parser.parse_known_args()
-
+args = parse_args()
 smp.init()
-# the seed's GPU setup, unchanged: on CPU ranks smp-adapter launch runs it on the CPU (docs/launch.md §7)
-torch.cuda.set_device(smp.local_rank())
-device = torch.device("cuda")
-
-dataset = ru.digits(args.samples)  # generated stand-in for MNIST (no download)
-if smp.dp_size() > 1:  # shard by data-parallel rank, as the original does with SplitDataset
-    dataset = torch.utils.data.Subset(dataset, range(smp.dp_rank(), len(dataset), smp.dp_size()))
-train_loader = DataLoader(dataset, batch_size=args.batch_size, drop_last=True)
+device = gpu_device()
+train_loader = digits_loader(args.samples, args.batch_size)
 
 with smp.tensor_parallelism():
     model = Net()
 model = smp.DistributedModel(model)
 optimizer = optim.Adadelta(model.parameters(), lr=4.0)  # the original's optim.AdaDelta is a typo
 optimizer = smp.DistributedOptimizer(optimizer)
-train(model, device, train_loader, optimizer)
+train(model, device, train_loader, optimizer, pipelined=False)

@@ -3,7 +3,6 @@
 "# define child modules" placeholders are filled with small layers; MNIST is replaced by generated
 digits."""
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -14,8 +13,8 @@ import torch.optim as optim
 
 import smdistributed.modelparallel.torch as smp
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import recipe_utils as ru  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from mnist_convnet import digits_loader, gpu_device, parse_args, train  # noqa: E402
 
 
 class GroupedNet(nn.Module):
@@ -33,38 +32,10 @@ class GroupedNet(nn.Module):
         return F.log_softmax(self.fc(x), 1)
 
 
-@smp.step
-def train_step(model, data, target):
-    output = model(data)
-    loss = F.nll_loss(output, target, reduction="mean")
-    model.backward(loss)
-    return output, loss
-
-
-def train(model, device, train_loader, optimizer):
-    model.train()
-    for batch_idx, (data, target) in enumerate(train_loader):
-        data, target = data.to(device), target.to(device)
-        optimizer.zero_grad()
-        _, loss_mb = train_step(model, data, target)
-        loss = loss_mb.reduce_mean()
-        optimizer.step()
-        if smp.rank() == 0:
-            print(f"batch {batch_idx}: loss {loss.item():.4f}", flush=True)
-
-
-parser = argparse.ArgumentParser()
-parser.add_argument("--samples", type=int, default=512)
-args, _ = parser.parse_known_args()
-
+args = parse_args()
 smp.init()
-# the seed's GPU setup, unchanged: on CPU ranks smp-adapter launch runs it on the CPU (docs/launch.md §7)
-torch.cuda.set_device(smp.local_rank())
-device = torch.device("cuda")
-dataset = ru.digits(args.samples)
-if smp.dp_size() > 1:
-    dataset = torch.utils.data.Subset(dataset, range(smp.dp_rank(), len(dataset), smp.dp_size()))
-train_loader = torch.utils.data.DataLoader(dataset, batch_size=32, drop_last=True)
+device = gpu_device()
+train_loader = digits_loader(args.samples, args.batch_size)
 
 model = GroupedNet()
 optimizer = optim.Adadelta(model.parameters(), lr=4.0)

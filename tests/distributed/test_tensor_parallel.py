@@ -154,11 +154,20 @@ def check_model(rank, world, tp, prescaled, make_model, make_batch, loss_fn, ste
 # ---------------------------------------------------------------- the seed's conv net
 
 
+def _created(build, marked: bool):
+    """The model ``build()`` makes, created inside smp.tensor_parallelism() when ``marked`` (the
+    distributed run) and plainly for the single-process reference."""
+    from smp_adapter.parallel.marking import tensor_parallelism
+
+    if marked:
+        with tensor_parallelism():
+            return build()
+    return build()
+
+
 def _seed_net(marked: bool):
     import torch.nn as nn
     import torch.nn.functional as F
-
-    from smp_adapter.parallel.marking import tensor_parallelism
 
     class Net(nn.Module):  # the seed script's Net at 12x12 input: fc1 = Linear(128, 32)
         def __init__(self):
@@ -173,10 +182,7 @@ def _seed_net(marked: bool):
             x = torch.flatten(F.max_pool2d(x, 2), 1)
             return F.log_softmax(self.fc2(F.relu(self.fc1(x))), 1)
 
-    if marked:
-        with tensor_parallelism():
-            return Net()
-    return Net()
+    return _created(Net, marked)
 
 
 def _seed_batch(i):
@@ -226,8 +232,6 @@ def _causal_lm(family):
     def make(marked):
         import transformers as tf
 
-        from smp_adapter.parallel.marking import tensor_parallelism
-
         hf_quiet()
         common = dict(vocab_size=128, bos_token_id=0, eos_token_id=0, pad_token_id=0)
         if family == "gpt2":
@@ -255,10 +259,7 @@ def _causal_lm(family):
             cls = tf.GPTJForCausalLM
         else:
             raise ValueError(family)
-        if marked:
-            with tensor_parallelism():
-                return cls(cfg)
-        return cls(cfg)
+        return _created(lambda: cls(cfg), marked)
 
     return make
 
@@ -313,8 +314,6 @@ def _encoder(family):
     def make(marked):
         import transformers as tf
 
-        from smp_adapter.parallel.marking import tensor_parallelism
-
         hf_quiet()
         if family in ("bert", "roberta"):
             cfg_cls = tf.BertConfig if family == "bert" else tf.RobertaConfig
@@ -334,10 +333,7 @@ def _encoder(family):
             cls = tf.T5ForConditionalGeneration
         else:
             raise ValueError(family)
-        if marked:
-            with tensor_parallelism():
-                return cls(cfg)
-        return cls(cfg)
+        return _created(lambda: cls(cfg), marked)
 
     return make
 

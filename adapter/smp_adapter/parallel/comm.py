@@ -101,125 +101,52 @@ def _batch_to_features(x: torch.Tensor, group) -> torch.Tensor:
 # ---------------------------------------------------------------- autograd functions
 
 
-class _GatherBatch(torch.autograd.Function):
-    """forward: all-gather along dim 0; backward: reduce-scatter (sum) along dim 0."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return all_gather_batch(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return reduce_scatter_batch_(grad, ctx.group), None
+def _keep_slice(x, group):
+    return x.chunk(_size(group), dim=-1)[_rank(group)].contiguous()
 
 
-class _ReduceScatterBatch(torch.autograd.Function):
-    """forward: reduce-scatter (sum) along dim 0; backward: all-gather along dim 0."""
+def _differentiable(name: str, forward, backward, doc: str):
+    """``f(x, group)``: ``forward(x, group)``, whose gradient is ``backward(grad, group)``; an
+    autograd node only where a gradient will flow (no grad mode, or an input that needs none, calls
+    ``forward`` directly), and ``x`` itself on a group of one. Each collective pair below is the other
+    one's adjoint: gather / reduce-scatter, all-to-all one way / the other, gather / keep the slice."""
 
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return reduce_scatter_batch_(x, group)
+    class Function(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, group):
+            ctx.group = group
+            return forward(x, group)
 
-    @staticmethod
-    def backward(ctx, grad):
-        return all_gather_batch(grad, ctx.group), None
+        @staticmethod
+        def backward(ctx, grad):
+            return backward(grad, ctx.group), None
 
+    Function.__name__ = Function.__qualname__ = f"_{name}Function"
 
-class _FeaturesToBatch(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _features_to_batch(x, group)
+    def apply(x, group):
+        if _size(group) == 1:
+            return x
+        if torch.is_grad_enabled() and x.requires_grad:
+            return Function.apply(x, group)
+        return forward(x, group)
 
-    @staticmethod
-    def backward(ctx, grad):
-        return _batch_to_features(grad, ctx.group), None
-
-
-class _BatchToFeatures(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _batch_to_features(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _features_to_batch(grad, ctx.group), None
+    apply.__name__, apply.__doc__ = name, doc
+    return apply
 
 
-class _GatherLast(torch.autograd.Function):
-    """forward: all-gather along the last dim; backward: keep the caller's slice.
-    (Megatron's gather_from_tensor_model_parallel_region, which allocates on CUDA.)"""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return all_gather_last(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        g = ctx.group
-        return grad.chunk(_size(g), dim=-1)[_rank(g)].contiguous(), None
-
-
-class _ScatterLast(torch.autograd.Function):
-    """forward: keep the caller's slice of the last dim; backward: all-gather along the last dim.
-    (Megatron's scatter_to_tensor_model_parallel_region, whose backward allocates on CUDA.)"""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return x.chunk(_size(group), dim=-1)[_rank(group)].contiguous()
-
-    @staticmethod
-    def backward(ctx, grad):
-        return all_gather_last(grad, ctx.group), None
-
-
-def _grad_path(x: torch.Tensor) -> bool:
-    return torch.is_grad_enabled() and x.requires_grad
-
-
-def gather_batch(x, group):
-    """[B, ...] -> [tp*B, ...]; gradients are summed back to the owning rank."""
-    if _size(group) == 1:
-        return x
-    return _GatherBatch.apply(x, group) if _grad_path(x) else all_gather_batch(x, group)
-
-
-def reduce_scatter_batch(x, group):
-    """[tp*B, ...] partial sums -> [B, ...] (own samples, summed over the TP group)."""
-    if _size(group) == 1:
-        return x
-    return _ReduceScatterBatch.apply(x, group) if _grad_path(x) else reduce_scatter_batch_(x, group)
-
-
-def features_to_batch(x, group):
-    """[B, ..., F] -> [tp*B, ..., F/tp] with one all-to-all."""
-    if _size(group) == 1:
-        return x
-    return _FeaturesToBatch.apply(x, group) if _grad_path(x) else _features_to_batch(x, group)
-
-
-def batch_to_features(x, group):
-    """[tp*B, ..., F/tp] -> [B, ..., F] with one all-to-all."""
-    if _size(group) == 1:
-        return x
-    return _BatchToFeatures.apply(x, group) if _grad_path(x) else _batch_to_features(x, group)
-
-
-def gather_last(x, group):
-    if _size(group) == 1:
-        return x
-    return _GatherLast.apply(x, group) if _grad_path(x) else all_gather_last(x, group)
-
-
-def scatter_last(x, group):
-    if _size(group) == 1:
-        return x
-    return _ScatterLast.apply(x, group)
+gather_batch = _differentiable("gather_batch", all_gather_batch, reduce_scatter_batch_,
+                               "[B, ...] -> [tp*B, ...]; gradients are summed back to the owning rank.")
+reduce_scatter_batch = _differentiable("reduce_scatter_batch", reduce_scatter_batch_, all_gather_batch,
+                                       "[tp*B, ...] partial sums -> [B, ...] (own samples, summed over the TP group).")
+features_to_batch = _differentiable("features_to_batch", _features_to_batch, _batch_to_features,
+                                    "[B, ..., F] -> [tp*B, ..., F/tp] with one all-to-all.")
+batch_to_features = _differentiable("batch_to_features", _batch_to_features, _features_to_batch,
+                                    "[tp*B, ..., F/tp] -> [B, ..., F] with one all-to-all.")
+# Megatron's gather_from / scatter_to_tensor_model_parallel_region, which allocate on CUDA
+gather_last = _differentiable("gather_last", all_gather_last, _keep_slice,
+                              "All-gather along the last dim; the gradient keeps the caller's slice.")
+scatter_last = _differentiable("scatter_last", _keep_slice, all_gather_last,
+                               "Keep the caller's slice of the last dim; the gradient is all-gathered.")
 
 
 def copy_to_tp(x, group):
