@@ -76,7 +76,7 @@ class ParallelDims:
 
     def stage_index_problem(self, index: int) -> str | None:
         """Why a manual partition mark ``index`` cannot be used, or None. Under auto_partition the
-        marks are ignored (spec §2.2), so any index >= 0 is fine and a pipeline script can be
+        marks are ignored (as smp v1 did), so any index >= 0 is fine and a pipeline script can be
         debugged at pipeline_parallel_degree 1 unchanged; otherwise it must name a stage."""
         if not self.cfg.auto_partition and index >= self.pp:
             return (f"the partition index must be between 0 and pipeline_parallel_degree - 1 = {self.pp - 1} "
@@ -121,7 +121,8 @@ class ParallelDims:
         return per_rank_batch // mb
 
     def tp_region_batch(self, samples: int) -> int:
-        """Samples a tensor-parallel layer computes on when each rank passes ``samples`` (spec §3.6).
+        """Samples a tensor-parallel layer computes on when each rank passes ``samples``
+        (docs/translation.md §3, derived settings).
 
         prescaled_batch false: the TP group's batches are all-gathered on entry of the TP region
         ([B, S, H] -> [tp x B, S, H], each rank then holding 1/tp of the features) -> tp * samples.
@@ -130,7 +131,7 @@ class ParallelDims:
         return samples if self.cfg.prescaled_batch else self.tp * samples
 
     def global_batch_size(self, per_rank_batch: int) -> int:
-        """Samples per optimizer step over the whole job (spec §3.6).
+        """Samples per optimizer step over the whole job (docs/translation.md §3, derived settings).
 
         prescaled_batch false: every DP rank (tp x rdp) reads its own batch -> dp * batch.
         prescaled_batch true: all ranks of a TP group read the same batch -> rdp * batch.

@@ -5,7 +5,7 @@ A job description is one of:
   * a SageMaker distribution dict          {"smdistributed": {"modelparallel": {"enabled": true,
                                               "parameters": {...}}}, "mpi": {...}}
     optionally with "instance_count" (the estimator argument) beside it.
-Files are JSON or YAML holding either form. The SDK's rules (spec §1.1, §1.5) are applied here.
+Files are JSON or YAML holding either form. The SageMaker Python SDK's rules for the distribution dict are applied here.
 """
 
 from __future__ import annotations

@@ -8,7 +8,8 @@ One row per key, and exactly one policy per row:
 * ``ignored``    - accepted, with a one-time warning saying why nothing is done;
 * ``rejected``   - a non-default value is an error that names the closest supported setting.
 
-Spec: ../shared/spec/smp-api.md §1.3 (v1 keys) and §4 (v2 keys users bring along).
+The keys: smp v1's documented parameters and those seen in public scripts, plus the smp v2 keys users bring along
+(docs/translation.md lists each with its policy).
 Type rules (our choice, documented in docs/translation.md): bools must be JSON/YAML booleans;
 ints accept integers and integral floats (``5e8``) but never bools or strings; floats accept
 ints and floats.
@@ -74,7 +75,7 @@ _ROWS = [
     KeySpec("offload_activations", "bool", False, T, "checkpointed activations kept on the CPU"),
     KeySpec("activation_loading_horizon", "int", 4, I, "DeepSpeed CPU activation checkpointing has no prefetch horizon; activations are loaded back when backward reaches them", minimum=1),
     KeySpec("delayed_parameter_initialization", "bool", False, T, "deepspeed.zero.Init under sharded data parallel, otherwise created without storage and materialised per stage/rank"),
-    KeySpec("prescaled_batch", "bool", False, T, "tensor-parallel batch semantics (spec §3.6)"),
+    KeySpec("prescaled_batch", "bool", False, T, "tensor-parallel batch semantics (docs/translation.md)"),
     # -- mixed precision -----------------------------------------------------------------------
     KeySpec("fp16", "bool", False, T, "fp16 training (dynamic loss scale from DistributedOptimizer arguments)"),
     KeySpec("bf16", "bool", False, T, "bf16 training (allowed without sharded data parallel too)"),
@@ -111,7 +112,7 @@ _ROWS = [
 
 KEYS: dict[str, KeySpec] = {row.name: row for row in _ROWS}
 
-# Keys that appear in spec §1.3 (documented or seen in public material). The table test checks
+# smp v1's keys (documented or seen in public material). The table test checks
 # that each has a row, so a key added to the spec cannot be silently forgotten.
 DOCUMENTED_V1_KEYS = tuple(r.name for r in _ROWS if not r.note.startswith("SMP v2"))
 

@@ -116,7 +116,7 @@ class SMPConfig:
         kwargs = {k: v for k, v in values.items() if k in _FIELD_NAMES}
         pp = kwargs.get("pipeline_parallel_degree", 1)
         mb = kwargs.get("microbatches", 1)
-        # spec §5.5: the default partitions + 2 exceeds microbatches = 1; clamp it (more than
+        # smp v1's default active_microbatches, partitions + 2, exceeds microbatches = 1; clamp it (more than
         # `microbatches` can never be in flight anyway), and clamp a user value the same way.
         kwargs["active_microbatches"] = min(kwargs.get("active_microbatches", pp + 2), mb)
         kwargs["virtual_pipeline_degree"] = virtual_degree(kwargs)
@@ -131,7 +131,7 @@ class SMPConfig:
     def from_sources(cls, script_options: Mapping[str, Any] | None = None,
                      environ: Mapping[str, str] | None = None) -> "SMPConfig":
         """Options as ``smp.init(config)`` sees them: the script's dict, overridden key by key
-        by the launch-time ``SM_HP_MP_PARAMETERS`` (as on SageMaker, spec §1.4)."""
+        by the launch-time ``SM_HP_MP_PARAMETERS`` (as on SageMaker)."""
         merged = dict(script_options or {})
         merged.update(options_from_environ(os.environ if environ is None else environ))
         return cls.from_dict(merged)
@@ -254,7 +254,7 @@ def _check_cross_key_rules(values: dict[str, Any], raw: Mapping[str, Any], probl
         add(ConfigProblem("prescaled_batch", "must be true when sharded data parallel is combined with tensor parallelism (smp v1.15)",
                           "add prescaled_batch: true and feed every rank of a TP group the same batch", raw.get("prescaled_batch", False)))
     if raw.get("auto_partition") is False and "default_partition" not in raw:
-        # spec §1.2: the SageMaker SDK required the key; defaulting to 0 would silently put every
+        # the SageMaker SDK required the key; defaulting to 0 would silently put every
         # unmarked module on stage 0
         add(ConfigProblem("default_partition", "is required when auto_partition is false (SageMaker SDK rule): it names "
                           "the stage of modules created outside any smp.partition context",

@@ -1,5 +1,5 @@
 """Activation checkpointing, the mechanism behind ``smp.set_activation_checkpointing``
-(runtime/memory.py, spec §2.9), shared by both engines.
+(runtime/memory.py), shared by both engines.
 
 * ``checkpoint_forward``: a module's forward (a segment: the module and the followers it runs)
   is re-run during backward (torch.utils.checkpoint, non-reentrant, which also works under ZeRO-3).

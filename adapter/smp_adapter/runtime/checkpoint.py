@@ -1,4 +1,4 @@
-"""Checkpoints (spec §2.13): smp.save / smp.load and the model state-dict helpers behind
+"""Checkpoints (docs/checkpoints.md): smp.save / smp.load and the model state-dict helpers behind
 DistributedModel. save_checkpoint / resume_from_checkpoint are in checkpoint_dirs.py, the file
 primitives in checkpoint_files.py (a leaf both import).
 

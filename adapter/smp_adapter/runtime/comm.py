@@ -1,4 +1,4 @@
-"""Ranks, sizes, groups and the pickled-object collectives of spec §2.3-§2.4.
+"""Ranks, sizes, groups and smp v1's pickled-object collectives (smp.broadcast, smp.send/recv, smp.allgather, smp.barrier).
 
 Our choices where smp v1 is silent (docs/runtime.md): group lists are ascending global ranks;
 every query before ``smp.init`` raises NotInitializedError; the process-group getters work with or

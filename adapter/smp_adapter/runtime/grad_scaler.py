@@ -1,4 +1,4 @@
-"""``smp.amp.GradScaler``: torch's GradScaler, made consistent across smp's ranks (spec §2.12).
+"""``smp.amp.GradScaler``: torch's GradScaler, made consistent across smp's ranks.
 
 torch's scaler assumes one process that saw the whole loss. Under smp two things differ:
 

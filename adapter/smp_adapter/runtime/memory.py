@@ -1,4 +1,4 @@
-"""Memory-saving APIs (spec §2.9): delayed parameter initialisation, model_creation, activation
+"""Memory-saving APIs (docs/runtime.md): delayed parameter initialisation, model_creation, activation
 checkpointing, register_parameter.
 
 * ``delay_param_initialization`` enters the job engine's module-init context: under sharded data
@@ -107,7 +107,7 @@ def set_activation_checkpointing(module: nn.Module, preserve_rng_state: bool = T
                     checkpoint_forward(child, preserve_rng_state, group[1:])
         return
     if strategy != "each" or pack_args_as_tuple:
-        raise SMPUsageError("strategy= and pack_args_as_tuple= apply only to nn.Sequential modules (spec §2.9)")
+        raise SMPUsageError("strategy= and pack_args_as_tuple= apply only to nn.Sequential modules (smp.set_activation_checkpointing)")
     checkpoint_forward(module, preserve_rng_state, [])
 
 

@@ -1,4 +1,4 @@
-"""``smp.DistributedModel`` (spec §2.7): the smp surface over the job's engine.
+"""``smp.DistributedModel``: the smp surface over the job's engine.
 
 The constructor prepares the module the same way for every layout (same initial weights on every
 replica, smp's distributed-transformer names, the tensor-parallel split) and then hands it to the

@@ -1,4 +1,4 @@
-"""``smp.DistributedOptimizer`` (spec §2.8): the smp surface over the engine's optimizer.
+"""``smp.DistributedOptimizer``: the smp surface over the engine's optimizer.
 
 Creating it attaches the optimizer to the model's engine (runtime/engines): at pp = 1 that builds
 DeepSpeed's engine (ZeRO stage from the options, fp16 loss scaling from the arguments here). The
@@ -18,7 +18,7 @@ from smp_adapter.translate.deepspeed import DEFAULT_DYNAMIC_LOSS_ARGS, LossScale
 
 
 def _loss_scale_args(static_loss_scale, dynamic_loss_scale, dynamic_loss_args, extra) -> LossScaleArgs:
-    # smp v1 docs spell the arguments both ways, and pass dynamic_loss_args as one dict (spec §5.7)
+    # smp v1 docs spell the arguments both ways, and pass dynamic_loss_args as one dict
     if "static_loss_scaling" in extra:
         static_loss_scale = extra.pop("static_loss_scaling")
     if "dynamic_loss_scaling" in extra:

@@ -1,4 +1,4 @@
-"""``@smp.step`` and ``StepOutput`` (spec §2.5-§2.6).
+"""``@smp.step`` and ``StepOutput`` (docs/runtime.md, training-loop semantics).
 
 A step call splits every tensor argument on its batch axis into ``microbatches`` pieces and runs
 the body once per microbatch; ``model.backward`` accumulates gradients (averaged over microbatches

@@ -56,7 +56,7 @@ def _put(config: dict, path: str, value) -> None:
     config[leaf] = value
 
 
-# Apex/smp dynamic loss scaling arguments (spec §2.8) and their DeepSpeed fp16 keys.
+# Apex/smp dynamic loss scaling arguments (smp.DistributedOptimizer's dynamic_loss_args) and their DeepSpeed fp16 keys.
 DEFAULT_DYNAMIC_LOSS_ARGS = {"init_scale": 2**32, "scale_factor": 2.0, "scale_window": 1000, "min_scale": 1,
                              "delayed_shift": 1, "consecutive_hysteresis": False}
 

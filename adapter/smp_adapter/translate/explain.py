@@ -126,7 +126,7 @@ def _map_key(key: str, cfg: SMPConfig, dims: ParallelDims, ds: Mapping[str, Any]
             "smp-adapter extension (not in smp v1): the model is cut into pipeline_parallel_degree x this many stages"
     if key == "active_microbatches":
         return "microbatches in flight", cfg.active_microbatches, "approximated", \
-            "default partitions + 2, clamped to microbatches (spec §5.5); the 1F1B schedule also bounds it by the stage count"
+            "default partitions + 2, clamped to microbatches; the 1F1B schedule also bounds it by the stage count"
     if key == "placement_strategy":
         flag = mg.megatron_lm_order_flag()
         cli = ("Megatron-LM CLI: default order" if flag == "" else f"Megatron-LM CLI: {flag}" if flag
@@ -237,7 +237,7 @@ def _derived_rows(dims: ParallelDims, ds: Mapping[str, Any], mg: MegatronPlan) -
         ExplainRow("(derived) replica micro batch", mg.micro_batch_size, "derived", "megatron micro_batch_size",
                    mg.micro_batch_size, "exact", "samples per model replica per microbatch"),
         ExplainRow("(derived) global batch", mg.global_batch_size, "derived", "megatron global_batch_size", mg.global_batch_size,
-                   "exact", ("rdp" if dims.cfg.prescaled_batch else "dp") + " x per-rank batch (spec §3.6)"),
+                   "exact", ("rdp" if dims.cfg.prescaled_batch else "dp") + " x per-rank batch"),
         ExplainRow("(derived) gradient clipping", ds.get("gradient_clipping"), "derived", "deepspeed gradient_clipping",
                    ds.get("gradient_clipping"), "exact",
                    "sdp_gradient_clipping" if dims.sdp > 1 else "smp clips only under sharded data parallel: 0.0 = off"),

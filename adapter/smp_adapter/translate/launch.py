@@ -13,7 +13,7 @@ degrees with ParallelDims before any command is built.
              scripts do not parse ``--local_rank``; the runtime reads $LOCAL_RANK.
   torchrun   torchrun --nproc_per_node N --nnodes K --node_rank R --master_addr A --master_port P
              script args       (R is 0 on one node, the literal ${NODE_RANK} on several)
-  mpirun     the SageMaker toolkit's line (spec §1.6) minus its SageMaker-only parts (network
+  mpirun     the SageMaker training toolkit's mpirun line minus its SageMaker-only parts (network
              interface names, the gethostname LD_PRELOAD shim, smddpmprun, EFA and NCCL tuning),
              then ``python script args``: no ``-m mpi4py``, the runtime reads OMPI_COMM_WORLD_*
              and ``-mca orte_abort_on_non_zero_status 1`` already ends the job when a rank fails
@@ -49,7 +49,7 @@ DEFAULT_MASTER_PORT = 29500  # torch.distributed's and DeepSpeed's default (Sage
 NODE_RANK_PLACEHOLDER = "${NODE_RANK}"  # expanded by the shell on each node
 
 # MCA parameters on the toolkit's base line, in order. A custom option naming one of them is not
-# repeated (Open MPI: "MCA parameters can only be listed once", spec §5.4): the same value is
+# repeated (Open MPI: "MCA parameters can only be listed once"): the same value is
 # dropped, a different value replaces the base value.
 BASE_MCA = (("plm_rsh_no_tree_spawn", "1"), ("pml", "ob1"), ("btl", "^openib"),
             ("orte_abort_on_non_zero_status", "1"), ("btl_vader_single_copy_mechanism", "none"))

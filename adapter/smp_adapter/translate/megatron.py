@@ -1,6 +1,6 @@
 """smp options -> Megatron-core parallel settings (pure; no megatron or torch import).
 
-What Megatron gets (design.md §2):
+What Megatron gets:
   tensor_parallel_degree     -> tensor_model_parallel_size
   pipeline_parallel_degree   -> pipeline_model_parallel_size (no virtual stages: smp has none)
   placement_strategy         -> ``order`` for parallel_state.initialize_model_parallel
@@ -10,7 +10,7 @@ What Megatron gets (design.md §2):
 
 Batch arithmetic. smp scripts pass a per-rank batch B to ``smp.step``; Megatron counts samples
 per *model replica* (a TP x PP group), so without ``prescaled_batch`` a TP group of tp ranks,
-each reading its own B samples, is one replica processing tp x B samples (spec §3.5/§3.6):
+each reading its own B samples, is one replica processing tp x B samples (docs/translation.md §3, derived settings):
 
   global_batch_size = dims.global_batch_size(B)     (dp x B, or rdp x B with prescaled_batch)
   micro_batch_size  = global_batch_size / (rdp x microbatches)   (samples per replica per microbatch)

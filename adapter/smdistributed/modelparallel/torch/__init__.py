@@ -1,7 +1,7 @@
 """``import smdistributed.modelparallel.torch as smp`` - the smp v1 API, carried out by DeepSpeed
 engines and Megatron-core layers (implementation: the ``smp_adapter`` package).
 
-Every name of spec §2.1 is exported here; tests/unit/test_api_surface.py pins the list.
+Every public name of smp v1's smdistributed.modelparallel.torch is exported here; tests/unit/test_api_surface.py pins the list.
 """
 
 from smp_adapter.errors import UnsupportedFeatureError as _Unsupported

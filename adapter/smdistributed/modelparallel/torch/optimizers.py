@@ -1,4 +1,4 @@
-"""smp.optimizers: the apex fused optimizers smp v1 shipped (spec §2.12, §5.8).
+"""smp.optimizers: the apex fused optimizers smp v1 shipped (FusedLAMB, FusedAdam).
 
 FusedAdam is torch's AdamW (its fused kernel on CUDA). FusedLAMB / FusedLamb / FusedNovoGrad follow
 apex's definitions in plain PyTorch on every device: smp_adapter/runtime/fused_optimizers.py (also

@@ -1,4 +1,4 @@
-"""smp.nn: tensor-parallel modules (spec §2.10) on Megatron-core layers, and FusedLayerNorm /
+"""smp.nn: smp v1's tensor-parallel modules (docs/runtime.md) on Megatron-core layers, and FusedLayerNorm /
 FlashAttentionLayer without apex (smp_adapter/parallel/fused_modules.py)."""
 
 from smp_adapter.parallel.fused_modules import FlashAttentionLayer, FusedLayerNorm  # noqa: F401

@@ -1,4 +1,4 @@
-"""smp's call-site activation checkpointing (spec §2.9), on torch.utils.checkpoint."""
+"""smp's call-site activation checkpointing (smp.set_activation_checkpointing, docs/runtime.md), on torch.utils.checkpoint."""
 
 import torch
 from torch import nn

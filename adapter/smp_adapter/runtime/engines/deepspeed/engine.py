@@ -4,7 +4,7 @@ smp creates the optimizer *after* the model, while ``deepspeed.initialize`` want
 DeepSpeed's engine is built when ``smp.DistributedOptimizer`` is created (or at the first forward
 of a model used without an optimizer, e.g. evaluation-only scripts).
 
-Two training styles (spec §5.6):
+Two training styles (smp v1 allows both; docs/runtime.md):
   * smp style: ``model(x)`` and ``model.backward(loss)`` inside an ``@smp.step`` function;
   * plain style: ``model(x)``, ``loss.backward()``, ``optimizer.step()`` outside any step function.
     DeepSpeed's ZeRO-0 engine refuses ``loss.backward()`` on outputs of ``engine(...)``, so in this
@@ -169,7 +169,7 @@ class DeepSpeedEngine(StartsThroughDeepSpeed, Engine):
             _broadcast_buffers(self._floating_buffers)
         if state.in_step:
             return engine(*args, **kwargs)
-        # plain style (spec §5.6): gradients are reduced in the next optimizer.step()
+        # plain style (loss.backward() outside @smp.step): gradients are reduced in the next optimizer.step()
         if torch.is_grad_enabled() and model.training:
             self._plain_backward_pending = True
             if engine.zero_optimization_stage() < 3:
@@ -373,7 +373,7 @@ def _shared_by(path) -> tuple[int, int]:
 
 
 def _broadcast_buffers(buffers) -> None:
-    """broadcast_buffers=True (DDP behaviour, spec §3.2.8): floating buffers (BatchNorm statistics)
+    """broadcast_buffers=True (DDP behaviour, smp v1's ddp option): floating buffers (BatchNorm statistics)
     follow dp rank 0 at every training forward."""
     from smp_adapter.runtime.engines.base import broadcast_from_first_rank
 

@@ -1,4 +1,4 @@
-"""Choosing pipeline stages, module-granular (spec §3.4), as split points for torch.export.
+"""Choosing pipeline stages, module-granular as smp v1's auto-partition (docs/pipeline.md), as split points for torch.export.
 
 The model is profiled once (first step, microbatch 0, no grad): forward pre-hooks record the order
 in which modules are first called, forward hooks the size of their outputs. A *unit* is a module

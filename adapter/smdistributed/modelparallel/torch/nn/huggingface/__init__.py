@@ -1,4 +1,4 @@
-"""smp.nn.huggingface.<family>: state-dict translation functions (spec §2.11) and smp v1's hook getters."""
+"""smp.nn.huggingface.<family>: smp v1's state-dict translation functions and smp v1's hook getters."""
 
 _FAMILIES = ("bert", "gpt2", "gptj", "gptneo", "gptneox", "llama", "roberta", "t5")
 
