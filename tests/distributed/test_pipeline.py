@@ -86,6 +86,21 @@ def test_gpt2_pp2_dp2_balanced_tied_embeddings(tmp_path):
     assert "Tied parameters held by several stages" in (tmp_path / "log0.txt").read_text()
 
 
+@pytest.mark.parametrize("model", ["gptneo", "gptj"])
+def test_gpt_neo_and_gptj_as_the_2022_templates_build_them_pp2(tmp_path, model):
+    """GPT-Neo and GPT-J as the public 2022 smp templates run them: their configs keep use_cache=True,
+    the step calls the model without use_cache=, parameters created under delayed initialisation
+    (GPT-Neo: the embedding tied to the LM head across the two stages). Pipelined, each trains as
+    the single process does: the cache is switched off before tracing, with a note (it failed to
+    trace the cache object); GPT-J's first stage returns a non-contiguous activation, sent and
+    received contiguous (gloo refused the traced strides' buffer)."""
+    options = {"pipeline_parallel_degree": 2, "microbatches": 2, "ddp": True}
+    results = run_ranks(SCRIPT, 2, args=["--model", model, "--steps", 2, "--delayed"],
+                        env={"SM_HP_MP_PARAMETERS": json.dumps(options)}, out_dir=tmp_path, timeout=200)
+    _check(results, model, 2, steps=2)
+    assert "config.use_cache set to False" in (tmp_path / "log0.txt").read_text()
+
+
 @pytest.mark.parametrize("fp16", [False, True], ids=["fp32", "fp16"])
 def test_shard_optimizer_state_pp2_dp2(tmp_path, fp16):
     """shard_optimizer_state with pp 2 x dp 2 (Adam): each stage's optimizer state (with fp16: of the

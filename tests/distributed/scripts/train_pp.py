@@ -5,7 +5,9 @@ is the seed's, unchanged; data is sharded by dp_rank. Options come from SM_HP_MP
 --model manual  the seed's GroupedNet: modules created inside smp.partition(0) / smp.partition(1)
 --model six     six linear layers, auto-partitioned
 --model skip    four linear layers, the first one's output read again by the last two
---model gpt2    tiny GPT2LMHeadModel (loss from labels)
+--model gpt2    tiny GPT2LMHeadModel (the shifted LM loss computed in the step)
+--model gptneo  tiny GPTNeoForCausalLM / GPTJForCausalLM whose configs keep use_cache=True, called as the
+--model gptj    public templates call them (no use_cache= argument)
 
 Checkpoints: --save-at N saves a partial checkpoint (smp.save_checkpoint) after step N; --resume
 resumes from the newest one before the first step and trains steps --first-step ... on.
@@ -21,7 +23,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from launch_util import write_result  # noqa: E402
-from train_pp_common import batch, build, make_optimizer  # noqa: E402
+from train_pp_common import LM_MODELS, batch, build, make_optimizer  # noqa: E402
 
 import smdistributed.modelparallel.torch as smp  # noqa: E402
 
@@ -75,7 +77,8 @@ def train_step(model, data, target):
 
 @smp.step
 def train_step_lm(model, data, target):
-    logits = model(input_ids=data, use_cache=False)["logits"]
+    # the public templates call the model without use_cache= (GPT-Neo's config keeps it on)
+    logits = (model(input_ids=data) if args.model in ("gptneo", "gptj") else model(input_ids=data, use_cache=False))["logits"]
     # labels= would reach only the first stage: the shifted LM loss is computed here
     loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), target[:, 1:].flatten())
     model.backward(loss)
@@ -105,10 +108,10 @@ model.train()
 for step in range(args.first_step, args.first_step + args.steps):
     data, target = batch(args.model, step, B * smp.dp_size())
     data, target = data[smp.dp_rank() * B:(smp.dp_rank() + 1) * B], target[smp.dp_rank() * B:(smp.dp_rank() + 1) * B]
-    if step == 1 and args.model != "gpt2":
+    if step == 1 and args.model not in LM_MODELS:
         eval_in, eval_out = data.tolist(), evaluate(data)  # weights after step 0
     optimizer.zero_grad()
-    if args.model == "gpt2":
+    if args.model in LM_MODELS:
         loss_mb = train_step_lm(model, data, target)
     else:
         output_mb, loss_mb = train_step(model, data, target)
@@ -152,4 +155,4 @@ write_result({"eval_out": eval_out, "eval_in": eval_in, "losses": losses, "mb_lo
               "state_names": [n for n, p in model.local_named_parameters() if optimizer.state.get(master.get(id(p), p))],
               "rdp_rank": smp.rdp_rank(), "scales": scales, "overflows": overflows, "checksums": checksums, "grad_norms": grad_norms,
               "param_dtypes": sorted({str(p.dtype) for p in model.local_parameters()}),
-              "saved_state": saved_state, "final_state": {k: v.tolist() for k, v in state.items()} if args.model != "gpt2" or args.final_state else None})
+              "saved_state": saved_state, "final_state": {k: v.tolist() for k, v in state.items()} if args.model not in LM_MODELS or args.final_state else None})

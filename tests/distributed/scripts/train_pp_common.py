@@ -62,6 +62,32 @@ class GroupedNet(Net):
             self.fc2 = nn.Linear(32, 8)
 
 
+LM_MODELS = ("gpt2", "gptneo", "gptj")  # Hugging Face causal LMs: token batches, the shifted LM loss
+
+
+def tiny_gptneo():
+    """GPT-Neo as the public smp templates build it: its config keeps use_cache=True (the pipeline
+    traces it without the generation cache), one global and one local-attention layer."""
+    from transformers import GPTNeoConfig, GPTNeoForCausalLM
+
+    torch.manual_seed(7)
+    return GPTNeoForCausalLM(GPTNeoConfig(vocab_size=64, num_layers=2, hidden_size=32, num_heads=4,
+                                          max_position_embeddings=16, attention_types=[[["global", "local"], 1]],
+                                          window_size=4, resid_dropout=0.0, embed_dropout=0.0,
+                                          attention_dropout=0.0, bos_token_id=0, eos_token_id=0))
+
+
+def tiny_gptj():
+    """GPT-J as the public smp templates build it (config use_cache=True); its first stage returns a
+    non-contiguous activation (stage I/O must still be sent and received contiguous)."""
+    from transformers import GPTJConfig, GPTJForCausalLM
+
+    torch.manual_seed(7)
+    return GPTJForCausalLM(GPTJConfig(vocab_size=64, n_layer=2, n_embd=32, n_head=4, rotary_dim=4, n_positions=16,
+                                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0,
+                                      eos_token_id=0))
+
+
 def build(name, smp=None):
     torch.manual_seed(42)
     if name == "net":
@@ -74,6 +100,10 @@ def build(name, smp=None):
         return SixLayerTied()
     if name == "skip":
         return SkipNet()
+    if name == "gptneo":
+        return tiny_gptneo()
+    if name == "gptj":
+        return tiny_gptj()
     return tiny_gpt2()
 
 
@@ -81,7 +111,7 @@ def batch(name, step, size):
     g = torch.Generator().manual_seed(700 + step)
     if name in ("six", "sixtied", "skip"):
         return torch.randn(size, 16, generator=g), torch.randint(0, 8, (size,), generator=g)
-    if name == "gpt2":
+    if name in LM_MODELS:
         ids = torch.randint(0, 64, (size, 12), generator=g)
         return ids, ids
     return torch.randn(size, 1, 12, 12, generator=g), torch.randint(0, 8, (size,), generator=g)
@@ -114,7 +144,7 @@ def reference(name, steps, global_size, microbatches, optimizer="sgd", dtype=Non
         for d, t in zip(data.chunk(microbatches), target.chunk(microbatches)):
             if dtype is not None and d.is_floating_point():
                 d = d.to(dtype)
-            if name == "gpt2":
+            if name in LM_MODELS:
                 logits = model(input_ids=d, use_cache=False)["logits"]
                 loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), t[:, 1:].flatten())
             else:

@@ -319,6 +319,7 @@ class PipelineRunner:
 
         module = self.model.module
         cfg = state.cfg
+        surgery.no_generation_cache(module, state.rank)
         # traced with fake stand-ins: no rank ever holds the whole model on its device (stage_memory.py)
         from smp_adapter.runtime.deferred_init import record_of
 
@@ -364,6 +365,7 @@ class PipelineRunner:
         self.stage_modules = [stage_mods[i] for i in ids]
         for i, mine in zip(ids, self.stage_modules):
             surgery.run_generated_code(mine)
+            surgery.contiguous_crossing_metadata(mine)
             for name, original in self.tp_originals.items():  # the split (TP) modules go back in
                 if surgery.has_submodule(mine, name):
                     surgery.set_submodule(mine, name, surgery.get_submodule(module, name))
@@ -372,7 +374,7 @@ class PipelineRunner:
                 # reduced-precision outputs are sent widened (exact), and the next stage's autocast
                 # narrows them again for its matmuls
                 traced = next((p.dtype for p in mine.parameters() if p.is_floating_point()), torch.get_default_dtype())
-                mine.register_forward_hook(surgery.WidenAutocastOutputs(traced))
+                mine.register_forward_hook(surgery.SendableOutputs(traced))
             if i > 0 and cfg.pipeline in SPLIT_BACKWARD:  # the first stage's backward is not split
                 surgery.own_outputs_read_inside(mine)
                 mine.register_forward_hook(surgery.OwnViewOutputs())

@@ -56,12 +56,14 @@ class FakeStandIns:
                             stand_ins[id(t)] = self._stand_in(t)
                         self.saved.append((table, name, t))
                         table[name] = stand_ins[id(t)]
+        self._saved_deepcopy = _deepcopy_fakes_as_fakes()
         return self
 
     def __exit__(self, *exc):
         for table, name, t in self.saved:
             table[name] = t
         self.saved = []
+        _restore_deepcopy(self._saved_deepcopy)
 
     def _stand_in(self, t: torch.Tensor) -> torch.Tensor:
         from torch._subclasses.fake_tensor import FakeTensor
@@ -71,6 +73,40 @@ class FakeStandIns:
         if isinstance(t, nn.Parameter) or getattr(t, "_is_param", False):
             return nn.Parameter(fake, requires_grad=t.requires_grad)
         return fake
+
+
+def _fake_deepcopy(self, memo):
+    new = memo.get(id(self))
+    if new is None:
+        new = self.detach().clone()  # a FakeTensor's clone is a FakeTensor of its mode: no storage copied
+        if getattr(self, "_is_param", False):  # nn.Parameter(fake) is the fake itself, flagged
+            new = nn.Parameter(new, requires_grad=self.requires_grad)
+        else:
+            new.requires_grad_(self.requires_grad)
+        memo[id(self)] = new
+    return new
+
+
+def _deepcopy_fakes_as_fakes():
+    """torch's pipeline() deep-copies the parameters two stages share (a tied embedding). Tensor's own
+    __deepcopy__ copies a subclass's storage unless its data_ptr() is 0, which a FakeTensor need not
+    report: it then copies bytes from an address that holds none (seen as heap corruption and SIGSEGV
+    with GPT-Neo's tied embedding). While stand-ins are in place a FakeTensor is copied as a fake clone
+    (the copies are replaced by the model's own tensors afterwards: tied.point_stages_at_model)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    saved = FakeTensor.__dict__.get("__deepcopy__")
+    FakeTensor.__deepcopy__ = _fake_deepcopy
+    return saved
+
+
+def _restore_deepcopy(saved) -> None:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    if saved is None:
+        del FakeTensor.__deepcopy__
+    else:
+        FakeTensor.__deepcopy__ = saved
 
 
 def keep_stage(model: nn.Module, stage_tensors: list[torch.Tensor], record, device) -> None:

@@ -3,11 +3,13 @@ hooks the stage builder installs (runtime/engines/pipeline/runtime.py).
 
 * ``originals_swapped_in``: the pre-TP modules back in place while torch.export traces the model;
 * ``CarryInputs``: model inputs first read by a later stage, carried from stage 0;
-* ``WidenAutocastOutputs``: autocast activations cross stages in the traced dtype;
+* ``SendableOutputs``, ``contiguous_crossing_metadata``: activations cross stages contiguous (and in
+  the traced dtype under autocast), into contiguous receive buffers;
 * ``OwnViewOutputs``: stage outputs that are views copied, for the split backward;
 * ``own_outputs_read_inside``: stage outputs the stage also reads copied, for the split backward;
 * ``checkpoint_marked``: ``smp.set_activation_checkpointing`` applied again to the traced stage;
-* ``run_generated_code``: the traced submodules run torch's generated code, not the fx Interpreter.
+* ``run_generated_code``: the traced submodules run torch's generated code, not the fx Interpreter;
+* ``no_generation_cache``: a Hugging Face model traced without its generation (KV) cache.
 """
 
 from __future__ import annotations
@@ -54,17 +56,46 @@ class CarryInputs:
         return bound.args, bound.kwargs
 
 
-class WidenAutocastOutputs:
-    """Forward hook of a non-last stage: floating outputs back to the traced dtype under autocast."""
+class SendableOutputs:
+    """Forward hook of a non-last stage: its outputs cross to the next stage through point-to-point
+    sends. Floating outputs go back to the traced dtype under autocast (the next stage's autocast
+    narrows them again), and a non-contiguous output (GPT-J's stage 0 returns one) is made
+    contiguous: gloo and NCCL send contiguous buffers only ("input tensor has to be contiguous"), and
+    the receiving stage's buffer is contiguous. Values and gradients are unchanged."""
 
     def __init__(self, dtype: torch.dtype):
         self.dtype = dtype
 
     def __call__(self, module, args, output):
-        if autocast_state() is None:
-            return None
-        return torch.utils._pytree.tree_map(
-            lambda t: t.to(self.dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, output)
+        widen = autocast_state() is not None
+
+        def sendable(t):
+            if not isinstance(t, torch.Tensor):
+                return t
+            if widen and t.is_floating_point():
+                t = t.to(self.dtype)
+            return t.contiguous()
+
+        return torch.utils._pytree.tree_map(sendable, output)
+
+
+def contiguous_crossing_metadata(stage: torch.fx.GraphModule) -> list[str]:
+    """torch's stage builder makes its receive buffers (a stage's inputs, and a non-last stage's output
+    gradients) with the strides the trace recorded for those values. A value traced non-contiguous
+    (GPT-J's stage 0 returns one) then gets a non-contiguous buffer, which gloo and NCCL refuse to
+    receive into ("input tensor has to be contiguous"). The recorded values of the stage's inputs
+    and outputs become contiguous ones of the same shape and dtype (the senders send contiguous
+    values: SendableOutputs). Returns the names of the nodes changed."""
+    output = next(n for n in stage.graph.nodes if n.op == "output")
+    crossing = [n for n in stage.graph.nodes if n.op == "placeholder"]
+    crossing += [a for a in torch.utils._pytree.tree_leaves(output.args) if isinstance(a, torch.fx.Node)]
+    changed = []
+    for node in crossing:
+        val = node.meta.get("val")
+        if isinstance(val, torch.Tensor) and not val.is_contiguous():
+            node.meta["val"] = torch.empty(val.shape, dtype=val.dtype, device="meta")
+            changed.append(node.name)
+    return changed
 
 
 class OwnViewOutputs:
@@ -262,3 +293,19 @@ def checkpoint_marked(module: nn.Module, stage: nn.Module) -> list[str]:
             checkpoint_forward(get_submodule(stage, name), getattr(original, "_smp_preserve_rng", True), [])
             wrapped.append(name)
     return wrapped
+
+
+def no_generation_cache(module: nn.Module, rank: int) -> bool:
+    """A Hugging Face model whose config keeps ``use_cache=True`` (GPT-Neo's and GPT-J's do; the public
+    smp templates call the model without ``use_cache=``) returns a KV-cache object from its forward,
+    which torch.export cannot trace and a training step never reads. smp v1 partitioned such models;
+    the cache is switched off in the config before tracing, once, with a note on rank 0. True when it
+    was on."""
+    config = getattr(module, "config", None)
+    if config is None or not getattr(config, "use_cache", False):
+        return False
+    config.use_cache = False
+    if rank == 0:
+        print(f"Pipeline parallelism: {type(module).__name__}.config.use_cache set to False (a training step "
+              "reads no generation cache, and torch.export cannot trace one)", flush=True)
+    return True
