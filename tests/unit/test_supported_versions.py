@@ -1,5 +1,5 @@
 """The support matrix is one claim in three places: pyproject.toml's ranges (what pip's resolver
-enforces), the README's "Supported versions" table (what users read), and constraints/*.txt (what CI
+enforces), the "Supported versions" table in docs/supported-versions.md (what users read), and constraints/*.txt (what CI
 installs for the other points of the matrix). These tests keep them in step: every range in the
 table is pyproject's, every lower end is what constraints/lowest.txt tests, and every matrix point
 lies inside the ranges."""
@@ -36,8 +36,8 @@ def pins(path: Path) -> dict:
 
 
 def readme_table() -> dict:
-    text = (ROOT / "README.md").read_text()
-    section = text.split("## Supported versions", 1)[1].split("\n## ", 1)[0]
+    text = (ROOT / "docs/supported-versions.md").read_text()
+    section = text.split("# Supported versions", 1)[1].split("\n## ", 1)[0]
     rows = {}
     for line in section.splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
@@ -57,7 +57,7 @@ def test_readme_table_is_pyproject_ranges():
     constrained = {n for n, spec in ranges.items() if str(spec)}  # tokenizers: transformers pins it
     assert set(table) == constrained, (sorted(table), sorted(constrained))
     for name, (spec, _) in table.items():
-        assert spec == ranges[name], f"README says {name} {spec}, pyproject.toml says {ranges[name]}"
+        assert spec == ranges[name], f"docs/supported-versions.md says {name} {spec}, pyproject.toml says {ranges[name]}"
 
 
 def test_lowest_point_tests_every_lower_end():
@@ -65,7 +65,7 @@ def test_lowest_point_tests_every_lower_end():
     for name, (spec, lowest_tested) in table.items():
         if name == "python":  # the interpreter is CI's, not a pin
             continue
-        assert lowest.get(name) == lowest_tested, f"README's lowest tested {name} {lowest_tested}, constraints {lowest.get(name)}"
+        assert lowest.get(name) == lowest_tested, f"docs/supported-versions.md's lowest tested {name} {lowest_tested}, constraints {lowest.get(name)}"
         assert Version(lowest_tested) == Version(lower_end(spec)), \
             f"{name}: the range starts at {lower_end(spec)} but the lowest tested is {lowest_tested}"
 
