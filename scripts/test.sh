@@ -10,7 +10,7 @@
 #         other (gloo, pipeline stages, launcher start-up), and one worker left ~40 % of the two cores
 #         idle. SMP_TEST_WORKERS=1 runs it in one process.
 #   2. the support matrix (--matrix below); SMP_TEST_MATRIX=0 leaves it out.
-# --matrix: only the support matrix: for each constraints/*.txt (the other points of the README's
+# --matrix: only the support matrix: for each constraints/*.txt (the other points of docs/supported-versions.md's
 #   "Supported versions" table), an environment made by `scripts/setup.sh FILE` (cached outside the
 #   clone) runs the unit tier and the tests of the code that depends on those versions most: the
 #   Hugging Face tensor-parallel mapping, sharded data parallel and delayed init over Hugging Face
