@@ -23,7 +23,7 @@ with the pieces within 1.1x of DeepSpeed-only, resume memory per rank within 1.2
 pp2 (two pipeline stages): "DS only" is then the pipeline engine's own stage files.
 
 --digests (issue 30): each mode's job saves alternately without and with the file digests
-(runtime/checkpoint_digests.py), --repeats times each; a second job resumes the checkpoint in the
+(runtime/checkpoint/integrity/manifest.py), --repeats times each; a second job resumes the checkpoint in the
 same layout alternately without (SMP_ADAPTER_SKIP_CHECKPOINT_VERIFY=1) and with the check, after one
 untimed resume (--cold: the checkpoint's pages dropped from the page cache before each resume, so it
 is read from the disk as after a copy). Medians, slowest rank. Targets: both within 1.05x. Beside the
@@ -124,12 +124,12 @@ def resume_worker(args) -> None:
                   "anon_growth": anon_peak - anon_before, "world": smp.size()})
 
 
-# -- digests (runtime/checkpoint_digests.py): save and resume with and without them, alternating -----
+# -- digests (runtime/checkpoint/integrity/manifest.py): save and resume with and without them, alternating -----
 def _digests_at_save(on: bool) -> None:
     """Off: the save writes and records as before digests existed: torch.save to the path (not through
     the hashing file object), nothing digested afterwards; the gather that replaces the barrier still
     runs, with nothing in it."""
-    from smp_adapter.runtime import checkpoint_digests as digests
+    from smp_adapter.runtime.checkpoint.integrity import manifest as digests
 
     if not hasattr(digests, "_bench_originals"):
         digests._bench_originals = (digests.write_hashed, digests.digest_written, digests.complete)
@@ -167,7 +167,7 @@ def digest_save_worker(args) -> None:
         optimizer.zero_grad()
         train_step(model, batch(step, smp.dp_rank(), vocab=args.vocab))
         optimizer.step()
-    from smp_adapter.runtime import checkpoint_digests as digests
+    from smp_adapter.runtime.checkpoint.integrity import manifest as digests
 
     _digests_at_save(True)
     spent = [0.0]
@@ -192,9 +192,9 @@ def digest_resume_worker(args) -> None:
     opt-out), alternating; the first resume (cold pages) is left out. The timed resumes run the code
     as it is; the check's own figures come from further checked resumes, with the timers (a timer
     around each hashed piece costs ~1.5 us, about 1 ms of a resume: it would count itself)."""
-    from smp_adapter.runtime.checkpoint_digests import SKIP_ENV
+    from smp_adapter.runtime.checkpoint.integrity.manifest import SKIP_ENV
 
-    from smp_adapter.runtime import checkpoint_dirs
+    from smp_adapter.runtime.checkpoint import dirs as checkpoint_dirs
 
     smp, model, optimizer, _ = _job(json.loads(args.options), _size(args))
     smp.resume_from_checkpoint(args.ckpt, tag="don")
@@ -232,8 +232,9 @@ def digest_resume_worker(args) -> None:
     _timed(checkpoint_dirs.digest_check.Check, "finish", spent)
     # the hashing's own CPU seconds: of the bytes torch.load reads (HashingReader), and of the files
     # checked otherwise (damaged_units: the small files before the load, what no rank read after it)
-    from smp_adapter.runtime import digest_records, spare_core_hashing
-    _timed(digest_records.HashingReader, "_feed", hashing, time.thread_time)
+    from smp_adapter.runtime.checkpoint.integrity import hashing_io
+    from smp_adapter.runtime.checkpoint.integrity import spare_cores as spare_core_hashing
+    _timed(hashing_io.HashingReader, "_feed", hashing, time.thread_time)
     _timed(checkpoint_dirs.digests, "damaged_units", hashing, time.thread_time)
     _timed(spare_core_hashing, "damaged_units", hashing, time.thread_time)  # the threads' (hashing on spare cores)
     for _ in range(max(3, args.repeats // 2)):
@@ -281,7 +282,7 @@ def _cache_vs_map() -> None:
     (what checking a file after it was read costs). Best of 5."""
     import mmap
 
-    from smp_adapter.runtime.digest_records import hasher
+    from smp_adapter.runtime.checkpoint.integrity.records import hasher
 
     piece, total = memoryview(os.urandom(256 << 10)), 256 << 20
     best = float("inf")
@@ -319,7 +320,7 @@ def digests_main(args, me: Path, size: list) -> None:
           f"{'hashing':>8} {'share':>8} | {'paired':>6} {'cpu':>5}   (medians of {args.repeats}, slowest rank; cpu: the "
           "resume's CPU seconds, all threads; hashing: CPU seconds hashing; share: MB one rank would hash with no "
           "file read; paired: median of on/off over back-to-back resumes, wall and cpu; then how the resume hashed: "
-          "SMP_ADAPTER_DIGEST_THREADS or the cores each local rank has, runtime/spare_core_hashing.py)")
+          "SMP_ADAPTER_DIGEST_THREADS or the cores each local rank has, runtime/checkpoint/integrity/spare_cores.py)")
     figures = {}
     for mode in args.modes:
         options, nprocs, _ = MODES[mode]

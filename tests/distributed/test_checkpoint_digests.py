@@ -1,4 +1,4 @@
-"""Checkpoints that cannot silently lie (runtime/checkpoint_digests.py): one partial checkpoint per
+"""Checkpoints that cannot silently lie (runtime/checkpoint/integrity/manifest.py): one partial checkpoint per
 layout (ZeRO-3 2 and dp 2 with the ViT script, tp 2 GPT-2, pp 2 GPT-2, each saved after step 4 of 8),
 then copies of it damaged in each way a store damages files: one bit flipped in the middle of the
 largest tensor record of an engine file, of a layout-independent piece, of the user content; the
@@ -22,9 +22,9 @@ from launch_util import ROOT, run_ranks
 
 from smp_adapter.cli import main
 from smp_adapter.errors import SMPCheckpointError
-from smp_adapter.runtime import checkpoint_digests as digests
-from smp_adapter.runtime import digest_check
-from smp_adapter.runtime.checkpoint_sidecars import write_sidecar
+from smp_adapter.runtime.checkpoint.integrity import manifest as digests
+from smp_adapter.runtime.checkpoint.integrity import resume_check as digest_check
+from smp_adapter.runtime.checkpoint.integrity.sidecars import write_sidecar
 
 SDP_EXACT = {"sdp_param_persistence_threshold": 0, "sdp_gradient_clipping": 0.0}
 VIT, TP, PP = (ROOT / f"tests/distributed/scripts/{s}.py" for s in ("train_vit", "train_tp", "train_pp"))
@@ -192,7 +192,7 @@ def test_resume_of_a_damaged_checkpoint_ends_every_rank_with_the_error(tmp_path,
 @pytest.mark.parametrize("layout", ["dp 2", "pp 2"])
 def test_hashing_on_spare_cores_resumes_bit_exactly_and_refuses_damage_on_every_rank(tmp_path, saved, init_weights,
                                                                                      layout):
-    """The resume's other way of hashing (runtime/spare_core_hashing.py: threads hash each file the
+    """The resume's other way of hashing (runtime/checkpoint/integrity/spare_cores.py: threads hash each file the
     engine opens, beside its load; chosen where each local rank has a spare core, forced here, where
     two ranks share two cores): the same bitwise resume, the same refusal on every rank. Under dp 2
     both ranks' threads hash alternate chunks of the model file both read."""

@@ -1,4 +1,4 @@
-"""runtime/checkpoint_digests.py on hand-made folders (no process group): what the save records, and
+"""runtime/checkpoint/integrity/manifest.py on hand-made folders (no process group): what the save records, and
 each problem `verify` reports. The saved checkpoints of every layout are damaged in
 tests/distributed/test_checkpoint_digests.py."""
 
@@ -10,9 +10,9 @@ import torch
 
 from smp_adapter.cli import main
 from smp_adapter.errors import SMPCheckpointError, SMPUsageError
-from smp_adapter.runtime import checkpoint_digests as digests
-from smp_adapter.runtime import digest_check
-from smp_adapter.runtime.checkpoint_files import atomic_torch_save
+from smp_adapter.runtime.checkpoint.integrity import manifest as digests
+from smp_adapter.runtime.checkpoint.integrity import resume_check as digest_check
+from smp_adapter.runtime.checkpoint.files import atomic_torch_save
 
 
 def _checkpoint(folder, algorithm="blake2b"):
@@ -201,7 +201,7 @@ def test_torch_load_through_the_hashing_reader_checks_every_chunk_it_reads(tmp_p
     """A checked resume hands torch.load a reader that hashes what it reads: every chunk of a
     torch.save file is checked (the zip's directory, read first, at close), a flipped bit fails its
     chunk only, and what torch.load returns is what a load from the path returns."""
-    from smp_adapter.runtime.digest_records import HashingReader
+    from smp_adapter.runtime.checkpoint.integrity.hashing_io import HashingReader
 
     monkeypatch.setenv(digests.CHUNK_ENV, "65536")
     obj = {f"w{i}": torch.randn(20_000 + i) for i in range(6)}  # 480 KB: 8 chunks, 6 records
@@ -235,8 +235,8 @@ def test_a_resume_check_covers_every_file_whether_the_engine_reads_it_or_not(tmp
     while torch.load reads it (threads 0: by the reader torch.load is handed; 2: on spare cores, and
     torch.load reads the path) and not again after the load, and a file no read covered is hashed by
     finish: damage anywhere is refused."""
-    from smp_adapter.runtime.digest_records import HashingReader
-    from smp_adapter.runtime.spare_core_hashing import THREADS_ENV
+    from smp_adapter.runtime.checkpoint.integrity.hashing_io import HashingReader
+    from smp_adapter.runtime.checkpoint.integrity.spare_cores import THREADS_ENV
 
     monkeypatch.setenv(digests.CHUNK_ENV, "65536")
     monkeypatch.setenv(THREADS_ENV, threads)

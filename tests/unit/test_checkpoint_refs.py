@@ -1,4 +1,4 @@
-"""runtime/checkpoint_refs.py: the layout-independent index points into the files DeepSpeed's
+"""runtime/checkpoint/refs.py: the layout-independent index points into the files DeepSpeed's
 checkpoint engine wrote. Here a stand-in engine saves with torch.save, as DeepSpeed's
 TorchCheckpointEngine does; the distributed reshard tests cover the real engines."""
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from smp_adapter.errors import SMPCheckpointError
-from smp_adapter.runtime.checkpoint_refs import OpenedFiles, SavedTensors
+from smp_adapter.runtime.checkpoint.refs import OpenedFiles, SavedTensors
 
 
 class _TorchCheckpointEngine:

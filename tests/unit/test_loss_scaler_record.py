@@ -1,4 +1,4 @@
-"""The dynamic fp16 loss scale in layout-independent checkpoints (runtime/universal_format.py):
+"""The dynamic fp16 loss scale in layout-independent checkpoints (runtime/checkpoint/universal.py):
 recorded from, and restored into, DeepSpeed's own scaler classes: ``DynamicLossScaler`` (its ZeRO
 optimizers and the pipeline engine) and ``LossScaleConfig`` (its fp16 optimizer without ZeRO). The
 end-to-end pipeline resume is tests/distributed/test_reshard_checkpoint.py; DeepSpeed has no fp16 on
@@ -9,7 +9,7 @@ import json
 import torch
 from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaleConfig, LossScaler
 
-from smp_adapter.runtime.universal_format import restore_scaler, scaler_record
+from smp_adapter.runtime.checkpoint.universal import restore_scaler, scaler_record
 
 
 def _dynamic(init_scale=2.0**16):

@@ -100,7 +100,7 @@ def test_checkpoints_record_the_stage_order(monkeypatch, schedule, stages):
     stages (1F1B -> zbv) differs in layout and is read from its layout-independent pieces; one saved
     before the record existed had one stage per rank."""
     from smp_adapter.config.dims import ParallelDims
-    from smp_adapter.runtime.checkpoint_files import layout_difference, layout_record
+    from smp_adapter.runtime.checkpoint.files import layout_difference, layout_record
     from smp_adapter.runtime.state import state
 
     dims = ParallelDims.from_config(cfg(pipeline=schedule, ddp=True), 2)

@@ -183,9 +183,9 @@ def test_full_checkpoint_digests_and_a_deepspeed_file_cut_short_read_unchecked(f
     """A full checkpoint (partial=False) records each file's digest beside it and a resume refuses a
     damaged one, naming it; a partial checkpoint read unchecked (the opt-out) whose DeepSpeed file is
     cut short names that file instead of torch's bare error."""
-    from smp_adapter.runtime import checkpoint_digests as digests
-    from smp_adapter.runtime.checkpoint_digests import SKIP_ENV
-    from smp_adapter.runtime.checkpoint_sidecars import SIDECAR
+    from smp_adapter.runtime.checkpoint.integrity import manifest as digests
+    from smp_adapter.runtime.checkpoint.integrity.manifest import SKIP_ENV
+    from smp_adapter.runtime.checkpoint.integrity.sidecars import SIDECAR
 
     smp.init({})
     model = smp.DistributedModel(_mlp())
@@ -351,7 +351,7 @@ def test_partial_checkpoint_index_points_into_deepspeeds_files_unless_switched_o
     manifest_file = tmp_path / "without_partial" / "smp_manifest.json"
     manifest = json.loads(manifest_file.read_text())
     manifest["layout"]["tp"] = 2
-    from smp_adapter.runtime.checkpoint_digests import write_manifest
+    from smp_adapter.runtime.checkpoint.integrity.manifest import write_manifest
 
     write_manifest(manifest_file.parent, manifest)  # as a tp 2 job would have written it: sealed
     with pytest.raises(SMPCheckpointError, match=r"saved with another parallel layout \(tp: saved 2 vs now 1\) and "

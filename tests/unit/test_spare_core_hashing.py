@@ -1,4 +1,4 @@
-"""runtime/spare_core_hashing.py: a checked resume's hashing on spare cores. How many threads a rank
+"""runtime/checkpoint/integrity/spare_cores.py: a checked resume's hashing on spare cores. How many threads a rank
 uses, and that the pool checks exactly the chunks a rank is due to check, against the records the
 save wrote (hashed by HashingFile, a different code path), naming a damaged chunk only."""
 
@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from smp_adapter.errors import SMPUsageError
-from smp_adapter.runtime import checkpoint_digests as digests
-from smp_adapter.runtime import spare_core_hashing as spare
-from smp_adapter.runtime.digest_records import digest_file
+from smp_adapter.runtime.checkpoint.integrity import manifest as digests
+from smp_adapter.runtime.checkpoint.integrity import spare_cores as spare
+from smp_adapter.runtime.checkpoint.integrity.records import digest_file
 
 
 @pytest.mark.parametrize("cores, local_ranks, threads", [(2, 2, 0), (2, 1, 1), (3, 2, 0), (16, 2, 2), (96, 8, 2),
@@ -108,13 +108,13 @@ def test_a_file_hashed_beside_its_write_has_the_record_hashed_from_the_file(tmp_
     """At the save, a tensor's bytes (a write of >= 1 MiB) are hashed on the helper thread while this
     thread writes them: the record equals the one computed from the finished file by a memory map
     (digest_file), chunk by chunk, the writes crossing chunk ends included, and the file is torch's."""
-    from smp_adapter.runtime import digest_records
+    from smp_adapter.runtime.checkpoint.integrity import hashing_io
 
     monkeypatch.setenv(digests.CHUNK_ENV, "65536")
     obj = {"big": torch.randn(700_000), "small": torch.randn(100), "other": torch.randn(300_001)}  # 2.8 MB + 1.2 MB
     helper = _CountingHelper()
     path = tmp_path / "m.pt"
-    record = digest_records.write_hashed(path, lambda f: torch.save(obj, f), "blake2b", helper)
+    record = hashing_io.write_hashed(path, lambda f: torch.save(obj, f), "blake2b", helper)
     assert helper.handed == 2  # the two large tensors; the rest (headers, the pickle, "small") on this thread
     assert record == digest_file(path, "blake2b", 65536) and len(record["chunks"]) > 60
     loaded = torch.load(path, weights_only=True)

@@ -9,10 +9,10 @@ directory, or the directory ``save_checkpoint`` wrote into (its ``newest`` tag i
   ``save_pretrained`` does;
 * reshard --to OPTIONS --world-size N: the checkpoint rewritten for that layout
   (commands/checkpoint_reshard.py);
-* verify: every file checked against the digests recorded at the save (runtime/checkpoint_digests.py),
+* verify: every file checked against the digests recorded at the save (runtime/checkpoint/integrity/manifest.py),
   one line per problem; export and reshard make the same check first and refuse a damaged checkpoint.
   A full checkpoint (``partial=False``: DIR's ``newest`` tag is a model file) or a file smp.save wrote
-  is checked against its ``<file>.smp_digest`` records (runtime/checkpoint_sidecars.py).
+  is checked against its ``<file>.smp_digest`` records (runtime/checkpoint/integrity/sidecars.py).
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from pathlib import Path
 
 from smp_adapter.commands import checkpoint_reshard
 from smp_adapter.errors import SMPCheckpointError
-from smp_adapter.runtime import checkpoint_digests as digests
-from smp_adapter.runtime import checkpoint_sidecars as sidecars
+from smp_adapter.runtime.checkpoint.integrity import manifest as digests
+from smp_adapter.runtime.checkpoint.integrity import sidecars
 
 MANIFEST = digests.MANIFEST
 
@@ -172,7 +172,7 @@ def run(args) -> int:
 def _export_hf(folder: Path, manifest: dict, out: Path) -> int:
     from safetensors.torch import save_file
 
-    from smp_adapter.runtime.universal_format import NO_PIECES, Pieces
+    from smp_adapter.runtime.checkpoint.universal import NO_PIECES, Pieces
 
     universal = manifest.get("universal")
     if not universal:

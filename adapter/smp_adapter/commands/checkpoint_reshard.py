@@ -43,9 +43,9 @@ def target_dims(options: str, world_size: int):
 def reshard(folder: Path, manifest: dict, dims, out: Path) -> Path:
     """Write the resharded checkpoint; return its ``<tag>_partial`` directory."""
     from smp_adapter.parallel.layers import ShardLayout
-    from smp_adapter.runtime import checkpoint_digests as digests
-    from smp_adapter.runtime.checkpoint_files import ENGINE_FILES, layout_record
-    from smp_adapter.runtime.universal_format import FOLDER, NO_PIECES, IndexFile, Pieces
+    from smp_adapter.runtime.checkpoint.integrity import manifest as digests
+    from smp_adapter.runtime.checkpoint.files import ENGINE_FILES, layout_record
+    from smp_adapter.runtime.checkpoint.universal import FOLDER, NO_PIECES, IndexFile, Pieces
 
     universal = manifest.get("universal")
     if not universal:

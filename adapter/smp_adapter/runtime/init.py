@@ -16,7 +16,8 @@ from typing import Any, Mapping
 from smp_adapter.config.dims import ParallelDims
 from smp_adapter.config.options import SMPConfig
 from smp_adapter.errors import SMPUsageError
-from smp_adapter.runtime import comm_ledger, process_exit
+from smp_adapter.runtime import comm_ledger
+from smp_adapter.runtime import process_exit
 from smp_adapter.runtime.launch_env import LaunchEnv, rendezvous
 from smp_adapter.runtime.state import state
 

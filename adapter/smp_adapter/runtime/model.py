@@ -180,19 +180,19 @@ class DistributedModel(nn.Module):
 
     # -- state dicts (see checkpoint.py) -----------------------------------------------------------
     def state_dict(self, *args, gather_to_rank0: bool = False, **kwargs):
-        from smp_adapter.runtime.checkpoint import full_model_state_dict
+        from smp_adapter.runtime.checkpoint.save_load import full_model_state_dict
 
         if args or kwargs:  # nn.Module internals (destination=..., prefix=...) during nesting
             return super().state_dict(*args, **kwargs)
         return full_model_state_dict(self, gather_to_rank0)
 
     def local_state_dict(self):
-        from smp_adapter.runtime.checkpoint import local_model_state_dict
+        from smp_adapter.runtime.checkpoint.save_load import local_model_state_dict
 
         return local_model_state_dict(self)
 
     def load_state_dict(self, state_dict, strict: bool = True, same_partition_load: bool = False):
-        from smp_adapter.runtime.checkpoint import load_model_state_dict
+        from smp_adapter.runtime.checkpoint.save_load import load_model_state_dict
 
         return load_model_state_dict(self, state_dict, strict=strict)
 

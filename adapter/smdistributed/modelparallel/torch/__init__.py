@@ -5,8 +5,8 @@ Every public name of smp v1's smdistributed.modelparallel.torch is exported here
 """
 
 from smp_adapter.errors import UnsupportedFeatureError as _Unsupported
-from smp_adapter.runtime.checkpoint import load, save
-from smp_adapter.runtime.checkpoint_dirs import resume_from_checkpoint, save_checkpoint
+from smp_adapter.runtime.checkpoint.save_load import load, save
+from smp_adapter.runtime.checkpoint.dirs import resume_from_checkpoint, save_checkpoint
 from smp_adapter.runtime.comm import (
     DP_GROUP,
     MP_GROUP,

@@ -172,7 +172,7 @@ class Engine(ABC):
         """DeepSpeed's own engine when there is one (``model.engine``), else None."""
         return None
 
-    # -- model state dicts (runtime/checkpoint.py builds them; the engine adds its part) ---------
+    # -- model state dicts (runtime/checkpoint/save_load.py builds them; the engine adds its part) ---------
     def merge_full_state_dict(self, sd: dict) -> dict:
         """A full-layout state dict of this rank's entries -> the whole model's (collective)."""
         return sd
@@ -249,7 +249,7 @@ class Engine(ABC):
         pipeline engine: this rank's compute and idle time); None when the engine has none."""
         return None
 
-    # -- partial checkpoints (runtime/checkpoint_dirs.py) ----------------------------------------
+    # -- partial checkpoints (runtime/checkpoint/dirs.py) ----------------------------------------
     @abstractmethod
     def save_partial(self, staging, optimizer) -> dict:
         """Write this rank's model and optimizer state into the staging directory; return what the
@@ -261,13 +261,13 @@ class Engine(ABC):
 
     def load_partial_from_other_layout(self, folder, optimizer, manifest: dict, difference: str) -> None:
         """Load a partial checkpoint saved by another layout (``difference`` says how it differs)
-        from its layout-independent pieces (runtime/universal_format.py)."""
-        from smp_adapter.runtime import universal_format
+        from its layout-independent pieces (runtime/checkpoint/universal.py)."""
+        from smp_adapter.runtime.checkpoint import universal
 
         if "universal" not in manifest:
             raise SMPCheckpointError(
                 f"checkpoint {folder} was saved with another parallel layout ({difference}) and without "
-                f"layout-independent pieces ({universal_format.ENV_SWITCH}=0, or an older smp-adapter): resume "
+                f"layout-independent pieces ({universal.ENV_SWITCH}=0, or an older smp-adapter): resume "
                 f"it with the saved layout ({manifest.get('layout')}), then save again without that setting")
         self.load_universal(Path(folder), manifest["universal"])
 

@@ -301,18 +301,18 @@ class DeepSpeedEngine(StartsThroughDeepSpeed, Engine):
     # -- partial checkpoints: DeepSpeed's own format under <tag>_partial/ds, and layout-independent
     # pieces under <tag>_partial/universal (runtime/engines/deepspeed/universal_checkpoint.py) ----------------------
     def save_partial(self, staging, optimizer) -> dict:
-        from smp_adapter.runtime import universal_format
+        from smp_adapter.runtime.checkpoint import universal
         from smp_adapter.runtime.engines.deepspeed import universal_checkpoint
-        from smp_adapter.runtime.checkpoint_refs import SavedTensors
+        from smp_adapter.runtime.checkpoint.refs import SavedTensors
 
         from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
 
-        from smp_adapter.runtime.checkpoint_digests import noting_saves
+        from smp_adapter.runtime.checkpoint.integrity.manifest import noting_saves
 
         checkpoint_engine = self._ds.checkpoint_engine
         # the files DeepSpeed writes for this rank are hashed as they are written (its default engine)
         with noting_saves(checkpoint_engine, type(checkpoint_engine).save is TorchCheckpointEngine.save):
-            if not universal_format.enabled():
+            if not universal.enabled():
                 self._ds.save_checkpoint(str(staging), tag="ds", save_latest=False)
                 return {}
             with SavedTensors(self._ds, Path(staging)) as saved:  # the index points into these files
@@ -327,12 +327,12 @@ class DeepSpeedEngine(StartsThroughDeepSpeed, Engine):
     def load_partial(self, folder, optimizer, strict: bool, load_optimizer: bool) -> None:
         from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
 
-        from smp_adapter.runtime.digest_check import checked_source
+        from smp_adapter.runtime.checkpoint.integrity.resume_check import checked_source
 
         checkpoint_engine = self._ds.checkpoint_engine
         read = checkpoint_engine.load
         # its default engine (torch.load(path)) is handed a file object that hashes what it reads
-        # inside a checked resume (digest_check.Check); any other engine reads its path
+        # inside a checked resume (resume_check.Check); any other engine reads its path
         torch_load_engine = type(checkpoint_engine).load is TorchCheckpointEngine.load
 
         def load(path, *args, **kwargs):

@@ -1,11 +1,11 @@
 """Layout-independent partial checkpoints: written beside the engine's own files by every
 ``save_checkpoint(partial=True)`` (the DeepSpeed engine: ``save`` here; the pipeline engine:
-pipeline/checkpoint.py ``save_universal``, both through ``universal_format.write_index``), read by the DeepSpeed
+pipeline/checkpoint.py ``save_universal``, both through ``universal.write_index``), read by the DeepSpeed
 engine's ``resume_from_checkpoint(partial=True)`` when the job now has another layout (data-parallel
 size, ZeRO stage 0/1/3, hpZ, tensor-parallel degree, world size, or pp > 1 -> pp = 1). Same-layout
 resumes keep using the engine's own files (exact and fastest).
 
-The on-disk format, the writer shared by both engines and the reader: runtime/universal_format.py.
+The on-disk format, the writer shared by both engines and the reader: runtime/checkpoint/universal.py.
 
 Who records what (every element once, no communication): ZeRO-3: each rank its own partition
 (DeepSpeed's local API); ZeRO-1/2 (and DeepSpeed's bf16 optimizer): each rank the fragment of each
@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from smp_adapter.runtime.state import state
-from smp_adapter.runtime.universal_format import (Pieces, create_missing_state, layout_of, persistent_buffers,
+from smp_adapter.runtime.checkpoint.universal import (Pieces, create_missing_state, layout_of, persistent_buffers,
                                                   restore_scaler, restore_step_and_groups, shard_shape, state_keys,
                                                   step_count, write_index)
 
@@ -93,7 +93,7 @@ def _pieces_to_write(engine, p, keys) -> list[tuple[str, int, torch.Tensor]]:
 
 def save(engine, module, staging: Path, saved=None) -> dict:
     """The DeepSpeed engine's index (pp = 1); return what the manifest records (rank 0's view).
-    ``saved``: a ``checkpoint_refs.SavedTensors`` around DeepSpeed's save."""
+    ``saved``: a ``checkpoint.refs.SavedTensors`` around DeepSpeed's save."""
     inner = _inner_optimizer(engine)
     keys = state_keys(inner)
     pieces = [(name, p, kind, start, values) for name, p in _unique_params(module)

@@ -25,7 +25,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from smp_adapter.errors import SMPCheckpointError, SMPUsageError
-from smp_adapter.runtime.checkpoint_files import atomic_torch_save, safe_torch_load
+from smp_adapter.runtime.checkpoint.files import atomic_torch_save, safe_torch_load
 from smp_adapter.runtime.state import state
 
 STAGE_MARK = "_smp_stage_units"
@@ -49,7 +49,7 @@ def mark_stage(runner, sd: dict) -> dict:
 def save_stage(staging: Path, runner, optimizer, saved=None) -> dict | None:
     """This rank's part of a partial checkpoint (rdp rank 0 of each (pp, tp) position writes the
     stage file); return the stage file's object (None on other rdp ranks). ``saved``: a
-    ``checkpoint_refs.SavedTensors`` told what each file holds."""
+    ``checkpoint.refs.SavedTensors`` told what each file holds."""
     model = runner.model
     if not runner.built:
         raise SMPUsageError("with pipeline_parallel_degree > 1 a partial checkpoint can be saved only after the first "
@@ -77,7 +77,7 @@ def save_stage(staging: Path, runner, optimizer, saved=None) -> dict | None:
 
 
 def save_universal(staging: Path, runner, optimizer, mixed, saved, blob) -> dict:
-    """The layout-independent index (runtime/universal_format.py) of this stage, so that a job
+    """The layout-independent index (runtime/checkpoint/universal.py) of this stage, so that a job
     with another layout can resume the checkpoint. Each value is recorded once: parameters (fp32
     masters under fp16/bf16) by rdp rank 0 of their (pp, tp) position, a tied parameter by the
     first of the stages holding it, optimizer state by the rank holding it (its owner under
@@ -88,7 +88,7 @@ def save_universal(staging: Path, runner, optimizer, mixed, saved, blob) -> dict
     optimizer's state keys and step count."""
     import torch.distributed as dist
 
-    from smp_adapter.runtime import universal_format as universal
+    from smp_adapter.runtime.checkpoint import universal
 
     c, sharded = state.coord, state.dims.zero_stage > 0
     torch_optimizer = optimizer.optimizer
@@ -134,7 +134,7 @@ def load_universal(runner, folder: Path, universal: dict, mixed):
     saved shards)."""
     import torch
 
-    from smp_adapter.runtime import universal_format as universal_fmt
+    from smp_adapter.runtime.checkpoint import universal as universal_fmt
 
     pieces = universal_fmt.Pieces(folder)
     with torch.no_grad():

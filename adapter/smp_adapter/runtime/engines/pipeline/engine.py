@@ -224,10 +224,10 @@ class PipelineEngine(StartsThroughDeepSpeed, Engine):
     # -- partial checkpoints: one file per stage ---------------------------------------------------
     def save_partial(self, staging, optimizer) -> dict:
         from smp_adapter.runtime.engines.pipeline.checkpoint import save_stage, save_universal
-        from smp_adapter.runtime import universal_format
-        from smp_adapter.runtime.checkpoint_refs import SavedTensors
+        from smp_adapter.runtime.checkpoint import universal
+        from smp_adapter.runtime.checkpoint.refs import SavedTensors
 
-        if not universal_format.enabled() or optimizer is None:
+        if not universal.enabled() or optimizer is None:
             save_stage(staging, self.runner, optimizer)  # same-layout resume only
             return {}
         with SavedTensors(None, Path(staging)) as saved:  # the index points into these files

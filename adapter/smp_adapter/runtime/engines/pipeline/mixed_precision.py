@@ -120,7 +120,7 @@ class PipelineMixedPrecision:
 
     # -- checkpoints -------------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        from smp_adapter.runtime.universal_format import scaler_fields
+        from smp_adapter.runtime.checkpoint.universal import scaler_fields
 
         return {"masters": [m.detach().clone() for m in self.masters], "scaler": scaler_fields(self.scaler)}
 

@@ -1,13 +1,13 @@
 """A checkpoint's hashing on the node's spare cores, beside the rank's own work (a leaf on the shared
-floor: runtime/checkpoint_digests.py asks it for the save's helper thread, runtime/digest_check.py
+floor: runtime/checkpoint/integrity/manifest.py asks it for the save's helper thread, runtime/checkpoint/integrity/resume_check.py
 for the resume's pool).
 
 Two ways to hash, each as strong as the other (every byte of every chunk a rank is due to record or
 check is hashed, and a check compares it before the resume returns):
 
 * **on the rank's thread**: the save hashes each 1 MiB just before writing it
-  (``digest_records.HashingFile``); the resume hands torch.load a file object that hashes each piece
-  right after it lands, still in the CPU's cache (``digest_records.HashingReader``). The fewest CPU
+  (``hashing_io.HashingFile``); the resume hands torch.load a file object that hashes each piece
+  right after it lands, still in the CPU's cache (``hashing_io.HashingReader``). The fewest CPU
   seconds, but on the rank's own thread: ~3-5 ms per 150 MB at xxh3's in-cache speed here (2-3x
   that on the H200 host of benchmarks/RESULTS.md 9.4), added to the save's and the resume's time.
 * **on spare cores** (here): at the save, a helper thread hashes each tensor's bytes while the
@@ -31,7 +31,7 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 
 from smp_adapter.errors import SMPUsageError
-from smp_adapter.runtime.digest_records import damaged_units, due_units
+from smp_adapter.runtime.checkpoint.integrity.records import damaged_units, due_units
 
 THREADS_ENV = "SMP_ADAPTER_DIGEST_THREADS"
 MAX_THREADS = 2  # hashing from the page cache is bound by memory bandwidth: a third thread adds little
@@ -74,7 +74,7 @@ _writer_helper: ThreadPoolExecutor | None = None
 
 
 def writer_helper() -> ThreadPoolExecutor | None:
-    """The thread a checkpoint writer hashes beside (``digest_records.HashingFile``), where this rank
+    """The thread a checkpoint writer hashes beside (``hashing_io.HashingFile``), where this rank
     has a spare core (``hashing_threads`` of the job's ranks on this node); None elsewhere. One per
     process, kept: a save writes files one after another."""
     global _writer_helper

@@ -1,11 +1,11 @@
 """A resume's digest check, in every rank, around the engine's load (``start_check`` before it,
-``Check.reading`` during it, ``Check.finish`` after it; runtime/checkpoint_dirs.py runs them): the
+``Check.reading`` during it, ``Check.finish`` after it; runtime/checkpoint/dirs.py runs them): the
 manifest, the file list, sizes and small files before the engine reads anything; the engine's files
-hashed while it reads them (as read, ``digest_records.HashingReader``, or on spare cores beside the
-load, runtime/spare_core_hashing.py); one all-reduce of every chunk's state gives every rank the
+hashed while it reads them (as read, ``hashing_io.HashingReader``, or on spare cores beside the
+load, runtime/checkpoint/integrity/spare_cores.py); one all-reduce of every chunk's state gives every rank the
 verdict before the resume returns, so all ranks raise the same error naming the file (none is left
 waiting in a later collective); only chunks no rank read (another layout's resume) are split among
-the ranks and hashed after. The records and the one-process checks: runtime/checkpoint_digests.py.
+the ranks and hashed after. The records and the one-process checks: runtime/checkpoint/integrity/manifest.py.
 """
 
 from __future__ import annotations
@@ -14,12 +14,13 @@ import contextlib
 from pathlib import Path
 
 from smp_adapter.errors import SMPCheckpointError
-from smp_adapter.runtime.checkpoint_digests import (ALGORITHM, FILES, MANIFEST, Problem, _units, _unchecked, agree,
+from smp_adapter.runtime.checkpoint.integrity.manifest import (ALGORITHM, FILES, MANIFEST, Problem, _units, _unchecked, agree,
                                                     check_contents, check_files, check_sizes, differs, extra_files,
                                                     has_digests, max_over_ranks, read_manifest, refusal, shares,
                                                     skipped)
-from smp_adapter.runtime.digest_records import HashingReader, due_units, hasher, small
-from smp_adapter.runtime.spare_core_hashing import SpareCoreHasher, hashing_threads
+from smp_adapter.runtime.checkpoint.integrity.hashing_io import HashingReader
+from smp_adapter.runtime.checkpoint.integrity.records import due_units, hasher, small
+from smp_adapter.runtime.checkpoint.integrity.spare_cores import SpareCoreHasher, hashing_threads
 
 _reading = None  # the Check whose files torch.load reads through a HashingReader (``Check.reading``)
 
@@ -67,7 +68,7 @@ class Check:
     reader that hashes the bytes just read, while they are in the CPU's cache (a second pass through
     a memory map costs more, and on a busy core that is the whole cost of the check), or, where the
     rank has spare cores, hands the file to threads that hash it beside the load
-    (runtime/spare_core_hashing.py). ``finish``
+    (runtime/checkpoint/integrity/spare_cores.py). ``finish``
     reduces over the ranks, in one all-reduce, which units (chunks, or whole files) every rank has
     checked and which were damaged: every rank then holds the same verdict, and returns or raises
     the same error before the resume returns, i.e. before a training step uses a value. Only when

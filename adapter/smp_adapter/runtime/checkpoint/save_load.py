@@ -1,6 +1,6 @@
 """Checkpoints (docs/checkpoints.md): smp.save / smp.load and the model state-dict helpers behind
-DistributedModel. save_checkpoint / resume_from_checkpoint are in checkpoint_dirs.py, the file
-primitives in checkpoint_files.py (a leaf both import).
+DistributedModel. save_checkpoint / resume_from_checkpoint are in checkpoint/dirs.py, the file
+primitives in checkpoint/files.py (a leaf both import).
 
 Layout written by ``save_checkpoint(path, tag)`` (our encoding of smp's rankinfo, docs/runtime.md):
     <path>/<tag>_partial/          one directory per partial checkpoint
@@ -23,8 +23,8 @@ from __future__ import annotations
 import os
 
 from smp_adapter.errors import SMPCheckpointError, SMPUsageError
-from smp_adapter.runtime.checkpoint_sidecars import check_sidecar, write_sidecar
-from smp_adapter.runtime.checkpoint_files import (LAYOUT_MARK, PARTIAL_MARK, atomic_torch_save, check_layout,
+from smp_adapter.runtime.checkpoint.integrity.sidecars import check_sidecar, write_sidecar
+from smp_adapter.runtime.checkpoint.files import (LAYOUT_MARK, PARTIAL_MARK, atomic_torch_save, check_layout,
                                                   current_layout, safe_torch_load)
 from smp_adapter.runtime.state import require_initialized, state
 
@@ -107,7 +107,7 @@ def load(f, map_location=None, pickle_module=None, pickle_load_args=None, partia
          back_compat: bool = False, weights_only: bool = True):
     """torch.load; partial=True picks this rank's file (all historic names). Loading is weights-only
     plus plain data (transformers configs, argparse.Namespace); other objects need weights_only=False
-    or SMP_ADAPTER_TRUST_CHECKPOINTS=1 (checkpoint_files.safe_torch_load).
+    or SMP_ADAPTER_TRUST_CHECKPOINTS=1 (checkpoint/files.py, safe_torch_load).
 
     ``back_compat=True`` (smp >= 1.10; transformers' SageMaker-MP resume passes it for checkpoints an
     smp < 1.10 job wrote): that file name, ``f_<mp_rank>``, is looked for first; the others still follow."""

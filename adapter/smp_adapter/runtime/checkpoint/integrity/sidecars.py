@@ -1,7 +1,7 @@
 """One file's digest beside it, ``<file>.smp_digest``: what ``smp.save`` and full checkpoints
 (``save_checkpoint(partial=False)``) record, and what ``smp.load``, a full checkpoint's resume and
-``smp-adapter checkpoint verify`` check before reading (runtime/digest_records.py has the record,
-runtime/checkpoint_digests.py the checks and the refusal)."""
+``smp-adapter checkpoint verify`` check before reading (runtime/checkpoint/integrity/records.py has the record,
+runtime/checkpoint/integrity/manifest.py the checks and the refusal)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import os
 from pathlib import Path
 
 from smp_adapter.errors import SMPCheckpointError
-from smp_adapter.runtime.checkpoint_digests import (ALGORITHM, FILES, Problem, agree, check_contents, check_files,
+from smp_adapter.runtime.checkpoint.integrity.manifest import (ALGORITHM, FILES, Problem, agree, check_contents, check_files,
                                                     check_sizes, default_algorithm, digest_file, hasher, refusal,
                                                     shares, skipped)
 

@@ -15,7 +15,7 @@ holds before ZeRO, in its stored orientation) of one kind (``param``: the fp32 m
     tp_rank/tp_size, layout   where the TP shard sits in the full tensor (ShardLayout fields, or
                 null for a parameter every TP rank holds whole)
     ref         where the values are: {"file", "path", "offset"} into one of the engine's own files
-                of this checkpoint (DeepSpeed's, or the pipeline's stage files; runtime/checkpoint_refs.py),
+                of this checkpoint (DeepSpeed's, or the pipeline's stage files; runtime/checkpoint/refs.py),
                 or, when those files do not hold them (persistent buffers; a DeepSpeed version that
                 copies before saving),
     key         the tensor in this safetensors file that holds them (fp32; buffers keep their dtype)
@@ -38,7 +38,7 @@ import torch.distributed as dist
 
 from smp_adapter.errors import SMPCheckpointError
 from smp_adapter.parallel.layers import LAYOUT_ATTR, ShardLayout
-from smp_adapter.runtime.checkpoint_digests import note_written
+from smp_adapter.runtime.checkpoint.integrity.manifest import note_written
 from smp_adapter.runtime.state import state
 
 FOLDER = "universal"
@@ -210,7 +210,7 @@ class Pieces:
     def __init__(self, folder: Path):
         from safetensors import safe_open
 
-        from smp_adapter.runtime.checkpoint_refs import OpenedFiles
+        from smp_adapter.runtime.checkpoint.refs import OpenedFiles
 
         self.deepspeed_files = OpenedFiles(folder)
         self.by_name: dict[tuple[str, str], list[dict]] = {}

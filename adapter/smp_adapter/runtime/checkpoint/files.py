@@ -17,9 +17,9 @@ import pickle
 import torch
 
 from smp_adapter.errors import SMPCheckpointError
-from smp_adapter.runtime import checkpoint_digests as digests
-from smp_adapter.runtime import digest_check
-from smp_adapter.runtime.checkpoint_digests import MANIFEST  # noqa: F401 - its one home
+from smp_adapter.runtime.checkpoint.integrity import manifest as digests
+from smp_adapter.runtime.checkpoint.integrity import resume_check
+from smp_adapter.runtime.checkpoint.integrity.manifest import MANIFEST  # noqa: F401 - its one home
 from smp_adapter.runtime.state import state
 
 PARTIAL_MARK = "_smp_is_partial"
@@ -66,7 +66,7 @@ def atomic_torch_save(obj, path: str, pickle_protocol: int = 2) -> dict:
     tmp = f"{path}.tmp.{os.getpid()}"
     record = digests.write_hashed(tmp, lambda f: torch.save(obj, f, pickle_protocol=pickle_protocol))
     os.replace(tmp, path)
-    digests.note_written(path, record)  # inside a partial checkpoint's save: its digest (checkpoint_digests.py)
+    digests.note_written(path, record)  # inside a partial checkpoint's save: its digest (checkpoint/integrity/manifest.py)
     return record
 
 
@@ -141,7 +141,7 @@ def safe_torch_load(path: str, map_location=None, weights_only: bool = True):
     if not weights_only or _trusted():
         return _load(path, map_location, weights_only=False)
     try:
-        with digest_check.checked_source(path) as source:  # hashed as read, inside a checked resume
+        with resume_check.checked_source(path) as source:  # hashed as read, inside a checked resume
             return torch.load(source, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError:
         pass  # other Python objects in the file: see whether they are plain data
@@ -170,7 +170,7 @@ def safe_torch_load(path: str, map_location=None, weights_only: bool = True):
 
 def _load(path: str, map_location, weights_only: bool):
     try:
-        with digest_check.checked_source(path) as source:
+        with resume_check.checked_source(path) as source:
             return torch.load(source, map_location=map_location, weights_only=weights_only)
     except Exception as exc:  # noqa: BLE001 - pickle / zip errors: the file is not a torch checkpoint
         _not_a_checkpoint(path, exc)

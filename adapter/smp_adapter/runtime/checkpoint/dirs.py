@@ -12,10 +12,10 @@ from pathlib import Path
 import torch
 
 from smp_adapter.errors import SMPCheckpointError, SMPUsageError
-from smp_adapter.runtime import checkpoint_digests as digests
-from smp_adapter.runtime import digest_check
-from smp_adapter.runtime import checkpoint_files as ckpt
-from smp_adapter.runtime import checkpoint_sidecars as sidecars
+from smp_adapter.runtime.checkpoint.integrity import manifest as digests
+from smp_adapter.runtime.checkpoint.integrity import resume_check
+from smp_adapter.runtime.checkpoint import files as ckpt
+from smp_adapter.runtime.checkpoint.integrity import sidecars
 from smp_adapter.runtime import comm_ledger
 from smp_adapter.runtime.state import require_initialized, state
 
@@ -159,11 +159,11 @@ def resume_from_checkpoint(path, tag=None, partial: bool = True, strict: bool = 
                             "state is restored into it)")
     # every file checked before a step uses any value, and all ranks refuse together: the manifest, file
     # list and sizes now; the digests as the engine reads the files (read once), the rest and the verdict after
-    check = digest_check.start_check(folder, "resume from it", s.rank, s.world_size, s.local_size)
+    check = resume_check.start_check(folder, "resume from it", s.rank, s.world_size, s.local_size)
     manifest = check.manifest
     difference = ckpt.layout_difference(manifest.get("layout", {}))
     try:
-        with check.reading():  # torch.load's files hashed as it reads them (digest_check.Check)
+        with check.reading():  # torch.load's files hashed as it reads them (resume_check.Check)
             if difference is None and manifest.get(ckpt.ENGINE_FILES, True):
                 model.runtime_engine.load_partial(folder, s.optimizer, strict,
                                                   load_optimizer and load_sharded_optimizer_state)

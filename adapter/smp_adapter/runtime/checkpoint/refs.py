@@ -1,6 +1,6 @@
 """Point into the engine's own checkpoint files instead of writing their bytes a second time.
 
-The layout-independent index (runtime/universal_format.py) needs, for every parameter, its
+The layout-independent index (runtime/checkpoint/universal.py) needs, for every parameter, its
 fp32 master and optimizer-state values as they sit on this rank. DeepSpeed has just written exactly
 those tensors (ZeRO flat partitions, the torch optimizer's state, the module's parameters) into its
 own files. ``SavedTensors`` captures what DeepSpeed's checkpoint engine saves during a ``with`` block

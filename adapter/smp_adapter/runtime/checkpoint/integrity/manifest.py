@@ -4,7 +4,7 @@ no engine is imported here; the engines' writers only tell ``note_written`` what
 
 Manifest fields (``smp_manifest.json``):
     digest_algorithm   "xxh3_128" (the ``xxhash`` package) or "blake2b" (hashlib, when xxhash is absent)
-    files              {path relative to the folder: a record (runtime/digest_records.py: size, digest,
+    files              {path relative to the folder: a record (runtime/checkpoint/integrity/records.py: size, digest,
                        and per-chunk digests for a file over one chunk)} for every file but the
                        manifest: the engine's files (DeepSpeed's ``ds/`` included), the
                        layout-independent pieces, RNG states, user content
@@ -18,10 +18,10 @@ The digests are gathered, and rank 0 digests anything no rank claimed (DeepSpeed
 ``zero_to_fp32.py``) before writing the manifest, all inside the staging folder that is renamed into
 place afterwards (the save stays atomic). Check: ``verify`` / ``require_intact`` in one process
 (``checkpoint verify / export / reshard``); a resume's check around the engine's load, in every
-rank, is runtime/digest_check.py, built on the pieces here (``read_manifest``, ``check_sizes``,
+rank, is runtime/checkpoint/integrity/resume_check.py, built on the pieces here (``read_manifest``, ``check_sizes``,
 ``check_contents``, ``shares``, ``agree``, ``refusal``).
 ``smp.save`` / full checkpoints: a ``<file>.smp_digest`` record beside each file
-(runtime/checkpoint_sidecars.py).
+(runtime/checkpoint/integrity/sidecars.py).
 """
 
 from __future__ import annotations
@@ -34,10 +34,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from smp_adapter.errors import SMPCheckpointError
-from smp_adapter.runtime import digest_records
-from smp_adapter.runtime.digest_records import (CHUNK_ENV, SKIP_ENV, default_algorithm, digest_file, hasher, unit_bytes,  # noqa: F401
+from smp_adapter.runtime.checkpoint.integrity import hashing_io
+from smp_adapter.runtime.checkpoint.integrity.records import (CHUNK_ENV, SKIP_ENV, default_algorithm, digest_file, hasher, unit_bytes,  # noqa: F401
                                                 damaged_units, unit_range, units)
-from smp_adapter.runtime.spare_core_hashing import writer_helper
+from smp_adapter.runtime.checkpoint.integrity.spare_cores import writer_helper
 
 MANIFEST = "smp_manifest.json"
 FILES = "files"
@@ -54,8 +54,8 @@ _written: list | None = None  # (path, its default-algorithm digest or None) per
 
 
 def write_hashed(path, write, algorithm: str | None = None) -> dict:
-    """``digest_records.write_hashed``, hashing beside the write on a spare core where this rank has one."""
-    return digest_records.write_hashed(path, write, algorithm, writer_helper())
+    """``hashing_io.write_hashed``, hashing beside the write on a spare core where this rank has one."""
+    return hashing_io.write_hashed(path, write, algorithm, writer_helper())
 
 
 def note_written(path, record: dict | None = None) -> None:
