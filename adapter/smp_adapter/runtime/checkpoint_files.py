@@ -64,8 +64,18 @@ def check_layout(saved: dict, what: str) -> None:
 def atomic_torch_save(obj, path: str, pickle_protocol: int = 2) -> dict:
     """torch.save, hashed as it is written; returns the file's {"size", "digest"} (default algorithm)."""
     tmp = f"{path}.tmp.{os.getpid()}"
-    record = digests.write_hashed(tmp, lambda f: torch.save(obj, f, pickle_protocol=pickle_protocol))
-    os.replace(tmp, path)
+
+    def write(f):
+        torch.save(obj, f, pickle_protocol=pickle_protocol)
+        os.fsync(f.fileno())  # on disk before the rename publishes it
+
+    try:
+        record = digests.write_hashed(tmp, write)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):  # a failed write (disk full) leaves nothing behind
+            os.remove(tmp)
+        raise
     digests.note_written(path, record)  # inside a partial checkpoint's save: its digest (checkpoint_digests.py)
     return record
 

@@ -264,6 +264,15 @@ class DeepSpeedEngine(StartsThroughDeepSpeed, Engine):
             optimizer.zero_grad(set_to_none=set_to_none)
 
     @property
+    def skips_non_finite_steps(self) -> str | None:
+        engine = self.deepspeed_engine
+        if engine.zero_optimization_stage() == 3 or engine.fp16_enabled():  # they check gradients for overflow
+            return "engine"
+        # ZeRO 1/2 keep the reduced gradient partitions until their next update: nothing to drop them by
+        # (and bf16's optimizer keeps fp32 gradient accumulators the same way)
+        return "drop" if engine.zero_optimization_stage() == 0 and not engine.bfloat16_enabled() else None
+
+    @property
     def overflow(self) -> bool:
         return bool(getattr(getattr(self._ds, "optimizer", None), "overflow", False))
 
