@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -90,9 +91,20 @@ def os_error_in(exc: BaseException) -> OSError | None:
     return None
 
 
+# how writers that are not Python's report a failed write: torch's zip writer, safetensors (Rust)
+_WRITER_FAILURE = re.compile(r"unexpected pos|file write failed|PytorchStreamWriter failed|I/O error|os error \d+")
+
+
 def is_storage_failure(exc: BaseException) -> bool:
-    return os_error_in(exc) is not None or (isinstance(exc, RuntimeError) and any(
-        text in str(exc) for text in ("unexpected pos", "file write failed", "PytorchStreamWriter failed")))
+    return os_error_in(exc) is not None or bool(_WRITER_FAILURE.search(str(exc)))
+
+
+def _errno_of(exc: BaseException) -> int | None:
+    cause = os_error_in(exc)
+    if cause is not None:
+        return cause.errno
+    m = re.search(r"os error (\d+)", str(exc))
+    return int(m.group(1)) if m else None
 
 
 def _last_written(folder: Path | None) -> Path | None:
@@ -105,12 +117,12 @@ def _last_written(folder: Path | None) -> Path | None:
 
 def storage_failure(exc: BaseException, where: Path, staging: Path | None = None) -> SMPCheckpointError:
     """The error a save that ``exc`` failed raises: the file, the cause, the free space."""
-    cause = os_error_in(exc)
+    cause, code = os_error_in(exc), _errno_of(exc)
     name = getattr(cause, "filename", None) or _last_written(staging) or where
-    reason = (f"{cause.strerror} (errno {errno.errorcode.get(cause.errno, cause.errno)})"
-              if cause is not None and cause.strerror else str(exc).splitlines()[0])
+    reason = (f"{os.strerror(code)} (errno {errno.errorcode.get(code, code)})" if code is not None
+              else str(exc).splitlines()[0])
     free = free_bytes(where)
-    full = cause is not None and cause.errno in (errno.ENOSPC, errno.EDQUOT)
+    full = code in (errno.ENOSPC, errno.EDQUOT)
     fix = ("free space there or save elsewhere" if full or (free is not None and free < MIN_FREE_BYTES)
            else "check the directory's permissions and file system")
     return SMPCheckpointError(

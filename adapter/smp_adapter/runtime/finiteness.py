@@ -157,7 +157,7 @@ class StepGuard:
         fix = ("check that step's batch (labels all ignored, e.g. -100, give NaN; empty or corrupt samples), lower the "
                "learning rate or clip gradients (optimizer.clip_master_grads), prefer bf16 to fp16")
         if self.policy.action == "stop":
-            raise SMPUsageError(f"optimizer step {self.step} (the {self.step}th optimizer.step() call): {what}. The job "
+            raise SMPUsageError(f"optimizer step {self.step} (call {self.step} of optimizer.step()): {what}. The job "
                                 f"stops instead of training on NaN; {fix}. {POLICY_ENV}=skip skips such steps "
                                 f"instead (up to {MAX_SKIPS_ENV} in a row)")
         self.skipped_in_a_row += 1

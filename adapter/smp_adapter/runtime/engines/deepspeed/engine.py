@@ -320,13 +320,17 @@ class DeepSpeedEngine(StartsThroughDeepSpeed, Engine):
 
         checkpoint_engine = self._ds.checkpoint_engine
         # the files DeepSpeed writes for this rank are hashed as they are written (its default engine)
-        with noting_saves(checkpoint_engine, type(checkpoint_engine).save is TorchCheckpointEngine.save):
+        with noting_saves(checkpoint_engine, type(checkpoint_engine).save is TorchCheckpointEngine.save) as failed:
             if not universal_format.enabled():
                 self._ds.save_checkpoint(str(staging), tag="ds", save_latest=False)
-                return {}
-            with SavedTensors(self._ds, Path(staging)) as saved:  # the index points into these files
-                self._ds.save_checkpoint(str(staging), tag="ds", save_latest=False)
-        return {"universal": universal_checkpoint.save(self._ds, self.model.module, Path(staging), saved)}
+            else:
+                with SavedTensors(self._ds, Path(staging)) as saved:  # the index points into these files
+                    self._ds.save_checkpoint(str(staging), tag="ds", save_latest=False)
+        record = {} if not universal_format.enabled() else \
+            {"universal": universal_checkpoint.save(self._ds, self.model.module, Path(staging), saved)}
+        if failed:  # a write failed (disk full): raised once the save's collectives (DeepSpeed's, ours) are done
+            raise failed[0]
+        return record
 
     def load_universal(self, folder, universal: dict) -> None:
         from smp_adapter.runtime.engines.deepspeed import universal_checkpoint
