@@ -51,6 +51,7 @@ _TRACEBACK = "Traceback (most recent call last)"
 # the last line Python prints for an exception (a syntax error has no "Traceback" line above it)
 _ERROR_LINE = re.compile(r"^(?:[A-Za-z_][\w.]*\.)?[A-Z]\w*(?:Error|Exception|Interrupt)(?::|$)")
 _FILE_LINE = re.compile(r'^\s*File "[^"]+", line \d+')
+_TORCH_RANK_PREFIX = re.compile(r"^\[rank\d+\]:")
 _TIMEOUT = re.compile(r"timed out|timeout|Timeout", re.I)
 
 
@@ -88,6 +89,7 @@ class Supervisor:
             if rank is None:
                 self.launcher_lines.append(text)
                 return
+            text = _TORCH_RANK_PREFIX.sub("", text)  # torch's own "[rank0]:" before a rank's error lines
             self.rank_lines[rank].append(text)
             if _TRACEBACK in text or _ERROR_LINE.match(text):
                 self.events.setdefault(rank, self.seq)
@@ -295,11 +297,20 @@ class Supervisor:
         """The first rank (in the order its failure showed) whose failure is not a consequence of another's:
         killed with SIGTERM (by the launcher), or a communication error (a peer died)."""
         order = sorted(self.events, key=self.events.get) + [r for r in codes if r not in self.events]
-        # all secondary: the first rank that reported a collective timeout (its peer hung; the ranks stopped
-        # by SIGTERM afterwards are not the cause), else the first that failed by itself
-        return next((r for r in order if not self._secondary(r, codes)),
-                    next((r for r in order if self._timed_out(r)),
-                         next((r for r in order if codes.get(r) != -signal.SIGTERM), order[0] if order else None)))
+        spoke = [r for r in order if _cause(list(self.rank_lines.get(r, ())))]  # printed an exception
+        silent = [r for r in order if r not in spoke]  # only exited (stopped by the launcher, or killed)
+        candidates = (
+            (r for r in spoke if not self._secondary(r, codes)),
+            # the first rank that reported a collective timeout: its peer hung, and the ranks stopped
+            # afterwards (by SIGTERM, exiting 1 or -15 without a word) are not the cause
+            (r for r in spoke if self._timed_out(r)),
+            (r for r in silent if not self._secondary(r, codes)),
+            (r for r in order if codes.get(r) != -signal.SIGTERM))
+        for found in candidates:
+            rank = next(found, None)
+            if rank is not None:
+                return rank
+        return order[0] if order else None
 
     def _secondary(self, rank: int, codes: dict[int, int]) -> bool:
         return codes.get(rank) in (0, -signal.SIGTERM) or self._lost_a_peer(rank)
