@@ -20,6 +20,7 @@ from smp_adapter.errors import SMPCheckpointError
 from smp_adapter.runtime import checkpoint_digests as digests
 from smp_adapter.runtime import digest_check
 from smp_adapter.runtime.checkpoint_digests import MANIFEST  # noqa: F401 - its one home
+from smp_adapter.runtime.checkpoint_storage import fsync_file
 from smp_adapter.runtime.state import state
 
 PARTIAL_MARK = "_smp_is_partial"
@@ -65,12 +66,9 @@ def atomic_torch_save(obj, path: str, pickle_protocol: int = 2) -> dict:
     """torch.save, hashed as it is written; returns the file's {"size", "digest"} (default algorithm)."""
     tmp = f"{path}.tmp.{os.getpid()}"
 
-    def write(f):
-        torch.save(obj, f, pickle_protocol=pickle_protocol)
-        os.fsync(f.fileno())  # on disk before the rename publishes it
-
     try:
-        record = digests.write_hashed(tmp, write)
+        record = digests.write_hashed(tmp, lambda f: torch.save(obj, f, pickle_protocol=pickle_protocol))
+        fsync_file(tmp)  # on disk before the rename publishes it
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):  # a failed write (disk full) leaves nothing behind

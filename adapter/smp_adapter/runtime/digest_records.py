@@ -199,9 +199,6 @@ class HashingFile(io.RawIOBase):
     def writable(self) -> bool:
         return True
 
-    def fileno(self) -> int:  # the file being written (its writer fsyncs it before publishing it)
-        return self._raw.fileno()
-
     @property
     def name(self) -> str:  # the path being written, as a file object's name is (tools and scripts read it)
         return self._raw.name

@@ -112,8 +112,8 @@ def policy_from_env(environ) -> NonFinitePolicy:
 
 class StepGuard:
     """Per-step finiteness of what the step already reduced: the losses the step gave
-    ``DistributedModel.backward`` (one ``isfinite`` over them and one scalar all-reduce per optimizer
-    step, so every rank takes the same decision) and, after the update, DeepSpeed's overflow flag
+    ``DistributedModel.backward`` (one ``isfinite`` over them; under "skip" also one scalar all-reduce,
+    so every rank takes the same decision) and, after the update, DeepSpeed's overflow flag
     outside fp16 (with fp32/bf16 an "overflow" is a NaN/inf gradient, which DeepSpeed would skip
     silently at every step). fp16's own overflows are the loss scaler's business and not counted."""
 
@@ -134,12 +134,18 @@ class StepGuard:
         if self.policy.action == "off":
             return True
         bad = bool(losses) and not bool(torch.isfinite(torch.cat([l.float().reshape(-1) for l in losses])).all())
-        first_bad = _lowest_rank_with(bad)
+        if self.policy.action == "stop":
+            # no communication: the rank that saw it raises, and the launcher ends the job (its peers
+            # fail their next collective); the NaN never reaches the weights on this rank, and a peer's
+            # NaN update never reaches a checkpoint (save_checkpoint checks the weights)
+            if bad:
+                self._non_finite(f"the loss given to model.backward is not finite ({_first_non_finite(losses)}) on "
+                                 f"rank {state.rank}")
+            return True
+        first_bad = _lowest_rank_with(bad)  # skipping needs every rank's agreement: one scalar all-reduce
         if first_bad is None:
             return True
-        value = next((l.float().reshape(-1)[~torch.isfinite(l.float().reshape(-1))][0].item() for l in losses
-                      if not bool(torch.isfinite(l).all())), None) if bad else None
-        seen = f"({value}) " if value is not None else ""
+        seen = f"({_first_non_finite(losses)}) " if bad else ""
         self._non_finite(f"the loss given to model.backward is not finite {seen}on rank {first_bad}"
                          + (" (the lowest rank that saw it)" if state.world_size > 1 else ""))
         return False
@@ -169,6 +175,11 @@ class StepGuard:
             raise SMPUsageError(f"{self.skipped_in_a_row} optimizer steps in a row were skipped as non-finite, the last "
                                 f"at step {self.step}: {what}. Training is not progressing; {fix} "
                                 f"({MAX_SKIPS_ENV} sets how many skips in a row are tolerated)")
+
+
+def _first_non_finite(losses: list) -> float:
+    flat = torch.cat([l.float().reshape(-1) for l in losses])
+    return flat[~torch.isfinite(flat)][0].item()
 
 
 def _lowest_rank_with(bad: bool) -> int | None:
