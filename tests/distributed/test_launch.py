@@ -205,11 +205,13 @@ LONG_JOB = ROOT / "tests/distributed/scripts/long_job.py"
 
 def test_sigterm_under_the_default_launcher_lets_every_rank_save_and_the_checkpoint_verifies(job):
     """Preemption (Kubernetes, SageMaker managed spot): SIGTERM to `smp-adapter launch` reaches every rank,
-    which saves and exits 0 within --grace; the deepspeed runner exiting at once no longer kills them."""
+    which saves and exits 0 within --grace; the deepspeed runner exiting at once no longer kills them
+    (the ranks wait 2 s before saving, as a large checkpoint would take, so a supervisor that stopped
+    with the runner would SIGKILL them first)."""
     ready, ckpt = job / "ready", job / "ckpt"
     proc = subprocess.Popen([sys.executable, "-c", MAIN, "launch", "--nproc-per-node", "2", "--cpu", "--options",
                              '{"ddp": true}', str(LONG_JOB), "--until-sigterm", "--ready-file", str(ready),
-                             "--ckpt-dir", str(ckpt)], cwd=job, env=cli_env(), stdout=subprocess.PIPE,
+                             "--save-delay", "2", "--ckpt-dir", str(ckpt)], cwd=job, env=cli_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 90
@@ -226,7 +228,7 @@ def test_sigterm_under_the_default_launcher_lets_every_rank_save_and_the_checkpo
     assert proc.returncode == 128 + 15, err[-3000:]
     assert "smp-adapter launch: interrupted (SIGTERM, forwarded to every process of the job); every process ended " \
            "by itself" in err
-    assert elapsed < 20, f"{elapsed:.1f} s from SIGTERM to the end (the default --grace is 20 s)"
+    assert 2 < elapsed < 20, f"{elapsed:.1f} s from SIGTERM to the end (the default --grace is 20 s)"
     tag = (ckpt / "newest").read_text().strip()
     for rank in range(2):
         assert json.loads((job / f"rank{rank}.json").read_text())["saved"] == [int(tag[len("step"):])]

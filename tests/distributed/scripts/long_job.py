@@ -35,6 +35,8 @@ parser.add_argument("--resume", action="store_true")
 parser.add_argument("--try-tag", default=None, help="first resume this explicit tag, recording its refusal")
 parser.add_argument("--until-sigterm", action="store_true", help="train until SIGTERM, then save and exit 0")
 parser.add_argument("--ready-file", default=None, help="--until-sigterm: created once training runs")
+parser.add_argument("--save-delay", type=float, default=0.0,
+                    help="--until-sigterm: seconds before the save (a large checkpoint's write time)")
 parser.add_argument("--hang-rank", type=int, default=-1, help="this rank sleeps at --hang-at-step (a stuck rank)")
 parser.add_argument("--hang-at-step", type=int, default=2)
 args, _ = parser.parse_known_args()
@@ -102,6 +104,7 @@ while step < first + args.steps or args.until_sigterm:
         stop = torch.tensor(float(preempted[0]))
         dist.all_reduce(stop, op=dist.ReduceOp.MAX)  # every rank stops at the same step
         if stop.item():
+            time.sleep(args.save_delay)
             smp.save_checkpoint(args.ckpt_dir, tag=f"step{step}", user_content={"step": step})
             result["saved"].append(step)
             break
