@@ -127,6 +127,12 @@ class StepGuard:
         if self.policy.action != "off" and isinstance(loss, torch.Tensor) and loss.is_floating_point():
             self.losses.append(loss.detach())
 
+    def forget_losses(self) -> None:
+        """``optimizer.zero_grad()``: the losses of gradients just dropped are not this step's (a loss
+        scaler such as smp.amp.GradScaler skipped the update of an overflowing step without calling
+        optimizer.step(): its inf loss is the scaler's business)."""
+        self.losses = []
+
     def before_update(self) -> bool:
         """Whether the optimizer should update (False: skip this step). Raises under "stop"."""
         self.step += 1

@@ -130,6 +130,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True):
         self._engine.zero_grad(self.optimizer, set_to_none)
+        self._model.step_guard.forget_losses()
 
     # -- smp extras ------------------------------------------------------------------------------
     def clip_master_grads(self, max_norm: float):
