@@ -228,8 +228,8 @@ def digest_resume_worker(args) -> None:
             cpu[mode].append(seconds)
     spent, work, hashing, hash_cpu = [0.0], [], [0.0], []
     # the main thread's time in the check: the size pass and the small files, and the verdict at the end
-    _timed(checkpoint_dirs.digest_check, "start_check", spent)
-    _timed(checkpoint_dirs.digest_check.Check, "finish", spent)
+    _timed(checkpoint_dirs.resume_check, "start_check", spent)
+    _timed(checkpoint_dirs.resume_check.Check, "finish", spent)
     # the hashing's own CPU seconds: of the bytes torch.load reads (HashingReader), and of the files
     # checked otherwise (damaged_units: the small files before the load, what no rank read after it)
     from smp_adapter.runtime.checkpoint.integrity import hashing_io

@@ -11,7 +11,10 @@ stop the whole job when a rank fails, and never hang.
   rank processes (environment RANK / OMPI_COMM_WORLD_RANK / SLURM_PROCID, parent not itself a rank) and reads the
   exit status of a rank that has exited but is not reaped yet (a zombie: /proc/<pid>/stat). The
   first non-zero status marks the failure: the launcher gets HEAD_START (2 s) to stop the job
-  itself, then the group gets SIGTERM, and SIGKILL ``grace`` seconds later. Independently, the launcher exiting (torchrun, deepspeed's launch.py and mpirun with
+  itself, then the group gets SIGTERM, and SIGKILL ``grace`` seconds later.
+* SIGINT/SIGTERM to the supervisor (a preemption): forwarded to the whole group at once (ranks and
+  launcher), then the supervisor waits until no process of the group runs (not only the launcher:
+  the deepspeed runner exits at once) or ``grace`` seconds passed, and SIGKILLs what is left. Independently, the launcher exiting (torchrun, deepspeed's launch.py and mpirun with
   orte_abort_on_non_zero_status all stop the other ranks themselves) ends the job; leftovers in
   the group are killed.
 * Which rank failed: the zombie status above; else torchrun's "Root Cause" block or mpirun's
@@ -45,6 +48,11 @@ _MPI_FAILED = (re.compile(r"process rank (\d+) with PID \d+ on node \S+ exited o
 _COMM = re.compile(r"Connection (closed|reset) by peer|Broken pipe|SMPCommError|DistBackendError|timed out|"
                    r"ProcessGroup|gloo|NCCL|connect|socket", re.I)
 _TRACEBACK = "Traceback (most recent call last)"
+# the last line Python prints for an exception (a syntax error has no "Traceback" line above it)
+_ERROR_LINE = re.compile(r"^(?:[A-Za-z_][\w.]*\.)?[A-Z]\w*(?:Error|Exception|Interrupt)(?::|$)")
+_FILE_LINE = re.compile(r'^\s*File "[^"]+", line \d+')
+_TORCH_RANK_PREFIX = re.compile(r"^\[rank\d+\]:")
+_TIMEOUT = re.compile(r"timed out|timeout|Timeout", re.I)
 
 
 def describe(code: int) -> str:
@@ -54,7 +62,7 @@ def describe(code: int) -> str:
 
 class Supervisor:
     def __init__(self, command, env, launcher: str, rank_offset: int = 0, rank_log_dir: Path | None = None,
-                 timeout: float | None = None, grace: float = 10.0, out=None):
+                 timeout: float | None = None, grace: float = 20.0, out=None):
         self.command, self.env, self.launcher = list(command), dict(env), launcher
         self.rank_offset, self.rank_log_dir, self.timeout, self.grace = rank_offset, rank_log_dir, timeout, grace
         self.out = out or sys.stdout
@@ -70,6 +78,7 @@ class Supervisor:
         self.old_logs: set[Path] = set()
         self.proc: subprocess.Popen | None = None
         self.signalled: int | None = None
+        self.signalled_at = 0.0
 
     # -- output ------------------------------------------------------------------------------------
     def emit(self, text: str, rank: int | None, shown: str | None = None) -> None:
@@ -80,8 +89,9 @@ class Supervisor:
             if rank is None:
                 self.launcher_lines.append(text)
                 return
+            text = _TORCH_RANK_PREFIX.sub("", text)  # torch's own "[rank0]:" before a rank's error lines
             self.rank_lines[rank].append(text)
-            if _TRACEBACK in text:
+            if _TRACEBACK in text or _ERROR_LINE.match(text):
                 self.events.setdefault(rank, self.seq)
 
     def _read_pipe(self) -> None:
@@ -164,7 +174,26 @@ class Supervisor:
         if self.signalled is not None:  # second Ctrl-C: no more waiting
             self._killpg(signal.SIGKILL)
         self.signalled = signum
+        self.signalled_at = time.monotonic()
+        # every process of the job gets it: the ranks themselves (a script that catches SIGTERM saves its
+        # last checkpoint), and the launcher, which passes it to the ranks of other nodes
         self._killpg(signum)
+
+    def _group_alive(self) -> bool:
+        """Whether a process of the job's group is still running (zombies do not count: the deepspeed
+        runner exits at once on SIGTERM while its ranks are still saving)."""
+        pgid = self.proc.pid
+        for entry in os.scandir("/proc"):
+            if not entry.name.isdigit():
+                continue
+            try:
+                with open(f"/proc/{entry.name}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[2]) == pgid and fields[0] != "Z":
+                return True
+        return False
 
     # -- main loop ---------------------------------------------------------------------------------
     def run(self) -> int:
@@ -180,7 +209,10 @@ class Supervisor:
             previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         kill_at, timed_out, failed_at = None, False, None
         try:
-            while self.proc.poll() is None:
+            # after SIGINT/SIGTERM the job's processes get `grace` seconds to end by themselves (the
+            # launcher may exit first), then SIGKILL
+            while self.proc.poll() is None or self.signalled is not None and self._group_alive() \
+                    and time.monotonic() < self.signalled_at + self.grace:
                 self._tail_rank_logs()
                 self._watch_ranks()
                 now = time.monotonic()
@@ -192,10 +224,10 @@ class Supervisor:
                     failed_at = now
                 # the launcher gets HEAD_START s to stop the job itself (and say so), then the group is stopped
                 if kill_at is None and (failed_at is not None and now - failed_at > HEAD_START or timed_out
-                                        or self.signalled):
+                                        or self.signalled is not None):
                     if not self.signalled:
                         self._killpg(signal.SIGTERM)
-                    kill_at = now + self.grace
+                    kill_at = (self.signalled_at if self.signalled is not None else now) + self.grace
                 if kill_at is not None and now > kill_at:
                     self._killpg(signal.SIGKILL)
                     kill_at = float("inf")
@@ -214,8 +246,11 @@ class Supervisor:
         if timed_out:
             return EXIT_TIMEOUT
         if self.signalled is not None:
+            waited = time.monotonic() - self.signalled_at
+            how = (f"every process ended by itself {waited:.1f} s later" if waited < self.grace else
+                   f"what still ran {self.grace:g} s later (--grace) was killed")
             print(f"smp-adapter launch: interrupted ({signal.Signals(self.signalled).name}, forwarded to every "
-                  "process of the job); all ranks were stopped", file=sys.stderr)
+                  f"process of the job); {how}", file=sys.stderr)
             return 128 + self.signalled
         return self.report(self.proc.returncode)
 
@@ -231,15 +266,21 @@ class Supervisor:
         who = f"rank {rank}" if rank is not None else "a rank"
         err = sys.stderr
         when = f" {self.stop_delay:.1f} s after the failure" if self.stop_delay is not None else ""
-        print(f"smp-adapter launch: {who} failed ({describe(code)}); all ranks were stopped{when}", file=err)
         lines = list(self.rank_lines.get(rank, ())) if rank is not None else \
             [t for t in self.launcher_lines if re.search(r"Error|Traceback|error", t)]
+        cause = _cause(lines)
+        print(f"smp-adapter launch: {who} failed ({describe(code)}){f': {cause}' if cause else ''}; all ranks were "
+              f"stopped{when}", file=err)
         if rank is not None and any(_TRACEBACK in t for t in lines):
             lines = lines[max(i for i, t in enumerate(lines) if _TRACEBACK in t):]
         if lines:
             print(f"--- last {min(len(lines), TAIL_LINES)} lines of {who} ---", file=err)
             print("\n".join(lines[-TAIL_LINES:]), file=err)
-        if rank is not None and self._lost_a_peer(rank):  # every failing rank here only lost a peer
+        if rank is not None and self._timed_out(rank):
+            print(f"smp-adapter launch: {who} was the first to report a collective timeout: another rank did not reach "
+                  "the same collective within SMP_ADAPTER_TIMEOUT (stuck, much slower, or on another code path); the "
+                  "ranks stopped afterwards (SIGTERM) are not the cause", file=err)
+        elif rank is not None and self._lost_a_peer(rank):  # every failing rank here only lost a peer
             print(f"smp-adapter launch: {who} lost its connection to another rank, which failed first and is not "
                   "one of this launcher's: look at the output of the other nodes' launch commands", file=err)
         return 128 - code if code < 0 else min(code, 255)
@@ -256,12 +297,44 @@ class Supervisor:
         """The first rank (in the order its failure showed) whose failure is not a consequence of another's:
         killed with SIGTERM (by the launcher), or a communication error (a peer died)."""
         order = sorted(self.events, key=self.events.get) + [r for r in codes if r not in self.events]
-        return next((r for r in order if not self._secondary(r, codes)), order[0] if order else None)
+        spoke = [r for r in order if _cause(list(self.rank_lines.get(r, ())))]  # printed an exception
+        silent = [r for r in order if r not in spoke]  # only exited (stopped by the launcher, or killed)
+        candidates = (
+            (r for r in spoke if not self._secondary(r, codes)),
+            # the first rank that reported a collective timeout: its peer hung, and the ranks stopped
+            # afterwards (by SIGTERM, exiting 1 or -15 without a word) are not the cause
+            (r for r in spoke if self._timed_out(r)),
+            (r for r in silent if not self._secondary(r, codes)),
+            (r for r in order if codes.get(r) != -signal.SIGTERM))
+        for found in candidates:
+            rank = next(found, None)
+            if rank is not None:
+                return rank
+        return order[0] if order else None
 
     def _secondary(self, rank: int, codes: dict[int, int]) -> bool:
         return codes.get(rank) in (0, -signal.SIGTERM) or self._lost_a_peer(rank)
+
+    def _timed_out(self, rank: int) -> bool:
+        """The rank's last error is a collective timeout."""
+        error = _cause(list(self.rank_lines.get(rank, ())))
+        return bool(error and _TIMEOUT.search(error))
 
     def _lost_a_peer(self, rank: int) -> bool:
         """The rank's last error is a communication error: a peer it was talking to went away."""
         errors = [t for t in self.rank_lines.get(rank, ()) if "Error" in t or "Exception" in t]
         return bool(errors and _COMM.search(errors[-1]))
+
+
+def _cause(lines: list[str]) -> str | None:
+    """The last exception line of a rank's output; for a syntax error with its file and line."""
+    errors = [i for i, t in enumerate(lines) if _ERROR_LINE.match(t.strip())]
+    if not errors:
+        return None
+    i = errors[-1]
+    text = lines[i].strip()
+    if text.startswith(("SyntaxError", "IndentationError", "TabError")):
+        where = next((lines[j].strip() for j in range(i - 1, max(-1, i - 6), -1) if _FILE_LINE.match(lines[j])), None)
+        if where:
+            text += f" ({where})"
+    return text[:300]

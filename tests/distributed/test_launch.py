@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -197,3 +198,85 @@ def test_timeout_stops_the_job_with_124(job):
                            "--cpu", "sleep.py", cwd=job, timeout=60)
     assert proc.returncode == 124, proc.stderr
     assert "timeout" in proc.stderr and elapsed < 20
+
+
+LONG_JOB = ROOT / "tests/distributed/scripts/long_job.py"
+
+
+def test_sigterm_under_the_default_launcher_lets_every_rank_save_and_the_checkpoint_verifies(job):
+    """Preemption (Kubernetes, SageMaker managed spot): SIGTERM to `smp-adapter launch` reaches every rank,
+    which saves and exits 0 within --grace; the deepspeed runner exiting at once no longer kills them
+    (the ranks wait 2 s before saving, as a large checkpoint would take, so a supervisor that stopped
+    with the runner would SIGKILL them first)."""
+    ready, ckpt = job / "ready", job / "ckpt"
+    proc = subprocess.Popen([sys.executable, "-c", MAIN, "launch", "--nproc-per-node", "2", "--cpu", "--options",
+                             '{"ddp": true}', str(LONG_JOB), "--until-sigterm", "--ready-file", str(ready),
+                             "--save-delay", "2", "--ckpt-dir", str(ckpt)], cwd=job, env=cli_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 90
+        while not ready.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert ready.exists(), "the job never started training"
+        start = time.monotonic()
+        proc.send_signal(15)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    elapsed = time.monotonic() - start
+    assert proc.returncode == 128 + 15, err[-3000:]
+    assert "smp-adapter launch: interrupted (SIGTERM, forwarded to every process of the job); every process ended " \
+           "by itself" in err
+    assert 2 < elapsed < 20, f"{elapsed:.1f} s from SIGTERM to the end (the default --grace is 20 s)"
+    tag = (ckpt / "newest").read_text().strip()
+    for rank in range(2):
+        assert json.loads((job / f"rank{rank}.json").read_text())["saved"] == [int(tag[len("step"):])]
+    verify = subprocess.run([sys.executable, "-c", MAIN, "checkpoint", "verify", str(ckpt / f"{tag}_partial")],
+                            env=cli_env(), capture_output=True, text=True, timeout=60)
+    assert verify.returncode == 0, verify.stdout + verify.stderr
+
+
+def test_a_syntax_error_is_quoted_with_its_file_and_line(job):
+    (job / "broken.py").write_text("import os\n\ndef broken(:\n    pass\n")
+    proc, elapsed = launch("--nproc-per-node", 2, "--cpu", "broken.py", cwd=job, timeout=90)
+    assert proc.returncode == 1
+    assert re.search(r"smp-adapter launch: rank [01] failed \(exit code 1\): SyntaxError: .*\(File \".*broken.py\", "
+                     r"line 3\); all ranks were stopped", proc.stderr), proc.stderr[-3000:]
+
+
+def test_a_collective_timeout_names_the_rank_that_reported_it_not_the_rank_stopped_afterwards(job):
+    proc, elapsed = launch("--nproc-per-node", 2, "--cpu", "--grace", 2, "--options", '{"ddp": true}', LONG_JOB,
+                           "--hang-rank", 1, "--hang-at-step", 2, cwd=job, timeout=120,
+                           env={"SMP_ADAPTER_TIMEOUT": "4"})
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert re.search(r"smp-adapter launch: rank 0 failed \(exit code 1\): RuntimeError: .*Timed out waiting 4000ms",
+                     proc.stderr), proc.stderr[-3000:]
+    assert "rank 0 was the first to report a collective timeout: another rank did not reach the same collective" \
+           in proc.stderr
+    assert "--- last" in proc.stderr and "rank 1 failed" not in proc.stderr
+
+
+def test_a_checkpoint_dir_or_job_dir_that_cannot_be_written_is_refused_before_starting(job, tmp_path):
+    (job / "a_file").write_text("")
+    proc, elapsed = launch("--nproc-per-node", 2, "--cpu", "--hp", "checkpoint_dir=a_file/ckpt", LONG_JOB, cwd=job)
+    assert proc.returncode == 2 and elapsed < 10
+    assert f"hyperparameter checkpoint_dir (checkpoint directory) {job}/a_file/ckpt cannot be written (Not a " \
+           "directory)" in proc.stderr, proc.stderr
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(disk)], capture_output=True).returncode:
+        return  # no small file system to fill here: the case above stands for both
+    try:
+        with open(disk / "filler", "wb", buffering=0) as f:
+            try:
+                while True:
+                    f.write(b"\0" * 4096)
+            except OSError:  # full
+                pass
+        proc, _ = launch("--nproc-per-node", 2, "--cpu", "--job-dir", disk, LONG_JOB, cwd=job)
+        assert proc.returncode == 2 and "model directory" in proc.stderr, proc.stderr
+        assert re.search(r"(is on a full file system \(0 bytes free\)|cannot be written \(No space left on device\))",
+                         proc.stderr), proc.stderr
+    finally:
+        subprocess.run(["umount", str(disk)], timeout=30)

@@ -216,3 +216,13 @@ def test_translate_and_cli_do_not_import_engines():
             "raise SystemExit(1 if heavy or rc else 0)\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=ENV, cwd=ROOT, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_launch_failure_summary_reads_the_cause_of_a_rank():
+    from smp_adapter.launcher import _cause
+
+    syntax = ['  File "/job/train.py", line 3', "    def broken(:", "               ^", "SyntaxError: invalid syntax"]
+    assert _cause(syntax) == 'SyntaxError: invalid syntax (File "/job/train.py", line 3)'
+    assert _cause(["Traceback (most recent call last):", '  File "x.py", line 1, in <module>',
+                   "torch.distributed.DistBackendError: boom"]) == "torch.distributed.DistBackendError: boom"
+    assert _cause(["loss 0.5", "done"]) is None

@@ -72,8 +72,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     dev.add_argument("--cpu", dest="device", action="store_const", const="cpu", help="CPU ranks (gloo)")
     dev.add_argument("--gpu", dest="device", action="store_const", const="gpu", help="GPU ranks (default if CUDA works)")
     p.add_argument("--timeout", type=float, metavar="S", help="stop the job after S seconds (exit 124)")
-    p.add_argument("--grace", type=float, default=10.0, metavar="S",
-                   help="seconds between SIGTERM and SIGKILL once a rank failed (default 10)")
+    p.add_argument("--grace", type=float, default=20.0, metavar="S",
+                   help="seconds between SIGTERM and SIGKILL, once a rank failed or when this command gets "
+                        "SIGTERM/SIGINT (forwarded to every rank: a script can save its last checkpoint; default 20, "
+                        "inside Kubernetes' 30)")
     p.add_argument("--comm-ledger", metavar="DIR", help="every rank writes DIR/rank<r>.jsonl: its collective and "
                    "point-to-point traffic per training step (SMP_ADAPTER_COMM_LEDGER; smp-adapter report DIR)")
     p.add_argument("--dry-run", action="store_true", help="print the environment and command, run nothing")
@@ -292,6 +294,24 @@ def build(args: argparse.Namespace) -> dict[str, Any]:
             "notes": [options_source, *notes, *plan.notes]}
 
 
+_CHECKPOINT_HP = re.compile(r"checkpoint.*(dir|path)", re.I)  # checkpoint_dir, checkpoint-dir, checkpoint_path
+
+
+def _check_storage(b: dict[str, Any]) -> None:
+    """Before any rank starts: the job's directories, and the checkpoint directory a hyperparameter names,
+    can be written and are not full (found hours in at the first save otherwise, or as empty rank logs)."""
+    from smp_adapter.runtime.checkpoint.storage import writable_problem
+
+    hps = json.loads(b["set"]["SM_HPS"])
+    places = {f"{name} directory": d for name, d in b["dirs"].items()}
+    places.update({f"hyperparameter {k} (checkpoint directory)": Path(v).resolve() for k, v in hps.items()
+                   if _CHECKPOINT_HP.search(k) and isinstance(v, str) and v and "://" not in v})
+    problems = [f"{what} {d} {problem}" for what, d in places.items() if (problem := writable_problem(d))]
+    if problems:
+        raise SMPAdapterError("; ".join(problems) + ": free space there or give other directories (--job-dir, "
+                              "--model-dir, --output-data-dir, the checkpoint hyperparameter)")
+
+
 def run(args: argparse.Namespace) -> int:
     b = build(args)
     plan = b["plan"]
@@ -320,6 +340,7 @@ def run(args: argparse.Namespace) -> int:
             Path(b["set"]["DS_ENV_FILE"]).write_text(b["deepspeed_env"])
     except OSError as exc:
         raise SMPAdapterError(f"cannot create {exc.filename} ({exc.strerror}): give writable --job-dir/--model-dir") from None
+    _check_storage(b)
     for note in b["notes"]:
         print(f"smp-adapter launch: note: {note}", file=sys.stderr)
     print(f"smp-adapter launch: {summary}; rank logs in {b['dirs']['logs']}", file=sys.stderr, flush=True)

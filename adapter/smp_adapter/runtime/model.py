@@ -8,6 +8,8 @@ method below delegates execution to that engine and never asks which one it is.
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import nn
 
@@ -68,10 +70,12 @@ class DistributedModel(nn.Module):
         engine.materialize_kept(module, s.device)  # delayed init: what this rank keeps gets storage now
         #: the engine that executes this model (runtime/engines); chosen once, here
         self.runtime_engine = create_engine(self, s.dims, {n: before[n] for n in self._distributed_modules})
-        from smp_adapter.runtime.finiteness import check_initial_weights
+        from smp_adapter.runtime.finiteness import StepGuard, check_initial_weights, policy_from_env
 
         check_initial_weights(module, engine.local_data)  # once: NaN/inf weights would train on NaN to exit status 0
         self._first_loss_checked = False
+        #: the per-step finiteness check (runtime/finiteness.py), its policy from SMP_ADAPTER_NON_FINITE
+        self.step_guard = StepGuard(policy_from_env(os.environ), loss_scaling=bool(s.cfg.fp16))
         s.model = self
         from smp_adapter.runtime.transformers_compat import restore_trainer_optimizer_creation
 
@@ -109,6 +113,7 @@ class DistributedModel(nn.Module):
 
             self._first_loss_checked = True
             check_first_loss(loss)
+        self.step_guard.note_loss(loss)  # checked at optimizer.step(), with every rank's
         self.runtime_engine.backward(loss)
 
     # -- parameters ------------------------------------------------------------------------------

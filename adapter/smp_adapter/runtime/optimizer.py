@@ -110,13 +110,27 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if state.in_step:
             raise SMPUsageError("optimizer.step() was called inside an @smp.step function; call it after the step "
                                 "function returns (gradients are complete only then)")
-        self._engine.optimizer_step(self.optimizer, self._clip_norm)
+        guard = self._model.step_guard
+        update = guard.before_update()  # the step's losses finite on every rank (runtime/finiteness.py)
+        if update or self._engine.skips_non_finite_steps == "engine":
+            # (skipping under ZeRO-3 / fp16: DeepSpeed sees the NaN gradients and skips the update itself)
+            self._engine.optimizer_step(self.optimizer, self._clip_norm)
+        elif self._engine.skips_non_finite_steps == "drop":
+            self._engine.zero_grad(self.optimizer, True)
+        else:
+            raise SMPUsageError(f"optimizer step {guard.step}: the loss is not finite, and {guard.policy.action!r} "
+                                "cannot skip an update under ZeRO stage 1/2 without fp16 (DeepSpeed keeps the "
+                                "reduced gradients until its next update): the job stops. Use "
+                                "SMP_ADAPTER_NON_FINITE=stop, or sharded_data_parallel_degree (ZeRO-3)")
+        guard.after_update(self._engine.overflow, updated=update)
         self.__dict__["_clip_norm"] = None
-        self._model.run_post_step_hooks(self)
+        if update:
+            self._model.run_post_step_hooks(self)
         comm_ledger.note_optimizer_step()  # the training step's traffic ends here (runtime/comm_ledger.py)
 
     def zero_grad(self, set_to_none: bool = True):
         self._engine.zero_grad(self.optimizer, set_to_none)
+        self._model.step_guard.forget_losses()
 
     # -- smp extras ------------------------------------------------------------------------------
     def clip_master_grads(self, max_norm: float):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 import os
 import shutil
+import warnings
 from pathlib import Path
 
 import torch
@@ -16,7 +17,9 @@ from smp_adapter.runtime.checkpoint.integrity import manifest as digests
 from smp_adapter.runtime.checkpoint.integrity import resume_check
 from smp_adapter.runtime.checkpoint import files as ckpt
 from smp_adapter.runtime.checkpoint.integrity import sidecars
+from smp_adapter.runtime.checkpoint import storage
 from smp_adapter.runtime import comm_ledger
+from smp_adapter.runtime.finiteness import refuse_non_finite_checkpoint
 from smp_adapter.runtime.state import require_initialized, state
 
 
@@ -45,8 +48,27 @@ def _checkpoint_phase(func):
 
 def _write_newest(path: Path, tag: str) -> None:
     tmp = path / f".newest.tmp.{os.getpid()}"
-    tmp.write_text(tag + "\n")
-    os.replace(tmp, path / "newest")
+    try:
+        with open(tmp, "w") as f:
+            f.write(tag + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path / "newest")
+        storage.fsync_dir(path)
+    except OSError:
+        storage.remove_quietly(tmp)
+        raise
+
+
+def _agree(error: str | None, world_size: int) -> list[str]:
+    """Every rank's error (None where it had none), on every rank: all ranks raise together."""
+    if world_size == 1:
+        return [error] if error else []
+    import torch.distributed as dist
+
+    everyone: list = [None] * world_size
+    dist.all_gather_object(everyone, error)
+    return [e for e in everyone if e]
 
 
 @_checkpoint_phase
@@ -59,24 +81,38 @@ def save_checkpoint(path, tag, partial: bool = True, model=None, optimizer=None,
     if model is None:
         raise SMPUsageError("smp.save_checkpoint needs a model: create smp.DistributedModel first or pass model=")
     path = Path(path)
+    # a checkpoint of NaN weights would be named newest and, with retention, replace the good ones
+    refuse_non_finite_checkpoint(model.module, model.runtime_engine.local_data, path / tag)
+    error = None
     if s.rank == 0:
-        path.mkdir(parents=True, exist_ok=True)
-    _barrier()
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            error = str(storage.storage_failure(exc, path))
+    errors = _agree(error, s.world_size)  # also the barrier after which the directory exists
+    if errors:
+        raise SMPCheckpointError(errors[0])
     if partial:
-        _save_partial(path, tag, model, optimizer, user_content)
-        if s.rank == 0 and num_kept_partial_checkpoints is not None:
-            _prune(path, int(num_kept_partial_checkpoints))
-    else:
-        sd = model.state_dict()  # collective under ZeRO-3 / TP
-        if s.rank == 0:  # each file with its digest beside it (<file>.smp_digest), checked on resume
+        _save_partial(path, tag, model, optimizer, user_content, num_kept_partial_checkpoints)
+        return
+    sd = model.state_dict()  # collective under ZeRO-3 / TP
+    error = None
+    if s.rank == 0:  # each file with its digest beside it (<file>.smp_digest), checked on resume
+        try:
             for obj, file in ((sd, path / tag), (user_content, path / f"user_content_{tag}")):
                 if obj is not None:
                     sidecars.write_sidecar(str(file), ckpt.atomic_torch_save(obj, str(file)))
             _write_newest(path, tag)
-    _barrier()
+        except Exception as exc:
+            if not storage.is_storage_failure(exc):
+                raise
+            error = str(storage.storage_failure(exc, path))
+    errors = _agree(error, s.world_size)
+    if errors:
+        raise SMPCheckpointError(errors[0])
 
 
-def _save_partial(path: Path, tag: str, model, optimizer, user_content) -> None:
+def _save_partial(path: Path, tag: str, model, optimizer, user_content, keep) -> None:
     s = state
     final = path / f"{tag}_partial"
     staging = path / f".{tag}_partial.tmp"
@@ -87,29 +123,64 @@ def _save_partial(path: Path, tag: str, model, optimizer, user_content) -> None:
         raise SMPUsageError("partial checkpoints need the optimizer: create smp.DistributedOptimizer before "
                             "smp.save_checkpoint(..., partial=True), or save a full checkpoint with partial=False")
     algorithm = digests.default_algorithm()
-    with digests.written_files() as written:
-        engine_record = model.runtime_engine.save_partial(staging, optimizer) or {}
-        rng = {"cpu": torch.get_rng_state()}
-        if torch.cuda.is_available():
-            rng["cuda"] = torch.cuda.get_rng_state()
-        ckpt.atomic_torch_save(rng, str(staging / f"rng_rank{s.rank}.pt"))
-        if s.rank == 0 and user_content is not None:
-            ckpt.atomic_torch_save(user_content, str(staging / "user_content.pt"))
+    error, own = None, {}
+    try:
+        with digests.written_files() as written:
+            engine_record = model.runtime_engine.save_partial(staging, optimizer) or {}
+            rng = {"cpu": torch.get_rng_state()}
+            if torch.cuda.is_available():
+                rng["cuda"] = torch.cuda.get_rng_state()
+            ckpt.atomic_torch_save(rng, str(staging / f"rng_rank{s.rank}.pt"))
+            if s.rank == 0 and user_content is not None:
+                ckpt.atomic_torch_save(user_content, str(staging / "user_content.pt"))
+        storage.fsync_files(p for p, _ in written)  # each rank its own files: on disk before the rename
+        own = digests.digest_written(staging, written, algorithm)
+    except Exception as exc:
+        if not storage.is_storage_failure(exc):
+            raise
+        error = str(storage.storage_failure(exc, path, staging))
+    errors = _agree(error, s.world_size)
+    if errors:
+        if s.rank == 0:
+            storage.remove_quietly(staging)
+        _barrier()  # the staging folder is gone on every rank's return
+        raise SMPCheckpointError(errors[0])
     # each rank digests what it wrote (still in the page cache); the gather is also the barrier after
     # which every rank's files are in staging
-    recorded = digests.gather(digests.digest_written(staging, written, algorithm), s.world_size)
+    recorded = digests.gather(own, s.world_size)
+    error = None
     if s.rank == 0:
-        manifest = {"tag": tag, "layout": ckpt.current_layout(), "format": "smp-adapter/1", **engine_record,
-                    **digests.complete(staging, recorded, algorithm)}
-        digests.write_manifest(staging, manifest)
-        if final.exists():
-            old = path / f".{tag}_partial.old"
-            os.replace(final, old)
-            os.replace(staging, final)
-            shutil.rmtree(old)
-        else:
-            os.replace(staging, final)
-        _write_newest(path, tag)
+        try:
+            _publish(path, tag, staging, final, recorded, algorithm, engine_record)
+            if keep is not None:
+                _prune(path, int(keep))
+        except Exception as exc:
+            if not storage.is_storage_failure(exc):
+                raise
+            storage.remove_quietly(staging)
+            error = str(storage.storage_failure(exc, path, staging))
+    errors = _agree(error, s.world_size)  # also the barrier after which the checkpoint is published
+    if errors:
+        raise SMPCheckpointError(errors[0])
+
+
+def _publish(path: Path, tag: str, staging: Path, final: Path, recorded: dict, algorithm: str,
+             engine_record: dict) -> None:
+    """Rank 0: the manifest, then the rename that makes the checkpoint visible, then ``newest``."""
+    manifest = {"tag": tag, "layout": ckpt.current_layout(), "format": "smp-adapter/1", **engine_record,
+                **digests.complete(staging, recorded, algorithm)}
+    digests.write_manifest(staging, manifest)
+    storage.fsync_file(staging / ckpt.MANIFEST)
+    storage.fsync_tree(staging)
+    if final.exists():
+        old = path / f".{tag}_partial.old"
+        os.replace(final, old)
+        os.replace(staging, final)
+        shutil.rmtree(old)
+    else:
+        os.replace(staging, final)
+    storage.fsync_dir(path)
+    _write_newest(path, tag)
 
 
 def _prune(path: Path, keep: int) -> None:
@@ -130,25 +201,62 @@ def _newest_tag(path: Path) -> str:
 @_checkpoint_phase
 def resume_from_checkpoint(path, tag=None, partial: bool = True, strict: bool = True, load_optimizer: bool = True,
                            load_sharded_optimizer_state: bool = True, translate_function=None):
-    """Load a checkpoint written by save_checkpoint; returns its user_content (or None)."""
+    """Load a checkpoint written by save_checkpoint; returns its user_content (or None). ``tag=None``:
+    the one ``newest`` names, else (damaged, incomplete) the newest older one that verifies, with a
+    warning on every rank naming the damaged one; an explicit tag is loaded or refused, never replaced."""
     s = require_initialized("resume_from_checkpoint")
     path = Path(path)
-    tag = _newest_tag(path) if tag is None else _check_tag(tag)
     model = s.model
     if model is None:
         raise SMPUsageError("smp.resume_from_checkpoint needs smp.DistributedModel (and, for partial checkpoints, "
                             "smp.DistributedOptimizer) to exist: call it after wrapping model and optimizer")
-    if not partial:
-        uc = path / f"user_content_{tag}"
-        # both files checked before either is read; one collective, so all ranks refuse together
-        recorded = uc.exists() or Path(f"{uc}{sidecars.SIDECAR}").exists()
-        sidecars.require_sidecars_everywhere([path / tag, *([uc] if recorded else [])], "resume from it", s.rank,
-                                            s.world_size)
-        sd = ckpt.safe_torch_load(str(path / tag), map_location="cpu")
-        if translate_function is not None:
-            sd = translate_function(sd)
-        model.load_state_dict(sd, strict=strict)
-        return ckpt.safe_torch_load(str(uc)) if uc.exists() else None
+    load = functools.partial(_resume_partial if partial else _resume_full, path, model, strict=strict,
+                             load_optimizer=load_optimizer and load_sharded_optimizer_state,
+                             translate_function=translate_function)
+    if tag is not None:
+        return load(_check_tag(tag))
+    newest = _newest_tag(path)
+    older = [t for t in _tags_newest_first(path, partial) if t != newest]
+    for candidate, fallback in zip([newest, *older], [*older, None]):
+        try:
+            return load(candidate)
+        except SMPCheckpointError as exc:
+            if fallback is None:
+                raise
+            reason = str(exc).splitlines()[0]
+            warnings.warn(f"rank {s.rank}: checkpoint {candidate!r} in {path} cannot be resumed from ({reason}); "
+                          f"resuming from the next newest one, {fallback!r}, instead. Delete or repair {candidate!r} "
+                          "(smp-adapter checkpoint verify names its damaged files)", stacklevel=3)
+    raise SMPCheckpointError(f"no checkpoint in {path} to resume from")  # not reached: the loop returns or raises
+
+
+def _tags_newest_first(path: Path, partial: bool) -> list[str]:
+    """The tags of the complete checkpoints in ``path``, newest first (by when each was published)."""
+    if partial:
+        found = [(d / ckpt.MANIFEST, d.name[:-len("_partial")]) for d in path.glob("*_partial")
+                 if not d.name.startswith(".") and (d / ckpt.MANIFEST).exists()]
+    else:
+        found = [(f, f.name[:-len(sidecars.SIDECAR)]) for f in path.glob(f"*{sidecars.SIDECAR}")
+                 if not f.name.startswith((".", "user_content_"))]
+    return [tag for stamp, tag in sorted(found, key=lambda item: -item[0].stat().st_mtime_ns)]
+
+
+def _resume_full(path: Path, model, tag: str, strict: bool, load_optimizer: bool, translate_function):
+    s = state
+    uc = path / f"user_content_{tag}"
+    # both files checked before either is read; one collective, so all ranks refuse together
+    recorded = uc.exists() or Path(f"{uc}{sidecars.SIDECAR}").exists()
+    sidecars.require_sidecars_everywhere([path / tag, *([uc] if recorded else [])], "resume from it", s.rank,
+                                        s.world_size)
+    sd = ckpt.safe_torch_load(str(path / tag), map_location="cpu")
+    if translate_function is not None:
+        sd = translate_function(sd)
+    model.load_state_dict(sd, strict=strict)
+    return ckpt.safe_torch_load(str(uc)) if uc.exists() else None
+
+
+def _resume_partial(path: Path, model, tag: str, strict: bool, load_optimizer: bool, translate_function):
+    s = state
     folder = path / f"{tag}_partial"
     manifest_file = folder / ckpt.MANIFEST
     if not manifest_file.exists():
@@ -166,7 +274,7 @@ def resume_from_checkpoint(path, tag=None, partial: bool = True, strict: bool = 
         with check.reading():  # torch.load's files hashed as it reads them (resume_check.Check)
             if difference is None and manifest.get(ckpt.ENGINE_FILES, True):
                 model.runtime_engine.load_partial(folder, s.optimizer, strict,
-                                                  load_optimizer and load_sharded_optimizer_state)
+                                                  load_optimizer)
             else:  # another layout, or rewritten by `checkpoint reshard`: the universal pieces, or a clear refusal
                 difference = difference or f"rewritten by smp-adapter checkpoint reshard from {manifest.get('resharded_from')}"
                 model.runtime_engine.load_partial_from_other_layout(folder, s.optimizer, manifest, difference)

@@ -20,6 +20,7 @@ from smp_adapter.errors import SMPCheckpointError
 from smp_adapter.runtime.checkpoint.integrity import manifest as digests
 from smp_adapter.runtime.checkpoint.integrity import resume_check
 from smp_adapter.runtime.checkpoint.integrity.manifest import MANIFEST  # noqa: F401 - its one home
+from smp_adapter.runtime.checkpoint.storage import fsync_file
 from smp_adapter.runtime.state import state
 
 PARTIAL_MARK = "_smp_is_partial"
@@ -64,8 +65,15 @@ def check_layout(saved: dict, what: str) -> None:
 def atomic_torch_save(obj, path: str, pickle_protocol: int = 2) -> dict:
     """torch.save, hashed as it is written; returns the file's {"size", "digest"} (default algorithm)."""
     tmp = f"{path}.tmp.{os.getpid()}"
-    record = digests.write_hashed(tmp, lambda f: torch.save(obj, f, pickle_protocol=pickle_protocol))
-    os.replace(tmp, path)
+
+    try:
+        record = digests.write_hashed(tmp, lambda f: torch.save(obj, f, pickle_protocol=pickle_protocol))
+        fsync_file(tmp)  # on disk before the rename publishes it
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):  # a failed write (disk full) leaves nothing behind
+            os.remove(tmp)
+        raise
     digests.note_written(path, record)  # inside a partial checkpoint's save: its digest (checkpoint/integrity/manifest.py)
     return record
 

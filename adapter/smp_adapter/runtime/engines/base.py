@@ -208,6 +208,12 @@ class Engine(ABC):
         ...
 
     @property
+    def skips_non_finite_steps(self) -> str | None:
+        """How a step with a non-finite loss is skipped: "drop" (zero the gradients, no update), "engine"
+        (the engine sees the NaN gradients and skips the update itself), None (it cannot be skipped)."""
+        return "drop"
+
+    @property
     def overflow(self) -> bool:
         """Whether the last step was skipped because fp16 gradients overflowed."""
         return False

@@ -82,21 +82,34 @@ def noting_saves(checkpoint_engine, writes_with_torch_save: bool):
     """DeepSpeed's checkpoint engine writes its files itself: note each path it saves to. Its default
     engine (``writes_with_torch_save``: ``torch.save(state_dict, path)``) is handed a hashing file
     object instead of the path, so the file is hashed as it is written; any other engine's files are
-    hashed after the save."""
+    hashed after the save.
+
+    Yields a list of the storage failures (disk full, any OSError) of its writes: they do not raise
+    inside DeepSpeed's save, whose collectives (barriers) the other ranks are waiting in; the caller
+    raises the first one once DeepSpeed returned (checkpoint/dirs.py makes every rank raise it)."""
+    from smp_adapter.runtime.checkpoint.storage import is_storage_failure
+
     had_own = "save" in vars(checkpoint_engine)
     original = checkpoint_engine.save
+    failures: list = []
 
     def save(state_dict, path, *args, **kwargs):
-        if writes_with_torch_save and isinstance(path, (str, os.PathLike)):
-            note_written(path, write_hashed(path, lambda f: original(state_dict, f, *args, **kwargs)))
+        try:
+            if writes_with_torch_save and isinstance(path, (str, os.PathLike)):
+                note_written(path, write_hashed(path, lambda f: original(state_dict, f, *args, **kwargs)))
+                return None
+            result = original(state_dict, path, *args, **kwargs)
+        except Exception as exc:
+            if not is_storage_failure(exc):
+                raise
+            failures.append(exc)
             return None
-        result = original(state_dict, path, *args, **kwargs)
         note_written(path)
         return result
 
     checkpoint_engine.save = save
     try:
-        yield
+        yield failures
     finally:
         if had_own:
             checkpoint_engine.save = original

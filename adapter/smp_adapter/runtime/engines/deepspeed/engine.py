@@ -264,6 +264,15 @@ class DeepSpeedEngine(StartsThroughDeepSpeed, Engine):
             optimizer.zero_grad(set_to_none=set_to_none)
 
     @property
+    def skips_non_finite_steps(self) -> str | None:
+        engine = self.deepspeed_engine
+        if engine.zero_optimization_stage() == 3 or engine.fp16_enabled():  # they check gradients for overflow
+            return "engine"
+        # ZeRO 1/2 keep the reduced gradient partitions until their next update: nothing to drop them by
+        # (and bf16's optimizer keeps fp32 gradient accumulators the same way)
+        return "drop" if engine.zero_optimization_stage() == 0 and not engine.bfloat16_enabled() else None
+
+    @property
     def overflow(self) -> bool:
         return bool(getattr(getattr(self._ds, "optimizer", None), "overflow", False))
 
@@ -311,13 +320,17 @@ class DeepSpeedEngine(StartsThroughDeepSpeed, Engine):
 
         checkpoint_engine = self._ds.checkpoint_engine
         # the files DeepSpeed writes for this rank are hashed as they are written (its default engine)
-        with noting_saves(checkpoint_engine, type(checkpoint_engine).save is TorchCheckpointEngine.save):
+        with noting_saves(checkpoint_engine, type(checkpoint_engine).save is TorchCheckpointEngine.save) as failed:
             if not universal.enabled():
                 self._ds.save_checkpoint(str(staging), tag="ds", save_latest=False)
-                return {}
-            with SavedTensors(self._ds, Path(staging)) as saved:  # the index points into these files
-                self._ds.save_checkpoint(str(staging), tag="ds", save_latest=False)
-        return {"universal": universal_checkpoint.save(self._ds, self.model.module, Path(staging), saved)}
+            else:
+                with SavedTensors(self._ds, Path(staging)) as saved:  # the index points into these files
+                    self._ds.save_checkpoint(str(staging), tag="ds", save_latest=False)
+        record = {} if not universal.enabled() else \
+            {"universal": universal_checkpoint.save(self._ds, self.model.module, Path(staging), saved)}
+        if failed:  # a write failed (disk full): raised once the save's collectives (DeepSpeed's, ours) are done
+            raise failed[0]
+        return record
 
     def load_universal(self, folder, universal: dict) -> None:
         from smp_adapter.runtime.engines.deepspeed import universal_checkpoint

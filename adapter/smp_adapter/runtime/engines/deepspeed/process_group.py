@@ -12,6 +12,18 @@ def start(backend: str, rank: int, world_size: int, timeout, use_cuda: bool) -> 
         _skip_shm_allreduce()
     deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False,
                                timeout=timeout, rank=rank, world_size=world_size)
+    _groups_get_timeout(timeout)
+
+
+def _groups_get_timeout(timeout) -> None:
+    """Groups created later without a timeout (DeepSpeed's clone of the world for data parallelism,
+    ours) get SMP_ADAPTER_TIMEOUT too, not torch's 30 minutes: a rank stuck in a collective is then
+    reported by its peers after that timeout (torch reads these module defaults at each new_group)."""
+    from torch.distributed import distributed_c10d
+
+    distributed_c10d.default_pg_timeout = timeout
+    if getattr(distributed_c10d, "default_pg_nccl_timeout", None) is not None:
+        distributed_c10d.default_pg_nccl_timeout = timeout
 
 
 def _skip_shm_allreduce() -> None:
