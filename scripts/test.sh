@@ -25,7 +25,8 @@ PYTEST_ARGS=(-m pytest -q -p no:cacheprovider --durations=15)
 # pipelining (torch.export tracing and its failure path, a stage's buffers set up again for an evaluation
 # schedule, integer values crossing stages, several stages per rank, the split-backward schedules or
 # their refusal below torch 2.13), a pipeline checkpoint loaded into a delayed-init model, DeepSpeed
-# ZeRO-3's hooks over Hugging Face layers; the CUDA-on-CPU mode is in the unit tier. The lowest point
+# ZeRO-3's hooks over Hugging Face layers; and the container's install step keeping that torch. The
+# CUDA-on-CPU mode is in the unit tier. The lowest point
 # also runs the code that reads transformers' models and Megatron-core's layers at their floors (the
 # TP mapping of each Hugging Face family, TP x DP reload through from_pretrained, ZeRO-3 and delayed
 # init over each family's layers in the AWS-template style). The rest runs in the default stack only.
@@ -36,7 +37,8 @@ TORCH_SURFACES=($D/test_pipeline.py::test_seed_manual_partition_simple_schedule
                 "$D/test_pipeline.py::test_partial_checkpoint_resume_is_exact[gpt2-2-extra1-cli1]"
                 "$D/test_pipeline_schedules.py::test_six_layers_sgd_pp2[interleaved_1f1b]"
                 $D/test_pipeline_schedules.py::test_split_backward_schedules_or_their_refusal
-                $D/test_aws_style_gpt.py::test_gpt2_sharded_data_parallel_hf_layers)
+                $D/test_aws_style_gpt.py::test_gpt2_sharded_data_parallel_hf_layers
+                $D/test_sagemaker_toolkit.py::test_image_install_step_keeps_the_base_torch)
 LIBRARY_FLOORS=($D/test_tensor_parallel.py::test_gpt2_and_llama_tp2 $D/test_tensor_parallel.py::test_other_hf_families_tp2
                 $D/test_tp_runtime.py::test_gpt2_tp2_dp2_matches_and_reloads_with_from_pretrained
                 $D/test_aws_style_gpt.py::test_falcon_sharded_data_parallel
