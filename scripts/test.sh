@@ -32,6 +32,7 @@ PYTEST_ARGS=(-m pytest -q -p no:cacheprovider --durations=15)
 # init over each family's layers in the AWS-template style). The rest runs in the default stack only.
 D=tests/distributed
 TORCH_SURFACES=($D/test_pipeline.py::test_seed_manual_partition_simple_schedule
+                $D/test_pipeline.py::test_boolean_values_crossing_stages
                 $D/test_pipeline.py::test_gpt2_pp2_dp2_balanced_tied_embeddings
                 "$D/test_pipeline.py::test_unsplittable_models_fail_on_every_rank[untraceable-UnsupportedFeatureError-could not split Untraceable.*pipeline_parallel_degree: 1]"
                 "$D/test_pipeline.py::test_partial_checkpoint_resume_is_exact[gpt2-2-extra1-cli1]"

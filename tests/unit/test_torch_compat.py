@@ -52,6 +52,7 @@ class _OldStage:
 
     def __init__(self):
         self.has_backward = True
+        self.bwd_cache, self.args_recv_info = {}, {}
 
     def _create_act_recv_info(self):
         buffers = (torch.empty(2, 3), torch.empty(2, 3, dtype=torch.long), torch.empty(2, dtype=torch.bool))
@@ -59,6 +60,12 @@ class _OldStage:
             if self.has_backward:
                 b.requires_grad_(True)
         return tuple(types.SimpleNamespace(buffer=b) for b in buffers)
+
+    def get_bwd_send_ops(self, chunk):  # torch 2.11 refuses a None gradient for a received value
+        grads = self.bwd_cache.pop(chunk)
+        if any(g is None for g in grads):
+            raise RuntimeError("has gradients None and is expecting to send gradients to stage 0")
+        return list(grads)
 
 
 def test_integer_receive_buffers_get_no_gradient_below_2_12(torch_at):
@@ -70,6 +77,12 @@ def test_integer_receive_buffers_get_no_gradient_below_2_12(torch_at):
     infos = stage._create_act_recv_info()
     assert [i.buffer.requires_grad for i in infos] == [True, False, False]
     assert stage.has_backward is True
+    # the backward: the received float value's gradient is sent; the integer and boolean ones get zeros
+    stage.args_recv_info[0] = infos
+    stage.bwd_cache[0] = (torch.ones(2, 3), None, None)
+    sent = stage.get_bwd_send_ops(0)
+    assert torch.equal(sent[0], torch.ones(2, 3))
+    assert torch.equal(sent[1], torch.zeros(2, 3, dtype=torch.long)) and torch.equal(sent[2], torch.zeros(2, dtype=torch.bool))
     stage.has_backward = False  # an evaluation schedule: no buffer wants a gradient
     assert [i.buffer.requires_grad for i in stage._create_act_recv_info()] == [False, False, False]
 

@@ -14,7 +14,10 @@ descendant of parent module", so no pipeline at all runs there):
 * torch < 2.12: the traced stage's ``create_recv_tensor`` calls ``requires_grad_(True)`` on every
   receive buffer of a training schedule, which fails for an integer or boolean value a stage
   receives (token ids, a mask: "only Tensors of floating point dtype can require gradients");
-  ``receive_integers`` makes such buffers without a gradient, as newer torch does.
+  ``receive_integers`` makes such buffers without a gradient, as newer torch does; and in the
+  backward it expects a gradient for every received value ("has gradients None and is expecting to
+  send gradients to stage 0"), so the receiving stage sends zeros of the value's dtype for them (the
+  sending stage's backward skips an output without gradient, as it does on newer torch).
 * torch < 2.13: the split backward of the zero-bubble schedules (zero_bubble, zbv, dualpipev:
   torch's stage_backward_input / stage_backward_weight) gives a weight used twice inside one stage
   a wrong gradient (pytorch #180952), and surgery.merge_weight_groups, which corrects it, works on
@@ -78,9 +81,24 @@ def receive_integers(stage) -> None:
             self.has_backward = wants_grad
         if wants_grad:
             for info in infos:
-                buffer = getattr(info, "buffer", None)
-                if isinstance(buffer, torch.Tensor) and (buffer.is_floating_point() or buffer.is_complex()):
-                    buffer.requires_grad_(True)
+                if isinstance(getattr(info, "buffer", None), torch.Tensor) and not _without_gradient(info):
+                    info.buffer.requires_grad_(True)
         return infos
 
     stage._create_act_recv_info = types.MethodType(_create_act_recv_info, stage)
+    send_gradients = stage.get_bwd_send_ops
+
+    def get_bwd_send_ops(self, bwd_chunk_id):
+        grads, infos = self.bwd_cache.get(bwd_chunk_id), self.args_recv_info.get(bwd_chunk_id)
+        if grads is not None and infos is not None:
+            self.bwd_cache[bwd_chunk_id] = tuple(
+                torch.zeros_like(info.buffer) if grad is None and _without_gradient(info) else grad
+                for grad, info in zip(grads, infos))
+        return send_gradients(bwd_chunk_id)
+
+    stage.get_bwd_send_ops = types.MethodType(get_bwd_send_ops, stage)
+
+
+def _without_gradient(info) -> bool:
+    buffer = getattr(info, "buffer", None)
+    return isinstance(buffer, torch.Tensor) and not (buffer.is_floating_point() or buffer.is_complex())
