@@ -115,10 +115,10 @@ def test_shard_optimizer_state_pp2_dp2(tmp_path, fp16):
 def test_boolean_values_crossing_stages(tmp_path):
     """A boolean mask made on the first stage and read on the second (train_pp_common.GatedNet), pp 2,
     1F1B, an evaluation step between training steps: losses, final weights and the evaluation output
-    equal one process. The stage receiving the mask is a training stage: torch < 2.12 made its receive
+    equal one process. The stage receiving the mask is a training stage: torch < 2.13 made its receive
     buffer require a gradient ("only Tensors of floating point dtype can require gradients") and wanted
     a gradient to send back for it ("has gradients None and is expecting to send gradients"):
-    torch_compat.receive_integers. Mutation checks on torch 2.11 (measured): without the guard every
+    torch_compat.receive_integers. Mutation checks on torch 2.11 (measured; 2.12 fails as 2.11 did unguarded): without the guard every
     rank fails with the first error; with zeros not sent for the mask, with the second."""
     results = _run(tmp_path, "gated", 2, {"pipeline_parallel_degree": 2, "microbatches": 4, "ddp": True})
     _check(results, "gated", 4)

@@ -1,6 +1,6 @@
 """The pipeline engine's torch version guards (runtime/engines/pipeline/torch_compat.py), without a
 process group: which schedule is refused on which torch, and the message that says so; the receive
-buffers of a stage on torch < 2.12. The guards' real runs are the support matrix's (scripts/test.sh:
+buffers of a stage on torch < 2.13. The guards' real runs are the support matrix's (scripts/test.sh:
 test_pipeline.py's evaluation and GPT-2 cells, test_split_backward_schedules_or_their_refusal)."""
 
 import types
@@ -68,8 +68,8 @@ class _OldStage:
         return list(grads)
 
 
-def test_integer_receive_buffers_get_no_gradient_below_2_12(torch_at):
-    torch_at("2.11.0")
+def test_integer_receive_buffers_get_no_gradient_below_2_13(torch_at):
+    torch_at("2.12.0")
     stage = _OldStage()
     with pytest.raises(RuntimeError, match="floating point"):  # what torch 2.11 does unguarded
         stage._create_act_recv_info()

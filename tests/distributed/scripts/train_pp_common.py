@@ -47,7 +47,7 @@ class SkipNet(nn.Module):
 
 class GatedNet(SkipNet):
     """SkipNet's layers; a boolean mask made from the input on the first stage gates layer 2 on a later
-    one: a value without gradient that a training stage receives (torch < 2.12 made every receive buffer
+    one: a value without gradient that a training stage receives (torch < 2.13 made every receive buffer
     require a gradient, which a boolean tensor cannot)."""
 
     def forward(self, x):

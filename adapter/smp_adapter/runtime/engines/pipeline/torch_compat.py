@@ -11,7 +11,7 @@ descendant of parent module", so no pipeline at all runs there):
   refuses a second configuration: "Attempting to reconfigure output_meta"), so a stage used by a
   second schedule (training, then evaluation) must forget its first output metadata
   (``forget_output_meta``).
-* torch < 2.12: the traced stage's ``create_recv_tensor`` calls ``requires_grad_(True)`` on every
+* torch < 2.13: the traced stage's ``create_recv_tensor`` calls ``requires_grad_(True)`` on every
   receive buffer of a training schedule, which fails for an integer or boolean value a stage
   receives (token ids, a mask: "only Tensors of floating point dtype can require gradients");
   ``receive_integers`` makes such buffers without a gradient, as newer torch does; and in the
@@ -28,6 +28,7 @@ descendant of parent module", so no pipeline at all runs there):
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import types
 
@@ -68,8 +69,8 @@ def forget_output_meta(stage) -> None:
 
 
 def receive_integers(stage) -> None:
-    """Make ``stage``'s receive buffers of integer or boolean values without a gradient (torch < 2.12)."""
-    if not older_than(2, 12) or not hasattr(stage, "_create_act_recv_info"):
+    """Make ``stage``'s receive buffers of integer or boolean values without a gradient (torch < 2.13)."""
+    if not older_than(2, 13) or not hasattr(stage, "_create_act_recv_info"):
         return
     original = stage._create_act_recv_info
 
@@ -83,6 +84,8 @@ def receive_integers(stage) -> None:
             for info in infos:
                 if isinstance(getattr(info, "buffer", None), torch.Tensor) and not _without_gradient(info):
                     info.buffer.requires_grad_(True)
+                    if getattr(info, "tensor_meta", None) is not None:  # 2.12 records it (a frozen dataclass)
+                        info.tensor_meta = dataclasses.replace(info.tensor_meta, requires_grad=True)
         return infos
 
     stage._create_act_recv_info = types.MethodType(_create_act_recv_info, stage)
