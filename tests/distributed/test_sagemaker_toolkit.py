@@ -195,8 +195,8 @@ def test_image_install_step_keeps_the_base_torch(tmp_path):
     is this test environment's (in the support matrix: the lowest torch, a CUDA build): smp-adapter
     installs and the environment's torch is the same release from the same place. A project whose
     torch range excludes that torch stops with pip's ResolutionImpossible naming torch instead of
-    replacing it. Mutation check: without the step's torch constraint (-c "$KEEP_TORCH") the second
-    install replaces torch (pip fetches another release) and the test fails."""
+    replacing it (without the step's torch constraint, -c "$KEEP_TORCH", pip would fetch another torch
+    release of several GB there; that mutation has not been run)."""
     import sysconfig
 
     base = sysconfig.get_paths()["purelib"]
