@@ -12,28 +12,47 @@
 #   2. the support matrix (--matrix below); SMP_TEST_MATRIX=0 leaves it out.
 # --matrix: only the support matrix: for each constraints/*.txt (the other points of docs/supported-versions.md's
 #   "Supported versions" table), an environment made by `scripts/setup.sh FILE` (cached outside the
-#   clone) runs the unit tier and the tests of the code that depends on those versions most: the
-#   Hugging Face tensor-parallel mapping, sharded data parallel and delayed init over Hugging Face
-#   layers in the AWS-template-style GPT script ($MATRIX_TESTS).
+#   clone) runs the unit tier and the distributed tests of the code that depends on that point's
+#   versions ($MATRIX_TESTS: matrix_tests below). constraints/newest-torch.txt runs only with
+#   SMP_TEST_NEWEST_TORCH=1 (its environment alone takes minutes to build; docs/supported-versions.md says how long).
 # With other arguments, one pytest run over them in .venv (e.g. a single file while developing).
 # Every part prints the versions it ran with.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export DS_ACCELERATOR=cpu OMP_NUM_THREADS=1
 PYTEST_ARGS=(-m pytest -q -p no:cacheprovider --durations=15)
-# The matrix's distributed tests: the code that reads transformers' models and Megatron-core's layers
-# (the TP mapping of each Hugging Face family, TP x DP reload through from_pretrained, ZeRO-3 and
-# delayed init over each family's layers in the AWS-template style). Pipeline, resume and clipping
-# tests do not depend on those versions and run in the default stack only.
+# The matrix's distributed tests, per point. Both torch ends run torch's version-dependent surfaces:
+# pipelining (torch.export tracing and its failure path, a stage's buffers set up again for an evaluation
+# schedule, integer values crossing stages, several stages per rank, the split-backward schedules or
+# their refusal below torch 2.13), a pipeline checkpoint loaded into a delayed-init model, DeepSpeed
+# ZeRO-3's hooks over Hugging Face layers; and the container's install step keeping that torch. The
+# CUDA-on-CPU mode is in the unit tier. The lowest point
+# also runs the code that reads transformers' models and Megatron-core's layers at their floors (the
+# TP mapping of each Hugging Face family, TP x DP reload through from_pretrained, ZeRO-3 and delayed
+# init over each family's layers in the AWS-template style). The rest runs in the default stack only.
 D=tests/distributed
-MATRIX_TESTS=($D/test_tensor_parallel.py::test_gpt2_and_llama_tp2 $D/test_tensor_parallel.py::test_other_hf_families_tp2
-              $D/test_tp_runtime.py::test_gpt2_tp2_dp2_matches_and_reloads_with_from_pretrained
-              $D/test_aws_style_gpt.py::test_gpt2_sharded_data_parallel_hf_layers
-              $D/test_aws_style_gpt.py::test_falcon_sharded_data_parallel
-              $D/test_aws_style_gpt.py::test_flan_t5_sharded_data_parallel_checkpointing
-              $D/test_aws_style_gpt.py::test_gpt2_distributed_transformer_tp2_sdp2_checkpointing
-              $D/test_aws_style_gpt.py::test_gptj_tp2_sdp2_delayed_init
-              $D/test_aws_style_gpt.py::test_gpt_neox_sdp_delayed_init_bf16_sublayer_checkpointing)
+TORCH_SURFACES=($D/test_pipeline.py::test_seed_manual_partition_simple_schedule
+                $D/test_pipeline.py::test_boolean_values_crossing_stages
+                $D/test_pipeline.py::test_gpt2_pp2_dp2_balanced_tied_embeddings
+                "$D/test_pipeline.py::test_unsplittable_models_fail_on_every_rank[untraceable-UnsupportedFeatureError-could not split Untraceable.*pipeline_parallel_degree: 1]"
+                "$D/test_pipeline.py::test_partial_checkpoint_resume_is_exact[gpt2-2-extra1-cli1]"
+                "$D/test_pipeline_schedules.py::test_six_layers_sgd_pp2[interleaved_1f1b]"
+                $D/test_pipeline_schedules.py::test_split_backward_schedules_or_their_refusal
+                $D/test_aws_style_gpt.py::test_gpt2_sharded_data_parallel_hf_layers
+                $D/test_sagemaker_toolkit.py::test_image_install_step_keeps_the_base_torch)
+LIBRARY_FLOORS=($D/test_tensor_parallel.py::test_gpt2_and_llama_tp2 $D/test_tensor_parallel.py::test_other_hf_families_tp2
+                $D/test_tp_runtime.py::test_gpt2_tp2_dp2_matches_and_reloads_with_from_pretrained
+                $D/test_aws_style_gpt.py::test_falcon_sharded_data_parallel
+                $D/test_aws_style_gpt.py::test_flan_t5_sharded_data_parallel_checkpointing
+                $D/test_aws_style_gpt.py::test_gpt2_distributed_transformer_tp2_sdp2_checkpointing
+                $D/test_aws_style_gpt.py::test_gptj_tp2_sdp2_delayed_init
+                $D/test_aws_style_gpt.py::test_gpt_neox_sdp_delayed_init_bf16_sublayer_checkpointing)
+matrix_tests() {  # the distributed tests of matrix point $1 (a constraints file's name), into MATRIX_TESTS
+  case "$1" in
+    lowest) MATRIX_TESTS=("${TORCH_SURFACES[@]}" "${LIBRARY_FLOORS[@]}") ;;
+    *) MATRIX_TESTS=("${TORCH_SURFACES[@]}") ;;
+  esac
+}
 
 check() {  # pytest exits 5 when it collected no tests: a failure here
   if [ "$1" -eq 5 ]; then
@@ -59,6 +78,10 @@ DIST_ARGS=()  # the distributed tier's pytest workers (see 1b)
 run_matrix() {
   local status=0 file env py started part
   for file in constraints/*.txt; do
+    if [ "$file" = constraints/newest-torch.txt ] && [ "${SMP_TEST_NEWEST_TORCH:-0}" = 0 ]; then
+      echo "== matrix newest-torch: left out (SMP_TEST_NEWEST_TORCH=1 runs it)"
+      continue
+    fi
     started=$SECONDS
     if ! env=$(bash scripts/setup.sh "$file"); then
       echo "matrix $file: setup failed" >&2
@@ -67,9 +90,11 @@ run_matrix() {
     fi
     py="$env/bin/python"
     versions "matrix $(basename "$file" .txt)" "$py"
+    echo "== matrix $(basename "$file" .txt): environment ready in $((SECONDS - started)) s"
     "$py" "${PYTEST_ARGS[@]}" tests/unit
     check $? "matrix $file: tests/unit"; part=$?
     [ "$part" -eq 0 ] || status=1
+    matrix_tests "$(basename "$file" .txt)"
     "$py" "${PYTEST_ARGS[@]}" "${MATRIX_TESTS[@]}" "${DIST_ARGS[@]}"
     check $? "matrix $file: ${MATRIX_TESTS[*]}"; part=$?
     [ "$part" -eq 0 ] || status=1

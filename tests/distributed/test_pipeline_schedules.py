@@ -37,12 +37,21 @@ from launch_util import run_ranks
 from test_pipeline import RTOL, SCRIPT, _check, _run
 from train_pp_common import build, reference
 
+from smp_adapter.config.pipeline_schedule import SPLIT_BACKWARD
+from smp_adapter.runtime.engines.pipeline.torch_compat import SCHEDULE_MIN_TORCH, older_than
+
+# the split-backward schedules are refused on torch < 2.13 (torch_compat.py): their tests run on a newer
+# torch, and test_split_backward_schedules_or_their_refusal checks the refusal on an older one
+SPLIT_BACKWARD_REFUSED = older_than(*SCHEDULE_MIN_TORCH["zbv"])
+
 SCHEDULES = [("interleaved_1f1b", {}), ("zero_bubble", {}), ("zero_bubble", {"virtual_pipeline_degree": 2}),
              ("zbv", {}), ("dualpipev", {})]
 IDS = ["interleaved_1f1b", "zb_h1", "zb_v2", "zbv", "dualpipev"]
 
 
 def _options(schedule, extra, **kw):
+    if schedule in SPLIT_BACKWARD and SPLIT_BACKWARD_REFUSED:
+        pytest.skip(f"pipeline: {schedule} is refused on torch {torch.__version__} (needs 2.13)")
     return {"pipeline_parallel_degree": 2, "microbatches": 4, "ddp": True, "pipeline": schedule, **extra, **kw}
 
 
@@ -169,3 +178,17 @@ def test_zbv_fp16_clipping_activation_checkpointing(tmp_path):
     logs = (tmp_path / "log0.txt").read_text() + (tmp_path / "log1.txt").read_text()
     assert "Activation checkpointing in the stage(s) of pipeline rank 0: layers.0, layers.1, layers.4, layers.5" in logs
     assert "Activation checkpointing in the stage(s) of pipeline rank 1: layers.2, layers.3" in logs
+
+
+def test_split_backward_schedules_or_their_refusal(tmp_path):
+    """The torch each split-backward schedule needs (torch_compat.SCHEDULE_MIN_TORCH): on an older torch
+    pipeline: zbv stops every rank with UnsupportedFeatureError naming the torch that has it, before the
+    model is cut; on a newer one it trains as one process does (the six-layer model, SGD, pp 2)."""
+    options = {"pipeline_parallel_degree": 2, "microbatches": 4, "ddp": True, "pipeline": "zbv"}
+    if not SPLIT_BACKWARD_REFUSED:
+        _check(_run(tmp_path, "six", 2, options), "six", 4)
+        return
+    with pytest.raises(AssertionError) as failed:
+        _run(tmp_path, "six", 2, options)
+    logs = str(failed.value)
+    assert logs.count("UnsupportedFeatureError: pipeline: zbv needs torch >= 2.13") == 2, logs[-3000:]

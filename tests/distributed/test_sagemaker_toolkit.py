@@ -16,6 +16,7 @@ for `orted`) is documented, not run (docs/launch.md says why).
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -157,3 +158,64 @@ def test_failures_are_reported_as_sagemaker_reports_them(toolkit, tmp_path):
     assert "MCA parameters can only be listed once" in proc.stdout  # Open MPI 4, before any rank starts
     assert (seed_options / "output/failure").read_text().startswith("ExecuteUserScriptError:\nExitCode 1\n")
     assert not list((seed_options / "output/data").glob("rank*.json"))
+
+
+def _layered_env(base_purelib: str, where: Path) -> Path:
+    """A new environment that sees this test environment's packages (torch included) after its own, as
+    a PyTorch image's Python is seen by the image's install step; pip installs into the new one."""
+    import sysconfig
+
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(where)], check=True)
+    site = Path(subprocess.check_output([str(where / "bin/python"), "-c",
+                                         "import sysconfig; print(sysconfig.get_paths()['purelib'])"], text=True).strip())
+    (site / "_base_image.pth").write_text(f"import site; site.addsitedir({(base_purelib or sysconfig.get_paths()['purelib'])!r})\n")
+    return where / "bin/python"
+
+
+def _torch_of(python: Path) -> list[str]:
+    return subprocess.check_output([str(python), "-c", "import torch; print(torch.__version__); print(torch.__file__)"],
+                                   text=True).split()
+
+
+def _project_copy(where: Path, torch_requirement: str | None = None) -> Path:
+    """The files `pip install` of the project reads (built out of the clone, which it leaves untouched)."""
+    import shutil
+
+    shutil.copytree(ROOT / "adapter", where / "adapter", ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+    shutil.copy(ROOT / "README.md", where / "README.md")
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    if torch_requirement is not None:
+        pyproject = re.sub(r'"torch[^"]*"', f'"{torch_requirement}"', pyproject, count=1)
+    (where / "pyproject.toml").write_text(pyproject)
+    return where
+
+
+def test_image_install_step_keeps_the_base_torch(tmp_path):
+    """docker/install.sh --adapter (the Dockerfile's smp-adapter step) into an environment whose torch
+    is this test environment's (in the support matrix: the lowest torch, a CUDA build): smp-adapter
+    installs and the environment's torch is the same release from the same place. A project whose
+    torch range excludes that torch stops with pip's ResolutionImpossible naming torch instead of
+    replacing it (without the step's torch constraint, -c "$KEEP_TORCH", pip would fetch another torch
+    release of several GB there; that mutation has not been run)."""
+    import sysconfig
+
+    base = sysconfig.get_paths()["purelib"]
+    before = _torch_of(Path(sys.executable))
+    python = _layered_env(base, tmp_path / "image")
+    env = {**os.environ, "PYTHON": str(python), "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
+    env["SMP_ADAPTER_SRC"] = str(_project_copy(tmp_path / "src"))
+    proc = subprocess.run(["bash", str(ROOT / "docker/install.sh"), "--adapter"], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "Successfully installed smp-adapter" in proc.stdout, proc.stdout[-3000:]
+    assert _torch_of(python) == before
+    installed = subprocess.check_output([str(python), "-c", "import smp_adapter; print(smp_adapter.__file__)"], text=True)
+    assert installed.startswith(str(tmp_path / "image")), installed
+
+    newer = before[0].split("+")[0]
+    env["SMP_ADAPTER_SRC"] = str(_project_copy(tmp_path / "src_excluding", f"torch>{newer}"))
+    proc = subprocess.run(["bash", str(ROOT / "docker/install.sh"), "--adapter"], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode != 0 and "ResolutionImpossible" in proc.stdout + proc.stderr, proc.stdout[-3000:]
+    assert f"torch>{newer}" in proc.stdout + proc.stderr
+    assert _torch_of(python) == before

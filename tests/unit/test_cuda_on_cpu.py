@@ -89,10 +89,12 @@ def test_not_installed_unless_asked():
 
 
 def test_without_the_shim_the_script_fails_as_on_a_cpu_machine():
-    """What the shim prevents: the first CUDA call of the script dies."""
+    """What the shim prevents: the first CUDA call of the script dies (a CPU build of torch has no CUDA
+    bindings; a CUDA build, as the support matrix's torch points install, finds no driver)."""
     proc = _run(SCRIPT_SIDE, {"SMP_ADAPTER_CUDA_ON_CPU": "0"})
     assert proc.returncode != 0
-    assert "module 'torch._C' has no attribute '_cuda_setDevice'" in proc.stderr, proc.stderr[-2000:]
+    assert ("module 'torch._C' has no attribute '_cuda_setDevice'" in proc.stderr
+            or "Found no NVIDIA driver on your system" in proc.stderr), proc.stderr[-2000:]
 
 
 FP16_ATTENTION = """
@@ -116,7 +118,8 @@ def test_fp16_attention_of_a_gpu_script_runs_on_cpus_without_avx512():
     makes any machine such a CPU. Tolerance: float16 attention against float32, 64 keys, values ~1."""
     for capability in ("avx2", "default"):
         out = _result(_run(FP16_ATTENTION, {"SMP_ADAPTER_CUDA_ON_CPU": "1", "ATEN_CPU_CAPABILITY": capability}))
-        assert out["capability"] == capability.upper()
+        # torch < 2.12 names the capability without vector instructions "NO AVX"
+        assert out["capability"] in ({"DEFAULT", "NO AVX"} if capability == "default" else {capability.upper()})
         assert out["out"] < 5e-3 and out["grad"] < 5e-2, out
 
 

@@ -37,6 +37,16 @@ def test_missing_entries_of_this_stage_are_refused_unless_not_strict():
     _check_stage(runner(), None, {"layers.0.weight"}, strict=False)
 
 
+def test_non_persistent_buffers_of_a_stage_are_not_missing():
+    """A stage's state dict lists the model's non-persistent buffers too (torch.export registers every
+    buffer of a stage as persistent; transformers 4.x's GPT-2 attn.bias): a partial checkpoint never
+    holds them, and resuming must not call them missing (the lowest matrix point's GPT-2 resume failed so)."""
+    stage = runner(local_keys=("layers.0.weight", "layers.0.mask"))
+    _check_stage(stage, None, {"layers.0.weight"}, strict=True, persistent={"layers.0.weight", "layers.1.weight"})
+    with pytest.raises(SMPCheckpointError, match=r"lacks entries of this stage: \['layers\.0\.weight'\]"):
+        _check_stage(stage, None, set(), strict=True, persistent={"layers.0.weight", "layers.1.weight"})
+
+
 def _model():
     module = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
     local = {"0.weight", "0.bias"}

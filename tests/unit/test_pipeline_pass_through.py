@@ -114,6 +114,10 @@ def test_rewrite_leaves_each_stage_reading_only_the_previous_one():
 
 @pytest.mark.parametrize("split", [False, True], ids=["stage_backward", "input_then_weight"])
 def test_gradients_through_the_pass_through_equal_one_process(split):
+    from smp_adapter.runtime.engines.pipeline.torch_compat import SCHEDULE_MIN_TORCH, older_than
+
+    if split and older_than(*SCHEDULE_MIN_TORCH["zbv"]):
+        pytest.skip(f"the split-backward schedules are refused on torch {torch.__version__} (torch_compat.py)")
     reference, x, pipe = _split_model()
     pass_through.thread_skipped_values(pipe.split_gm)
     if split:  # as the runtime does for the split-backward schedules (stages after the first)

@@ -46,6 +46,13 @@ def readme_table() -> dict:
     return rows
 
 
+def newest_tested() -> dict:
+    text = (ROOT / "docs/supported-versions.md").read_text()
+    section = text.split("# Supported versions", 1)[1].split("\n## ", 1)[0]
+    cells = [[c.strip() for c in line.strip().strip("|").split("|")] for line in section.splitlines()]
+    return {canonicalize_name(c[0]): c[3].split()[0] for c in cells if len(c) == 5 and c[1].startswith("`")}
+
+
 def lower_end(spec: SpecifierSet) -> str:
     floors = [s.version for s in spec if s.operator == ">="]
     assert len(floors) == 1, f"{spec} has no single lower end"
@@ -76,3 +83,15 @@ def test_every_matrix_point_is_inside_the_ranges(path):
     for name, version in pins(path).items():
         if name in ranges:
             assert ranges[name].contains(version), f"{path.name} pins {name}=={version}, outside {ranges[name]}"
+
+
+def test_newest_torch_point_is_the_tables_newest_and_inside_the_range():
+    """constraints/newest-torch.txt is docs/supported-versions.md's newest tested torch, the range admits it, and the
+    range's exclusive upper end is the next minor release (no untested minor is claimed)."""
+    newest = pins(ROOT / "constraints" / "newest-torch.txt")["torch"]
+    assert newest_tested()["torch"] == newest
+    spec = declared()["torch"]
+    assert spec.contains(newest)
+    (upper,) = [s.version for s in spec if s.operator == "<"]
+    major, minor = Version(newest).release[:2]
+    assert Version(upper) == Version(f"{major}.{minor + 1}"), f"torch {spec}: the newest tested is {newest}"

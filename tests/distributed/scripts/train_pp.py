@@ -5,6 +5,7 @@ is the seed's, unchanged; data is sharded by dp_rank. Options come from SM_HP_MP
 --model manual  the seed's GroupedNet: modules created inside smp.partition(0) / smp.partition(1)
 --model six     six linear layers, auto-partitioned
 --model skip    four linear layers, the first one's output read again by the last two
+--model gated   four linear layers, a boolean mask made on the first stage gating the third
 --model gpt2    tiny GPT2LMHeadModel (the shifted LM loss computed in the step)
 --model gptneo  tiny GPTNeoForCausalLM / GPTJForCausalLM whose configs keep use_cache=True, called as the
 --model gptj    public templates call them (no use_cache= argument)

@@ -45,6 +45,18 @@ class SkipNet(nn.Module):
         return F.log_softmax(self.layers[3](h) + h0[:, :8], 1)
 
 
+class GatedNet(SkipNet):
+    """SkipNet's layers; a boolean mask made from the input on the first stage gates layer 2 on a later
+    one: a value without gradient that a training stage receives (torch < 2.13 made every receive buffer
+    require a gradient, which a boolean tensor cannot)."""
+
+    def forward(self, x):
+        keep = x[:, :1] > 0
+        h = torch.tanh(self.layers[1](torch.tanh(self.layers[0](x))))
+        h = torch.where(keep, torch.tanh(self.layers[2](h)), h)
+        return F.log_softmax(self.layers[3](h), 1)
+
+
 class GroupedNet(Net):
     """The seed's manual-partition net: Net's layers and forward, its children created inside
     smp.partition(0) / smp.partition(1)."""
@@ -100,6 +112,8 @@ def build(name, smp=None):
         return SixLayerTied()
     if name == "skip":
         return SkipNet()
+    if name == "gated":
+        return GatedNet()
     if name == "gptneo":
         return tiny_gptneo()
     if name == "gptj":
@@ -109,7 +123,7 @@ def build(name, smp=None):
 
 def batch(name, step, size):
     g = torch.Generator().manual_seed(700 + step)
-    if name in ("six", "sixtied", "skip"):
+    if name in ("six", "sixtied", "skip", "gated"):
         return torch.randn(size, 16, generator=g), torch.randint(0, 8, (size,), generator=g)
     if name in LM_MODELS:
         ids = torch.randint(0, 64, (size, 12), generator=g)

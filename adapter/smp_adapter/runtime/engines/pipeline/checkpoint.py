@@ -209,11 +209,12 @@ def load_stage_state_dict(runner, sd: dict, strict: bool = True):
     module.load_state_dict({k: v for k, v in sd.items() if k in names}, strict=False)
 
     # the partition is made at the first step: checked then if it does not exist yet
-    runner.on_partitioned(lambda: _check_stage(runner, saved_units, set(sd) & names, strict))
+    runner.on_partitioned(lambda: _check_stage(runner, saved_units, set(sd) & names, strict, persistent=names))
     return None
 
 
-def _check_stage(runner, saved_units, loaded: set, strict: bool) -> None:
+def _check_stage(runner, saved_units, loaded: set, strict: bool, persistent: set | None = None) -> None:
+    """``persistent``: the model's state dict keys (default: every key of this stage)."""
     if saved_units is not None and [list(u) for u in runner.stage_units] != saved_units:
         raise SMPCheckpointError(
             "the partial checkpoint was saved under another stage assignment (saved "
@@ -222,7 +223,9 @@ def _check_stage(runner, saved_units, loaded: set, strict: bool) -> None:
             "shapes as the saving run; or rewrite it once with `smp-adapter checkpoint reshard DIR --to OPTIONS "
             "--world-size N OUT` and resume OUT (its layout-independent pieces load into any partition); or save and "
             "load a full checkpoint (partial=False)")
-    missing = sorted(runner.local_keys - loaded)
+    # a stage's state dict also lists the model's non-persistent buffers (torch.export registers every
+    # buffer of a stage as persistent; transformers 4.x's GPT-2 attn.bias is one): never saved, not missing
+    missing = sorted((runner.local_keys if persistent is None else runner.local_keys & persistent) - loaded)
     if missing and strict:
         raise SMPCheckpointError(f"the partial state dict lacks entries of this stage: {missing[:5]}"
                                  f"{' ...' if len(missing) > 5 else ''}; it belongs to another stage or model "

@@ -48,7 +48,6 @@ class PipelineEngine(StartsThroughDeepSpeed, Engine):
         will run and what it gains later is the model's."""
         import torch
         from torch.distributed.pipelining import SplitPoint, pipeline
-
         tiny = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
         pipeline(tiny, (torch.zeros(1, 2),), {}, split_spec={"1": SplitPoint.BEGINNING})
 
@@ -63,6 +62,9 @@ class PipelineEngine(StartsThroughDeepSpeed, Engine):
         """Nothing yet: which tensors this rank keeps is known when the first step cuts the stages."""
 
     def __init__(self, model, tp_originals: dict):
+        from smp_adapter.runtime.engines.pipeline import torch_compat
+
+        torch_compat.check_schedule(state.cfg.pipeline)  # on every rank, before the model is cut
         super().__init__(model, tp_originals)
         from smp_adapter.runtime.engines.pipeline.runtime import PipelineRunner
 

@@ -32,7 +32,7 @@ from torch import nn
 from smp_adapter.config.pipeline_schedule import SPLIT_BACKWARD
 from smp_adapter.errors import SMPUsageError, UnsupportedFeatureError
 from smp_adapter.runtime import activation_checkpoint
-from smp_adapter.runtime.engines.pipeline import partition as part, pass_through, stage_memory, surgery, tied
+from smp_adapter.runtime.engines.pipeline import partition as part, pass_through, stage_memory, surgery, tied, torch_compat
 from smp_adapter.runtime.engines.pipeline.idle_time import ComputeClock
 from smp_adapter.runtime.engines.pipeline.virtual_stages import StageLayout, skip_self_warmup
 from smp_adapter.runtime.partition import partition_mark
@@ -389,6 +389,8 @@ class PipelineRunner:
         self.tied = tied.tie_groups(self, owners)
         self.stages = [build_stage(mine, i, pipe.info(), state.device, group=self.group)
                        for i, mine in zip(ids, self.stage_modules)]
+        for stage in self.stages:
+            torch_compat.receive_integers(stage)
         if cfg.pipeline in SPLIT_BACKWARD:
             for stage in self.stages:
                 surgery.merge_weight_groups(stage)

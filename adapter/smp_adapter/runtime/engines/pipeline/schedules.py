@@ -23,8 +23,12 @@ def smp_schedule_class(base: type) -> type:
             self._step_microbatches(arg_mbs, kwarg_mbs, targets, None)
 
         def reset_stage_setup(self) -> None:
+            from smp_adapter.runtime.engines.pipeline.torch_compat import forget_output_meta
+
             self._stage_forward_initialized = self._stage_backward_initialized = False  # single stage
             self._stages_forward_initialized = self._stages_backward_initialized = False  # several
+            for stage in getattr(self, "_stages", None) or [self._stage]:
+                forget_output_meta(stage)
 
     SMPSchedule.__name__ = SMPSchedule.__qualname__ = f"SMP{base.__name__}"
     return SMPSchedule
