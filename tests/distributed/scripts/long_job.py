@@ -75,12 +75,12 @@ def fill_disk(folder: str) -> None:
 
 
 def fake_enospc() -> None:
-    from smp_adapter.runtime import digest_records
+    from smp_adapter.runtime.checkpoint.integrity import hashing_io
 
     def write(self, data):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    digest_records.HashingFile.write = write
+    hashing_io.HashingFile.write = write
 
 
 result = {"save_errors": [], "saved": []}
