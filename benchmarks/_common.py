@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import resource
-import socket
 import statistics
 import subprocess
 import sys
@@ -54,10 +53,14 @@ MODE_MODEL = {"zero3_big": dict(n_embd=256, n_layer=4, n_head=4)}
 
 
 # -- launching ---------------------------------------------------------------------------------
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A rendezvous port below the kernel's ephemeral range (smp_adapter/free_port.py says why)."""
+    sys.path.insert(0, str(ROOT / "adapter"))
+    from smp_adapter.free_port import free_port as pick
+
+    return pick()
 
 
 def run_ranks(script: Path, nprocs: int, args, out_dir: Path, env: dict | None = None,

@@ -6,9 +6,7 @@ from __future__ import annotations
 import atexit
 import json
 import os
-import random
 import select
-import socket
 import subprocess
 import sys
 import time
@@ -17,30 +15,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def free_port() -> int:
-    """A port for a job's rendezvous, below the kernel's ephemeral range. A port that bind(0) hands out
-    comes from that range, and so does the local port of every connection and gloo listener the jobs
-    beside this one open (two pytest workers run jobs at once): one was taken in the moment before
-    rank 0 listened on it (seen in CI: rank 0 EADDRINUSE, rank 1 connected to the stranger and retried
-    until the test's timeout). Below the range only another test's pick can meet it, and the port is
-    checked free when picked."""
-    try:
-        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-            low = int(f.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        low = 32768
-    picker = random.Random(os.getpid() * 1_000_003 + time.monotonic_ns())
-    for _ in range(200):
-        port = picker.randrange(max(1024, low - 12_000), low)
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    with socket.socket() as s:  # nothing free below the range: the kernel's pick
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from smp_adapter.free_port import free_port  # noqa: E402  (re-exported: the tests import it from here)
 
 
 def base_env(extra: dict | None = None) -> dict:

@@ -22,7 +22,6 @@ import json
 import os
 import re
 import shlex
-import socket
 import sys
 from pathlib import Path
 from typing import Any
@@ -35,6 +34,7 @@ from smp_adapter.config.problems import ConfigProblem, raise_if_any
 from smp_adapter.commands.launch_inputs import launcher_program, resolve_job, split_command
 from smp_adapter.env_bundle import deepspeed_env_file
 from smp_adapter.errors import SMPAdapterError
+from smp_adapter.free_port import free_port
 from smp_adapter.translate.launch import LAUNCHERS, to_launch_plan
 
 NAME = "launch"
@@ -130,12 +130,6 @@ def _env_name(key: str) -> str:
     return re.sub(r"[^A-Za-z0-9_]", "_", key).upper()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _hosts(hostfile: str) -> dict[str, int | None]:
     """host -> slots (None where the line gives none), in the file's order."""
     try:
@@ -229,7 +223,7 @@ def build(args: argparse.Namespace) -> dict[str, Any]:
     if job.options:
         hps.setdefault("mp_parameters", dict(job.options))  # as the SageMaker toolkit passes it
     hp_args = [token for key in sorted(hps) for token in (f"--{key}", _arg(hps[key]))]
-    port = args.master_port or (None if cfg.ddp_port or nnodes > 1 else _free_port())
+    port = args.master_port or (None if cfg.ddp_port or nnodes > 1 else free_port())
     plan = to_launch_plan(job, cfg, script, [*hp_args, *script_args], launcher=launcher, nprocs_per_node=nprocs,
                           hostfile=args.hostfile, master_addr=args.master_addr, master_port=port, cpu=cpu,
                           nnodes=nnodes, hosts=hosts, python=sys.executable,

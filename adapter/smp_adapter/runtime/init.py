@@ -9,13 +9,13 @@ Collective timeout: ``SMP_ADAPTER_TIMEOUT`` seconds (default 600).
 from __future__ import annotations
 
 import os
-import socket
 from datetime import timedelta
 from typing import Any, Mapping
 
 from smp_adapter.config.dims import ParallelDims
 from smp_adapter.config.options import SMPConfig
 from smp_adapter.errors import SMPUsageError
+from smp_adapter.free_port import free_port
 from smp_adapter.runtime import comm_ledger
 from smp_adapter.runtime import process_exit
 from smp_adapter.runtime.launch_env import LaunchEnv, rendezvous
@@ -105,7 +105,7 @@ def _choose_backend(requested: str, use_cuda: bool) -> str:
 
 def _export_rendezvous(launch: LaunchEnv, cfg: SMPConfig) -> None:
     env = os.environ
-    env["MASTER_ADDR"], port = rendezvous(launch, cfg.ddp_port, env, _free_port)
+    env["MASTER_ADDR"], port = rendezvous(launch, cfg.ddp_port, env, free_port)
     env["MASTER_PORT"] = str(port)
     env["RANK"], env["WORLD_SIZE"] = str(launch.rank), str(launch.world_size)
     env["LOCAL_RANK"] = str(launch.local_rank)
@@ -113,12 +113,6 @@ def _export_rendezvous(launch: LaunchEnv, cfg: SMPConfig) -> None:
     # DeepSpeed's CPU accelerator counts devices with `numactl` (two forks per ZeRO-3 reduce) unless
     # LOCAL_SIZE is set; the deepspeed launcher sets it, torchrun and mpirun do not.
     env.setdefault("LOCAL_SIZE", str(launch.local_size))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _build_groups(dims: ParallelDims, rank: int, backend: str) -> None:
