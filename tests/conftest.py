@@ -7,8 +7,10 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 
 # set by pytest itself, by torch when it first imports its compiler, and by DeepSpeed's first
-# import (its accelerator probe): not a test's doing
-_NOT_LEAKS = {"PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR", "PYTORCH_NVML_BASED_CUDA_CHECK"}
+# import (its accelerator probe), and by an OpenMP-linked package of the GPU image's on its first import
+# (KMP_*, seen there with torch 2.11+cu130, 2026-11-27): not a test's doing
+_NOT_LEAKS = {"PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR", "PYTORCH_NVML_BASED_CUDA_CHECK", "KMP_DUPLICATE_LIB_OK",
+              "KMP_INIT_AT_FORK"}
 
 
 @pytest.fixture(autouse=True)

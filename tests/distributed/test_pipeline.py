@@ -206,8 +206,17 @@ def test_mixed_precision_matches_a_hand_written_reference(tmp_path, precision, d
     equal to the last bit, the same operations in the same order."""
     options = {"pipeline_parallel_degree": 2, "microbatches": 2, "ddp": True, precision: True, "pipeline": schedule}
     cli = ["--loss-scale", f"static:{loss_scale}"] if precision == "fp16" else []
-    results = run_ranks(SCRIPT, 2, args=["--model", "six", "--steps", 3, "--optimizer", "adam", *cli],
-                        env={"SM_HP_MP_PARAMETERS": json.dumps(options)}, out_dir=tmp_path, timeout=200)
+    args = ["--model", "six", "--steps", 3, "--optimizer", "adam", *cli]
+    env = {"SM_HP_MP_PARAMETERS": json.dumps(options)}
+    from smp_adapter.runtime.engines.pipeline.torch_compat import SCHEDULE_MIN_TORCH, older_than
+
+    if schedule in SCHEDULE_MIN_TORCH and older_than(*SCHEDULE_MIN_TORCH[schedule]):
+        # an older torch (the support matrix's lowest point, a GPU image's 2.11): refused by name on every rank
+        with pytest.raises(AssertionError, match=f"pipeline: {schedule} needs torch >= 2.13") as refused:
+            run_ranks(SCRIPT, 2, args=args, env=env, out_dir=tmp_path, timeout=200)
+        assert str(refused.value).count("UnsupportedFeatureError") >= 2, "every rank says why"
+        return
+    results = run_ranks(SCRIPT, 2, args=args, env=env, out_dir=tmp_path, timeout=200)
     ref_losses, ref_state = reference("six", 3, 8, 2, "adam", dtype, loss_scale)
     for r in results:
         assert r["param_dtypes"] == [str(dtype)]
