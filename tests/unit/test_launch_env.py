@@ -86,3 +86,36 @@ def test_a_garbled_rank_variable_names_itself():
     with pytest.raises(SMPUsageError) as err:
         LaunchEnv.from_environ({"SLURM_PROCID": "x", "SLURM_NTASKS": "2"})
     assert str(err.value).startswith("SLURM_PROCID='x' is not an integer: the launcher that started this process set it")
+
+
+def test_the_launcher_knows_there_is_no_gpu_without_importing_torch(monkeypatch):
+    """`smp-adapter launch` decides CPU or GPU before starting the ranks: where the answer is certain
+    (every GPU hidden, or no GPU device node) it does not pay torch's import (2-3 s a launch)."""
+    import subprocess
+    import sys
+
+    from smp_adapter.commands import launch_inputs
+
+    assert launch_inputs.cuda_available({"CUDA_VISIBLE_DEVICES": ""}) is False
+    assert launch_inputs.cuda_available({"CUDA_VISIBLE_DEVICES": "-1"}) is False
+    import glob
+
+    monkeypatch.setattr(glob, "glob", lambda pattern: [])
+    assert launch_inputs.cuda_available({}) is False
+    code = ("import sys; from smp_adapter.commands.launch_inputs import cuda_available; "
+            "print(cuda_available({'CUDA_VISIBLE_DEVICES': ''}), 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60).stdout.split()
+    assert out == ["False", "False"], out
+
+
+def test_with_a_gpu_device_node_torch_is_asked(monkeypatch):
+    import glob
+
+    import torch
+
+    from smp_adapter.commands import launch_inputs
+
+    monkeypatch.setattr(glob, "glob", lambda pattern: ["/dev/nvidia0"] if "nvidia" in pattern else [])
+    for answer in (True, False):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: answer)
+        assert launch_inputs.cuda_available({"CUDA_VISIBLE_DEVICES": "0"}) is answer

@@ -31,7 +31,7 @@ from smp_adapter.config.distribution import job_from_mapping, load_mapping
 from smp_adapter.config.limits import MAX_WORLD_SIZE
 from smp_adapter.config.options import SMPConfig
 from smp_adapter.config.problems import ConfigProblem, raise_if_any
-from smp_adapter.commands.launch_inputs import launcher_program, resolve_job, split_command
+from smp_adapter.commands.launch_inputs import cuda_available, launcher_program, resolve_job, split_command
 from smp_adapter.env_bundle import deepspeed_env_file
 from smp_adapter.errors import SMPAdapterError
 from smp_adapter.free_port import free_port
@@ -193,9 +193,7 @@ def build(args: argparse.Namespace) -> dict[str, Any]:
     if args.device:
         cpu = args.device == "cpu"
     else:
-        import torch
-
-        cpu = not torch.cuda.is_available()
+        cpu = not cuda_available()
     host_slots = _hosts(args.hostfile) if args.hostfile else None
     hosts = list(host_slots) if host_slots is not None else None
     nnodes = args.nnodes if args.nnodes is not None else (len(hosts) if hosts else job.instance_count)
