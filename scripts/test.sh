@@ -3,13 +3,14 @@
 #
 # With no arguments:
 #   1. the default stack (.venv: the newest versions pyproject.toml allows), the whole suite:
-#      a. tests/unit and tests/gpu, one process: the hostile-input cases hold 1-2 s wall-clock budgets,
-#         which another test's ranks on the same two cores could break;
+#      a. tests/unit and tests/gpu, one process: the hostile-input cases hold 1-2 s budgets of CPU time,
+#         which another test's ranks on the same two cores could stretch in wall-clock time;
 #      b. tests/distributed on two pytest workers (pytest-xdist, a test file per worker at a time, so a
 #         module's cached sources are built once): its ranks spend much of their time waiting on each
 #         other (gloo, pipeline stages, launcher start-up), and one worker left ~40 % of the two cores
 #         idle. SMP_TEST_WORKERS=1 runs it in one process.
-#   2. the support matrix (--matrix below); SMP_TEST_MATRIX=0 leaves it out.
+#   2. the support matrix (--matrix below); SMP_TEST_MATRIX=0 leaves it out. Its environments and unit
+#      tiers run in the background beside 1a and 1b (see there), its distributed tests after 1b.
 # --matrix: only the support matrix: for each constraints/*.txt (the other points of docs/supported-versions.md's
 #   "Supported versions" table), an environment made by `scripts/setup.sh FILE` (cached outside the
 #   clone) runs the unit tier and the distributed tests of the code that depends on that point's
@@ -75,37 +76,61 @@ workers=${SMP_TEST_WORKERS:-2}
 DIST_ARGS=()  # the distributed tier's pytest workers (see 1b)
 [ "$workers" -gt 1 ] && DIST_ARGS=(-n "$workers" --dist loadfile)
 
-run_matrix() {
-  local status=0 file env py started part
+matrix_points() {  # the constraints files the matrix runs
+  local file
   for file in constraints/*.txt; do
     if [ "$file" = constraints/newest-torch.txt ] && [ "${SMP_TEST_NEWEST_TORCH:-0}" = 0 ]; then
-      echo "== matrix newest-torch: left out (SMP_TEST_NEWEST_TORCH=1 runs it)"
+      echo "== matrix newest-torch: left out (SMP_TEST_NEWEST_TORCH=1 runs it)" >&2
       continue
     fi
+    echo "$file"
+  done
+}
+
+MATRIX_DIR=$(mktemp -d)
+trap 'rm -rf "$MATRIX_DIR"' EXIT
+
+matrix_prepare() {  # each point's environment and unit tier; its environment's path into $MATRIX_DIR/<name>.env
+  local status=0 file name env started part
+  for file in $(matrix_points); do
+    name=$(basename "$file" .txt)
     started=$SECONDS
     if ! env=$(bash scripts/setup.sh "$file"); then
       echo "matrix $file: setup failed" >&2
       status=1
       continue
     fi
-    py="$env/bin/python"
-    versions "matrix $(basename "$file" .txt)" "$py"
-    echo "== matrix $(basename "$file" .txt): environment ready in $((SECONDS - started)) s"
-    "$py" "${PYTEST_ARGS[@]}" tests/unit
+    echo "$env" >"$MATRIX_DIR/$name.env"
+    versions "matrix $name" "$env/bin/python"
+    echo "== matrix $name: environment ready in $((SECONDS - started)) s"
+    "$env/bin/python" "${PYTEST_ARGS[@]}" tests/unit
     check $? "matrix $file: tests/unit"; part=$?
     [ "$part" -eq 0 ] || status=1
-    matrix_tests "$(basename "$file" .txt)"
-    "$py" "${PYTEST_ARGS[@]}" "${MATRIX_TESTS[@]}" "${DIST_ARGS[@]}"
+    echo "== matrix $name: unit tier done, $((SECONDS - started)) s after its setup began"
+  done
+  return "$status"
+}
+
+matrix_distributed() {  # each prepared point's distributed tests (MATRIX_TESTS)
+  local status=0 file name env started part
+  for file in $(matrix_points 2>/dev/null); do
+    name=$(basename "$file" .txt)
+    [ -f "$MATRIX_DIR/$name.env" ] || continue  # its setup failed: counted by matrix_prepare
+    env=$(cat "$MATRIX_DIR/$name.env")
+    started=$SECONDS
+    matrix_tests "$name"
+    "$env/bin/python" "${PYTEST_ARGS[@]}" "${MATRIX_TESTS[@]}" "${DIST_ARGS[@]}"
     check $? "matrix $file: ${MATRIX_TESTS[*]}"; part=$?
     [ "$part" -eq 0 ] || status=1
-    echo "== matrix $(basename "$file" .txt): $((SECONDS - started)) s (setup included)"
+    echo "== matrix $name: distributed tests $((SECONDS - started)) s"
   done
   return "$status"
 }
 
 if [ "${1:-}" = "--matrix" ]; then
-  run_matrix
-  matrix=$?
+  matrix_prepare; prepared=$?
+  matrix_distributed; distributed=$?
+  matrix=$(( prepared || distributed ))
   echo "support matrix exit $matrix"
   exit "$matrix"
 fi
@@ -117,14 +142,28 @@ if [ "$#" -gt 0 ]; then
   exit $?
 fi
 versions "default stack" .venv/bin/python
+# The matrix's environments and unit tiers run beside the default stack's unit and distributed tiers:
+# building an environment waits mostly on the network and the disk (about two minutes on a fresh
+# machine), and a unit tier is one process, which leaves one of the two cores free (its hostile-input
+# budgets are CPU seconds, not wall-clock). Its output is shown when the default stack is done; its
+# distributed tests run after the default stack's (two workers each would oversubscribe the cores).
+matrix_on=0
+[ "${SMP_TEST_MATRIX:-1}" != 0 ] && matrix_on=1
+if [ "$matrix_on" = 1 ]; then
+  (matrix_prepare; echo $? >"$MATRIX_DIR/prepare.status") >"$MATRIX_DIR/prepare.log" 2>&1 &
+  prepare_pid=$!
+fi
 .venv/bin/python "${PYTEST_ARGS[@]}" tests/unit tests/gpu
 check $? "tests/unit tests/gpu"; unit=$?
 .venv/bin/python "${PYTEST_ARGS[@]}" tests/distributed "${DIST_ARGS[@]}"
 check $? "tests/distributed"; distributed=$?
 matrix=0
-if [ "${SMP_TEST_MATRIX:-1}" != 0 ]; then
-  run_matrix
-  matrix=$?
+if [ "$matrix_on" = 1 ]; then
+  wait "$prepare_pid"
+  echo "== support matrix: environments and unit tiers (run beside the default stack) =="
+  cat "$MATRIX_DIR/prepare.log"
+  [ "$(cat "$MATRIX_DIR/prepare.status" 2>/dev/null)" = 0 ] || matrix=1
+  matrix_distributed || matrix=1
 fi
 echo "default stack: unit tier exit $unit, distributed tier exit $distributed; support matrix exit $matrix"
 [ "$unit" -eq 0 ] && [ "$distributed" -eq 0 ] && [ "$matrix" -eq 0 ]
