@@ -87,10 +87,10 @@ matrix_points() {  # the constraints files the matrix runs
   done
 }
 
-MATRIX_DIR=$(mktemp -d)
-trap 'rm -rf "$MATRIX_DIR"' EXIT
+BACKGROUND_DIR=$(mktemp -d)
+trap 'rm -rf "$BACKGROUND_DIR"' EXIT
 
-matrix_prepare() {  # each point's environment and unit tier; its environment's path into $MATRIX_DIR/<name>.env
+matrix_prepare() {  # each point's environment and unit tier; its environment's path into $BACKGROUND_DIR/<name>.env
   local status=0 file name env started part
   for file in $(matrix_points); do
     name=$(basename "$file" .txt)
@@ -100,7 +100,7 @@ matrix_prepare() {  # each point's environment and unit tier; its environment's 
       status=1
       continue
     fi
-    echo "$env" >"$MATRIX_DIR/$name.env"
+    echo "$env" >"$BACKGROUND_DIR/$name.env"
     versions "matrix $name" "$env/bin/python"
     echo "== matrix $name: environment ready in $((SECONDS - started)) s"
     "$env/bin/python" "${PYTEST_ARGS[@]}" tests/unit
@@ -115,8 +115,8 @@ matrix_distributed() {  # each prepared point's distributed tests (MATRIX_TESTS)
   local status=0 file name env started part
   for file in $(matrix_points 2>/dev/null); do
     name=$(basename "$file" .txt)
-    [ -f "$MATRIX_DIR/$name.env" ] || continue  # its setup failed: counted by matrix_prepare
-    env=$(cat "$MATRIX_DIR/$name.env")
+    [ -f "$BACKGROUND_DIR/$name.env" ] || continue  # its setup failed: counted by matrix_prepare
+    env=$(cat "$BACKGROUND_DIR/$name.env")
     started=$SECONDS
     matrix_tests "$name"
     "$env/bin/python" "${PYTEST_ARGS[@]}" "${MATRIX_TESTS[@]}" "${DIST_ARGS[@]}"
@@ -150,19 +150,23 @@ versions "default stack" .venv/bin/python
 matrix_on=0
 [ "${SMP_TEST_MATRIX:-1}" != 0 ] && matrix_on=1
 if [ "$matrix_on" = 1 ]; then
-  (matrix_prepare; echo $? >"$MATRIX_DIR/prepare.status") >"$MATRIX_DIR/prepare.log" 2>&1 &
+  (matrix_prepare; echo $? >"$BACKGROUND_DIR/prepare.status") >"$BACKGROUND_DIR/prepare.log" 2>&1 &
   prepare_pid=$!
 fi
+# the SageMaker toolkit tests' environment (pip installs, cached per test environment) likewise
+.venv/bin/python tests/distributed/sagemaker_job.py --prepare >"$BACKGROUND_DIR/toolkit.log" 2>&1 &
+toolkit_pid=$!
 .venv/bin/python "${PYTEST_ARGS[@]}" tests/unit tests/gpu
 check $? "tests/unit tests/gpu"; unit=$?
+wait "$toolkit_pid" || { echo "building the toolkit tests' environment failed (the tests build it again and say why):"; tail -5 "$BACKGROUND_DIR/toolkit.log"; }
 .venv/bin/python "${PYTEST_ARGS[@]}" tests/distributed "${DIST_ARGS[@]}"
 check $? "tests/distributed"; distributed=$?
 matrix=0
 if [ "$matrix_on" = 1 ]; then
   wait "$prepare_pid"
   echo "== support matrix: environments and unit tiers (run beside the default stack) =="
-  cat "$MATRIX_DIR/prepare.log"
-  [ "$(cat "$MATRIX_DIR/prepare.status" 2>/dev/null)" = 0 ] || matrix=1
+  cat "$BACKGROUND_DIR/prepare.log"
+  [ "$(cat "$BACKGROUND_DIR/prepare.status" 2>/dev/null)" = 0 ] || matrix=1
   matrix_distributed || matrix=1
 fi
 echo "default stack: unit tier exit $unit, distributed tier exit $distributed; support matrix exit $matrix"

@@ -186,3 +186,8 @@ def run_toolkit(base: Path, venv: Path, timeout: float = 300, env: dict | None =
            "sh", "-c", _CONTAINER, "container", str(venv / "bin/train")]
     return subprocess.run(cmd, env=run_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                           timeout=timeout)
+
+
+if __name__ == "__main__":  # scripts/test.sh builds the environment beside the unit tier: --prepare
+    if sys.argv[1:] == ["--prepare"] and namespaces_unavailable() is None:
+        print(f"toolkit environment ready: {toolkit_env()}")
