@@ -124,7 +124,7 @@ def resume_worker(args) -> None:
                   "anon_growth": anon_peak - anon_before, "world": smp.size()})
 
 
-# -- digests (runtime/checkpoint/integrity/saving.py, resume_check.py): save and resume with and without them, alternating -----
+# -- digests (runtime/checkpoint/integrity/saving.py, resume_check.py): save and resume with and without them --
 def _digests_at_save(on: bool) -> None:
     """Off: the save writes and records as before digests existed: torch.save to the path (not through
     the hashing file object), nothing digested afterwards; the gather that replaces the barrier still

@@ -145,7 +145,8 @@ def test_files_are_hashed_as_they_are_written(tmp_path, zipfile):
     """torch.save into the hashing file object: the recorded digest is the file's, computed by
     reading it back (torch's zip and legacy writers both only append)."""
     obj = {"w": torch.randn(600_000), "step": 3}  # 2.4 MB: several 1 MiB hash chunks in one write
-    record = saving.write_hashed(tmp_path / "a.pt", lambda f: torch.save(obj, f, _use_new_zipfile_serialization=zipfile))
+    record = saving.write_hashed(tmp_path / "a.pt",
+                                 lambda f: torch.save(obj, f, _use_new_zipfile_serialization=zipfile))
     assert record == digests.digest_file(tmp_path / "a.pt", digests.default_algorithm())
     assert torch.equal(torch.load(tmp_path / "a.pt", weights_only=False)["w"], obj["w"])
 
@@ -234,11 +235,11 @@ def test_torch_load_through_the_hashing_reader_checks_every_chunk_it_reads(tmp_p
 
 @pytest.mark.parametrize("threads", ["0", "2"])
 def test_a_resume_check_covers_every_file_whether_the_engine_reads_it_or_not(tmp_path, monkeypatch, threads):
-    """A resume's check in one process (start_check, Check.loading, reads through a CheckpointIO,
-    finish): the small files are checked before anything is read (a damaged one is refused there), the engine's file is hashed
-    while torch.load reads it (threads 0: by the reader torch.load is handed; 2: on spare cores, and
-    torch.load reads the path) and not again after the load, and a file no read covered is hashed by
-    finish: damage anywhere is refused."""
+    """A resume's check in one process (start_check, Check.loading, reads through a CheckpointIO, finish): the small
+    files are checked before anything is read (a damaged one is refused there), the engine's file is hashed
+    while torch.load reads it (threads 0: by the reader torch.load is handed; 2: on spare cores, and torch.load
+    reads the path) and not again after the load, and a file no read covered is hashed by finish: damage
+    anywhere is refused."""
     from smp_adapter.runtime.checkpoint.integrity.hashing_io import HashingReader
     from smp_adapter.runtime.checkpoint.integrity.spare_cores import THREADS_ENV
 

@@ -6,5 +6,6 @@
 * ``io.py``: ``CheckpointIO``, the one object a partial checkpoint's engine writes and reads through;
 * ``files.py``: atomic writes, safe loads, the layout a checkpoint records;
 * ``universal.py``, ``refs.py``: the layout-independent pieces (a job of another layout resumes from them);
-* ``integrity/``: what makes a damaged checkpoint refused, not loaded (manifest, the save's digests, the resume's check, sidecars).
+* ``integrity/``: what makes a damaged checkpoint refused, not loaded (manifest, the save's digests, the
+  resume's check, sidecars).
 """

@@ -107,11 +107,11 @@ class IndexFile:
 
 
 def write_index(io, pieces, buffers, module, optimizer, keys, step, saved=None, scaler=None) -> dict:
-    """Write this rank's ``universal/rank<R>.safetensors`` into ``io.folder`` (the staging folder;
-    noted in the save's ``checkpoint.io.CheckpointIO``, hashed at the end of the save): the index of ``pieces`` ((name, parameter,
-    kind, start, 1-D values)) and ``buffers``, pointing into the engine's own files where ``saved``
-    locates the values, else holding them (buffers, a value the engine did not save as-is). Return
-    the manifest's record (``scaler``: the fp16 loss scaler, the same on every rank)."""
+    """Write this rank's ``universal/rank<R>.safetensors`` into ``io.folder`` (the staging folder; noted in the save's
+    ``checkpoint.io.CheckpointIO``, hashed at the end of the save): the index of ``pieces`` ((name, parameter,
+    kind, start, 1-D values)) and ``buffers``, pointing into the engine's own files where ``saved`` locates the
+    values, else holding them (buffers, a value the engine did not save as-is). Return the manifest's record
+    (``scaler``: the fp16 loss scaler, the same on every rank)."""
     out, tp = IndexFile(), state.dims.tp
     for name, p, kind, start, values in pieces:
         out.add(name, kind, start, values, shard_shape(p), state.coord.tp, tp, layout_of(p),

@@ -30,16 +30,15 @@ class Check:
     """A resume's check, in two collective halves around the engine's load (``start_check``, then
     ``finish``): what costs no large read (the manifest, every file there with its size, no file
     added, the contents of the small files: ``checked_before``) is settled before the engine reads
-    anything. During the load (``source``, through the engine's ``CheckpointIO``), torch.load reads each other recorded file through a
-    reader that hashes the bytes just read, while they are in the CPU's cache (a second pass through
-    a memory map costs more, and on a busy core that is the whole cost of the check), or, where the
-    rank has spare cores, hands the file to threads that hash it beside the load
-    (integrity/spare_cores.py). ``finish``
-    reduces over the ranks, in one all-reduce, which units (chunks, or whole files) every rank has
-    checked and which were damaged: every rank then holds the same verdict, and returns or raises
-    the same error before the resume returns, i.e. before a training step uses a value. Only when
-    some unit was read by no rank (another layout's resume, reading the layout-independent pieces)
-    are those split among the ranks and hashed, and the problems agreed once more."""
+    anything. During the load (``source``, through the engine's ``CheckpointIO``), torch.load reads each other
+    recorded file through a reader that hashes the bytes just read, while they are in the CPU's cache (a second
+    pass through a memory map costs more, and on a busy core that is the whole cost of the check), or, where the
+    rank has spare cores, hands the file to threads that hash it beside the load (integrity/spare_cores.py).
+    ``finish`` reduces over the ranks, in one all-reduce, which units (chunks, or whole files) every rank has
+    checked and which were damaged: every rank then holds the same verdict, and returns or raises the same error
+    before the resume returns, i.e. before a training step uses a value. Only when some unit was read by no rank
+    (another layout's resume, reading the layout-independent pieces) are those split among the ranks and hashed,
+    and the problems agreed once more."""
 
     def __init__(self, folder: Path, manifest: dict, action: str, rank: int, world_size: int, local_ranks: int = 1):
         self.folder, self.manifest, self._action, self._world, self._rank = folder, manifest, action, world_size, rank
