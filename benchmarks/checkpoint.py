@@ -23,7 +23,7 @@ with the pieces within 1.1x of DeepSpeed-only, resume memory per rank within 1.2
 pp2 (two pipeline stages): "DS only" is then the pipeline engine's own stage files.
 
 --digests (issue 30): each mode's job saves alternately without and with the file digests
-(runtime/checkpoint/integrity/manifest.py), --repeats times each; a second job resumes the checkpoint in the
+(runtime/checkpoint/integrity/saving.py), --repeats times each; a second job resumes the checkpoint in the
 same layout alternately without (SMP_ADAPTER_SKIP_CHECKPOINT_VERIFY=1) and with the check, after one
 untimed resume (--cold: the checkpoint's pages dropped from the page cache before each resume, so it
 is read from the disk as after a copy). Medians, slowest rank. Targets: both within 1.05x. Beside the
@@ -124,12 +124,12 @@ def resume_worker(args) -> None:
                   "anon_growth": anon_peak - anon_before, "world": smp.size()})
 
 
-# -- digests (runtime/checkpoint/integrity/manifest.py): save and resume with and without them, alternating -----
+# -- digests (runtime/checkpoint/integrity/saving.py, resume_check.py): save and resume with and without them --
 def _digests_at_save(on: bool) -> None:
     """Off: the save writes and records as before digests existed: torch.save to the path (not through
     the hashing file object), nothing digested afterwards; the gather that replaces the barrier still
-    runs, with nothing in it."""
-    from smp_adapter.runtime.checkpoint.integrity import manifest as digests
+    runs, with nothing in it. Every caller looks these up on the module when it calls them."""
+    from smp_adapter.runtime.checkpoint.integrity import saving as digests
 
     if not hasattr(digests, "_bench_originals"):
         digests._bench_originals = (digests.write_hashed, digests.digest_written, digests.complete)
@@ -167,7 +167,7 @@ def digest_save_worker(args) -> None:
         optimizer.zero_grad()
         train_step(model, batch(step, smp.dp_rank(), vocab=args.vocab))
         optimizer.step()
-    from smp_adapter.runtime.checkpoint.integrity import manifest as digests
+    from smp_adapter.runtime.checkpoint.integrity import saving as digests
 
     _digests_at_save(True)
     spent = [0.0]

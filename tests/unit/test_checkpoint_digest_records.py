@@ -1,4 +1,5 @@
-"""runtime/checkpoint/integrity/manifest.py on hand-made folders (no process group): what the save records, and
+"""runtime/checkpoint/integrity/ (manifest.py, saving.py) and checkpoint/io.py on hand-made folders (no process
+group): what the save records, and
 each problem `verify` reports. The saved checkpoints of every layout are damaged in
 tests/distributed/test_checkpoint_digests.py."""
 
@@ -12,19 +13,20 @@ from smp_adapter.cli import main
 from smp_adapter.errors import SMPCheckpointError, SMPUsageError
 from smp_adapter.runtime.checkpoint.integrity import manifest as digests
 from smp_adapter.runtime.checkpoint.integrity import resume_check as digest_check
-from smp_adapter.runtime.checkpoint.files import atomic_torch_save
+from smp_adapter.runtime.checkpoint.integrity import saving
+from smp_adapter.runtime.checkpoint.io import CheckpointIO
 
 
 def _checkpoint(folder, algorithm="blake2b"):
     """A folder with two files written through the checkpoint writer, and its sealed manifest."""
     (folder / "ds").mkdir(parents=True)
-    with digests.written_files() as written:
-        atomic_torch_save({"w": torch.arange(1000.0)}, str(folder / "ds" / "model.pt"))
-        atomic_torch_save({"step": 4}, str(folder / "user_content.pt"))
+    io = CheckpointIO(folder)
+    io.torch_save({"w": torch.arange(1000.0)}, folder / "ds" / "model.pt")
+    io.torch_save({"step": 4}, folder / "user_content.pt")
     (folder / "ds" / "unclaimed.py").write_text("# a file no rank noted: rank 0 digests it\n")
-    recorded = digests.digest_written(folder, written, algorithm)
+    recorded = saving.digest_written(folder, io.written, algorithm)
     assert sorted(recorded) == ["ds/model.pt", "user_content.pt"]
-    digests.write_manifest(folder, {"tag": "t", **digests.complete(folder, recorded, algorithm)})
+    saving.write_manifest(folder, {"tag": "t", **saving.complete(folder, recorded, algorithm)})
     return json.loads((folder / digests.MANIFEST).read_text())
 
 
@@ -96,7 +98,7 @@ def test_a_large_file_records_one_digest_per_chunk(tmp_path, monkeypatch, size):
     monkeypatch.setenv(digests.CHUNK_ENV, "65536")
     data = _bytes(size)
     path = tmp_path / "big.bin"
-    record = digests.write_hashed(path, lambda f: [f.write(data[i:i + 50_000]) for i in range(0, size, 50_000)],
+    record = saving.write_hashed(path, lambda f: [f.write(data[i:i + 50_000]) for i in range(0, size, 50_000)],
                                   "blake2b")
     slices = [data[i:i + 65536] for i in range(0, size, 65536)]
     chunks = [hashlib.blake2b(c, digest_size=16).hexdigest() for c in slices]
@@ -121,7 +123,7 @@ def test_a_checkpoint_saved_before_chunks_is_checked_whole(tmp_path, monkeypatch
     data = _bytes(5 * 65536)
     (tmp_path / "model.pt").write_bytes(data)
     old = {"size": len(data), "digest": hashlib.blake2b(data, digest_size=16).hexdigest()}
-    digests.write_manifest(tmp_path, {"tag": "t", digests.ALGORITHM: "blake2b", digests.FILES: {"model.pt": old}})
+    saving.write_manifest(tmp_path, {"tag": "t", digests.ALGORITHM: "blake2b", digests.FILES: {"model.pt": old}})
     assert digests.shares({"model.pt": old}, 2) == [[("model.pt", None)], []]
     assert digests.verify(tmp_path)[1] == []
     digest_check.require_intact_everywhere(tmp_path, "resume from it", 0, 1)
@@ -135,7 +137,7 @@ def test_a_chunk_size_that_cannot_be_mapped_is_refused(tmp_path, monkeypatch, va
     monkeypatch.setenv(digests.CHUNK_ENV, value)
     with pytest.raises(SMPUsageError, match=f"SMP_ADAPTER_DIGEST_CHUNK_BYTES='{value}' is not a positive multiple "
                                              "of 4096 bytes: set it to one"):
-        digests.write_hashed(tmp_path / "x", lambda f: f.write(b"x"))
+        saving.write_hashed(tmp_path / "x", lambda f: f.write(b"x"))
 
 
 @pytest.mark.parametrize("zipfile", [True, False])
@@ -143,27 +145,30 @@ def test_files_are_hashed_as_they_are_written(tmp_path, zipfile):
     """torch.save into the hashing file object: the recorded digest is the file's, computed by
     reading it back (torch's zip and legacy writers both only append)."""
     obj = {"w": torch.randn(600_000), "step": 3}  # 2.4 MB: several 1 MiB hash chunks in one write
-    record = digests.write_hashed(tmp_path / "a.pt", lambda f: torch.save(obj, f, _use_new_zipfile_serialization=zipfile))
+    record = saving.write_hashed(tmp_path / "a.pt",
+                                 lambda f: torch.save(obj, f, _use_new_zipfile_serialization=zipfile))
     assert record == digests.digest_file(tmp_path / "a.pt", digests.default_algorithm())
     assert torch.equal(torch.load(tmp_path / "a.pt", weights_only=False)["w"], obj["w"])
 
 
 @pytest.mark.parametrize("torch_save_engine", [True, False])
-def test_noting_saves_hashes_deepspeeds_files_and_restores_the_checkpoint_engine(tmp_path, torch_save_engine):
+def test_io_noting_saves_hashes_deepspeeds_files_and_restores_the_checkpoint_engine(tmp_path, torch_save_engine):
     class Engine:  # as DeepSpeed's TorchCheckpointEngine: torch.save(state_dict, path)
         def save(self, state_dict, path):
             seen.append(type(path))
             torch.save(state_dict, path)
 
     engine, seen = Engine(), []
-    with digests.written_files() as written, digests.noting_saves(engine, torch_save_engine):
+    io = CheckpointIO(tmp_path)
+    with io.noting_saves(engine, torch_save_engine):
         engine.save({"a": torch.arange(10)}, str(tmp_path / "x.pt"))
+    written = io.written
     assert "save" not in vars(engine)
     assert [path for path, _ in written] == [tmp_path / "x.pt"]
     # DeepSpeed's default engine is handed a hashing file object; any other engine its path, hashed after
     assert (seen[0] is not str) == torch_save_engine and (written[0][1] is not None) == torch_save_engine
     algorithm = digests.default_algorithm()
-    assert digests.digest_written(tmp_path, written, algorithm) == {"x.pt": digests.digest_file(tmp_path / "x.pt",
+    assert saving.digest_written(tmp_path, written, algorithm) == {"x.pt": digests.digest_file(tmp_path / "x.pt",
                                                                                                  algorithm)}
     with pytest.raises(SMPCheckpointError, match="unknown checkpoint digest algorithm 'md4': it was written by a "
                                                  "newer smp-adapter"):
@@ -206,7 +211,7 @@ def test_torch_load_through_the_hashing_reader_checks_every_chunk_it_reads(tmp_p
     monkeypatch.setenv(digests.CHUNK_ENV, "65536")
     obj = {f"w{i}": torch.randn(20_000 + i) for i in range(6)}  # 480 KB: 8 chunks, 6 records
     path = tmp_path / "m.pt"
-    record = digests.write_hashed(path, lambda f: torch.save(obj, f), "blake2b")
+    record = saving.write_hashed(path, lambda f: torch.save(obj, f), "blake2b")
     with HashingReader(path, "blake2b", record) as reader:
         loaded = torch.load(reader, weights_only=True)
     assert all(torch.equal(loaded[k], obj[k]) for k in obj)
@@ -230,22 +235,22 @@ def test_torch_load_through_the_hashing_reader_checks_every_chunk_it_reads(tmp_p
 
 @pytest.mark.parametrize("threads", ["0", "2"])
 def test_a_resume_check_covers_every_file_whether_the_engine_reads_it_or_not(tmp_path, monkeypatch, threads):
-    """A resume's check in one process (start_check, Check.reading, finish): the small files are
-    checked before anything is read (a damaged one is refused there), the engine's file is hashed
-    while torch.load reads it (threads 0: by the reader torch.load is handed; 2: on spare cores, and
-    torch.load reads the path) and not again after the load, and a file no read covered is hashed by
-    finish: damage anywhere is refused."""
+    """A resume's check in one process (start_check, Check.loading, reads through a CheckpointIO, finish): the small
+    files are checked before anything is read (a damaged one is refused there), the engine's file is hashed
+    while torch.load reads it (threads 0: by the reader torch.load is handed; 2: on spare cores, and torch.load
+    reads the path) and not again after the load, and a file no read covered is hashed by finish: damage
+    anywhere is refused."""
     from smp_adapter.runtime.checkpoint.integrity.hashing_io import HashingReader
     from smp_adapter.runtime.checkpoint.integrity.spare_cores import THREADS_ENV
 
     monkeypatch.setenv(digests.CHUNK_ENV, "65536")
     monkeypatch.setenv(THREADS_ENV, threads)
     (tmp_path / "ds").mkdir()
-    with digests.written_files() as written:
-        atomic_torch_save({f"w{i}": torch.randn(20_000 + i) for i in range(6)}, str(tmp_path / "ds" / "model.pt"))
-        atomic_torch_save({"step": 4}, str(tmp_path / "user_content.pt"))
-    recorded = digests.digest_written(tmp_path, written, "blake2b")
-    digests.write_manifest(tmp_path, {"tag": "t", **digests.complete(tmp_path, recorded, "blake2b")})
+    saved = CheckpointIO(tmp_path)
+    saved.torch_save({f"w{i}": torch.randn(20_000 + i) for i in range(6)}, tmp_path / "ds" / "model.pt")
+    saved.torch_save({"step": 4}, tmp_path / "user_content.pt")
+    recorded = saving.digest_written(tmp_path, saved.written, "blake2b")
+    saving.write_manifest(tmp_path, {"tag": "t", **saving.complete(tmp_path, recorded, "blake2b")})
     model = tmp_path / "ds" / "model.pt"
     hashed_after = []
     damaged_units = digests.damaged_units
@@ -253,9 +258,9 @@ def test_a_resume_check_covers_every_file_whether_the_engine_reads_it_or_not(tmp
     def resume(read: bool):
         check = digest_check.start_check(tmp_path, "resume from it", 0, 1)
         assert check.checked_before == {"user_content.pt"}  # hashed already, by a plain read
-        with check.reading():
+        with check.loading():
             if read:
-                with digest_check.checked_source(model) as source:
+                with CheckpointIO(tmp_path, check).source(model) as source:
                     assert isinstance(source, HashingReader) if threads == "0" else source == model.resolve()
                     torch.load(source, weights_only=True)
         hashed_after.clear()

@@ -351,7 +351,7 @@ def test_partial_checkpoint_index_points_into_deepspeeds_files_unless_switched_o
     manifest_file = tmp_path / "without_partial" / "smp_manifest.json"
     manifest = json.loads(manifest_file.read_text())
     manifest["layout"]["tp"] = 2
-    from smp_adapter.runtime.checkpoint.integrity.manifest import write_manifest
+    from smp_adapter.runtime.checkpoint.integrity.saving import write_manifest
 
     write_manifest(manifest_file.parent, manifest)  # as a tp 2 job would have written it: sealed
     with pytest.raises(SMPCheckpointError, match=r"saved with another parallel layout \(tp: saved 2 vs now 1\) and "

@@ -7,6 +7,7 @@ import torch
 
 from smp_adapter.errors import SMPUsageError
 from smp_adapter.runtime.checkpoint.integrity import manifest as digests
+from smp_adapter.runtime.checkpoint.integrity import saving
 from smp_adapter.runtime.checkpoint.integrity import spare_cores as spare
 from smp_adapter.runtime.checkpoint.integrity.records import digest_file
 
@@ -49,8 +50,8 @@ def test_the_environment_chooses_the_threads_or_is_refused_naming_the_fix(monkey
 def _saved(tmp_path, monkeypatch):
     monkeypatch.setenv(digests.CHUNK_ENV, "65536")
     path = tmp_path / "m.pt"
-    record = digests.write_hashed(path, lambda f: torch.save({f"w{i}": torch.randn(30_000 + i) for i in range(8)}, f),
-                                  "blake2b")
+    record = saving.write_hashed(path, lambda f: torch.save({f"w{i}": torch.randn(30_000 + i) for i in range(8)}, f),
+                                 "blake2b")
     assert len(record["chunks"]) == 15  # 960 KB in 64 KiB chunks: nearly four tasks' worth
     return path, record
 

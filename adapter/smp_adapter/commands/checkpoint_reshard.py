@@ -43,7 +43,7 @@ def target_dims(options: str, world_size: int):
 def reshard(folder: Path, manifest: dict, dims, out: Path) -> Path:
     """Write the resharded checkpoint; return its ``<tag>_partial`` directory."""
     from smp_adapter.parallel.layers import ShardLayout
-    from smp_adapter.runtime.checkpoint.integrity import manifest as digests
+    from smp_adapter.runtime.checkpoint.integrity import saving
     from smp_adapter.runtime.checkpoint.files import ENGINE_FILES, layout_record
     from smp_adapter.runtime.checkpoint.universal import FOLDER, NO_PIECES, IndexFile, Pieces
 
@@ -83,7 +83,7 @@ def reshard(folder: Path, manifest: dict, dims, out: Path) -> Path:
         shutil.copy2(folder / "user_content.pt", staging / "user_content.pt")
     record = {"tag": tag, "layout": layout_record(dims), "format": manifest.get("format"), "universal": universal,
               ENGINE_FILES: False, "resharded_from": manifest.get("layout")}
-    digests.write_manifest(staging, {**record, **digests.complete(staging, {}, digests.default_algorithm())})
+    saving.write_manifest(staging, {**record, **saving.complete(staging, {}, saving.default_algorithm())})
     staging.rename(final)  # complete or absent, as save_checkpoint's folders
     (out / "newest").write_text(tag)
     return final

@@ -15,7 +15,9 @@ import torch
 from smp_adapter.errors import SMPCheckpointError, SMPUsageError
 from smp_adapter.runtime.checkpoint.integrity import manifest as digests
 from smp_adapter.runtime.checkpoint.integrity import resume_check
+from smp_adapter.runtime.checkpoint.integrity import saving
 from smp_adapter.runtime.checkpoint import files as ckpt
+from smp_adapter.runtime.checkpoint.io import CheckpointIO
 from smp_adapter.runtime.checkpoint.integrity import sidecars
 from smp_adapter.runtime.checkpoint import storage
 from smp_adapter.runtime import comm_ledger
@@ -124,17 +126,17 @@ def _save_partial(path: Path, tag: str, model, optimizer, user_content, keep) ->
                             "smp.save_checkpoint(..., partial=True), or save a full checkpoint with partial=False")
     algorithm = digests.default_algorithm()
     error, own = None, {}
+    io = CheckpointIO(staging)  # notes each file this rank writes, with its digest
     try:
-        with digests.written_files() as written:
-            engine_record = model.runtime_engine.save_partial(staging, optimizer) or {}
-            rng = {"cpu": torch.get_rng_state()}
-            if torch.cuda.is_available():
-                rng["cuda"] = torch.cuda.get_rng_state()
-            ckpt.atomic_torch_save(rng, str(staging / f"rng_rank{s.rank}.pt"))
-            if s.rank == 0 and user_content is not None:
-                ckpt.atomic_torch_save(user_content, str(staging / "user_content.pt"))
-        storage.fsync_files(p for p, _ in written)  # each rank its own files: on disk before the rename
-        own = digests.digest_written(staging, written, algorithm)
+        engine_record = model.runtime_engine.save_partial(io, optimizer) or {}
+        rng = {"cpu": torch.get_rng_state()}
+        if torch.cuda.is_available():
+            rng["cuda"] = torch.cuda.get_rng_state()
+        io.torch_save(rng, staging / f"rng_rank{s.rank}.pt")
+        if s.rank == 0 and user_content is not None:
+            io.torch_save(user_content, staging / "user_content.pt")
+        storage.fsync_files(p for p, _ in io.written)  # each rank its own files: on disk before the rename
+        own = saving.digest_written(staging, io.written, algorithm)
     except Exception as exc:
         if not storage.is_storage_failure(exc):
             raise
@@ -147,7 +149,7 @@ def _save_partial(path: Path, tag: str, model, optimizer, user_content, keep) ->
         raise SMPCheckpointError(errors[0])
     # each rank digests what it wrote (still in the page cache); the gather is also the barrier after
     # which every rank's files are in staging
-    recorded = digests.gather(own, s.world_size)
+    recorded = saving.gather(own, s.world_size)
     error = None
     if s.rank == 0:
         try:
@@ -168,8 +170,8 @@ def _publish(path: Path, tag: str, staging: Path, final: Path, recorded: dict, a
              engine_record: dict) -> None:
     """Rank 0: the manifest, then the rename that makes the checkpoint visible, then ``newest``."""
     manifest = {"tag": tag, "layout": ckpt.current_layout(), "format": "smp-adapter/1", **engine_record,
-                **digests.complete(staging, recorded, algorithm)}
-    digests.write_manifest(staging, manifest)
+                **saving.complete(staging, recorded, algorithm)}
+    saving.write_manifest(staging, manifest)
     storage.fsync_file(staging / ckpt.MANIFEST)
     storage.fsync_tree(staging)
     if final.exists():
@@ -270,11 +272,11 @@ def _resume_partial(path: Path, model, tag: str, strict: bool, load_optimizer: b
     check = resume_check.start_check(folder, "resume from it", s.rank, s.world_size, s.local_size)
     manifest = check.manifest
     difference = ckpt.layout_difference(manifest.get("layout", {}))
+    io = CheckpointIO(folder, check)  # the engine's torch.load reads go through the check, hashed as read
     try:
-        with check.reading():  # torch.load's files hashed as it reads them (resume_check.Check)
+        with check.loading():
             if difference is None and manifest.get(ckpt.ENGINE_FILES, True):
-                model.runtime_engine.load_partial(folder, s.optimizer, strict,
-                                                  load_optimizer)
+                model.runtime_engine.load_partial(io, s.optimizer, strict, load_optimizer)
             else:  # another layout, or rewritten by `checkpoint reshard`: the universal pieces, or a clear refusal
                 difference = difference or f"rewritten by smp-adapter checkpoint reshard from {manifest.get('resharded_from')}"
                 model.runtime_engine.load_partial_from_other_layout(folder, s.optimizer, manifest, difference)

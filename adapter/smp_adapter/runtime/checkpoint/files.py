@@ -2,7 +2,7 @@
 but ``state``, the errors and the digests' leaf).
 
 * ``atomic_torch_save``: write to a temporary name, then rename, so a crash never leaves a torn file
-  (and note the file for the checkpoint's digests);
+  (hashed as written: its digest returned, for the checkpoint's records);
 * ``safe_torch_load``: ``torch.load(weights_only=True)``, letting through the plain-data objects client
   scripts store (transformers configs, argparse.Namespace), with a clear error for anything else;
 * the marks a partial state dict carries (``PARTIAL_MARK``, ``LAYOUT_MARK``) and the layout check
@@ -11,14 +11,14 @@ but ``state``, the errors and the digests' leaf).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 
 import torch
 
 from smp_adapter.errors import SMPCheckpointError
-from smp_adapter.runtime.checkpoint.integrity import manifest as digests
-from smp_adapter.runtime.checkpoint.integrity import resume_check
+from smp_adapter.runtime.checkpoint.integrity import saving
 from smp_adapter.runtime.checkpoint.integrity.manifest import MANIFEST  # noqa: F401 - its one home
 from smp_adapter.runtime.checkpoint.storage import fsync_file
 from smp_adapter.runtime.state import state
@@ -67,14 +67,13 @@ def atomic_torch_save(obj, path: str, pickle_protocol: int = 2) -> dict:
     tmp = f"{path}.tmp.{os.getpid()}"
 
     try:
-        record = digests.write_hashed(tmp, lambda f: torch.save(obj, f, pickle_protocol=pickle_protocol))
+        record = saving.write_hashed(tmp, lambda f: torch.save(obj, f, pickle_protocol=pickle_protocol))
         fsync_file(tmp)  # on disk before the rename publishes it
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):  # a failed write (disk full) leaves nothing behind
             os.remove(tmp)
         raise
-    digests.note_written(path, record)  # inside a partial checkpoint's save: its digest (checkpoint/integrity/manifest.py)
     return record
 
 
@@ -141,15 +140,21 @@ def _trusted() -> bool:
     return os.environ.get(TRUST_ENV, "").strip().lower() in ("1", "true", "yes")
 
 
-def safe_torch_load(path: str, map_location=None, weights_only: bool = True):
+def _read_path(path):
+    return contextlib.nullcontext(path)
+
+
+def safe_torch_load(path: str, map_location=None, weights_only: bool = True, opener=_read_path):
     """torch.load with weights_only=True, plus the plain-data classes above; ``weights_only=False``
-    (or SMP_ADAPTER_TRUST_CHECKPOINTS=1 for the whole job) loads any pickle, as smp v1 did."""
+    (or SMP_ADAPTER_TRUST_CHECKPOINTS=1 for the whole job) loads any pickle, as smp v1 did.
+    ``opener(path)``: a context manager giving what torch.load reads (a resume's CheckpointIO hands
+    a reader that hashes the bytes for its digest check, checkpoint/io.py); by default the path."""
     if not os.path.exists(path):
         raise SMPCheckpointError(f"checkpoint file {path} does not exist: check the path and tag")
     if not weights_only or _trusted():
-        return _load(path, map_location, weights_only=False)
+        return _load(path, map_location, False, opener)
     try:
-        with resume_check.checked_source(path) as source:  # hashed as read, inside a checked resume
+        with opener(path) as source:
             return torch.load(source, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError:
         pass  # other Python objects in the file: see whether they are plain data
@@ -173,12 +178,12 @@ def safe_torch_load(path: str, map_location=None, weights_only: bool = True):
         # file names only once unpickling reaches it: all of them, and numpy.dtype itself
         allowed += _numpy_dtype_classes()
     with torch.serialization.safe_globals(allowed):
-        return _load(path, map_location, weights_only=True)
+        return _load(path, map_location, True, opener)
 
 
-def _load(path: str, map_location, weights_only: bool):
+def _load(path: str, map_location, weights_only: bool, opener):
     try:
-        with resume_check.checked_source(path) as source:
+        with opener(path) as source:
             return torch.load(source, map_location=map_location, weights_only=weights_only)
     except Exception as exc:  # noqa: BLE001 - pickle / zip errors: the file is not a torch checkpoint
         _not_a_checkpoint(path, exc)

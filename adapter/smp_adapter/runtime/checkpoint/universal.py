@@ -38,7 +38,6 @@ import torch.distributed as dist
 
 from smp_adapter.errors import SMPCheckpointError
 from smp_adapter.parallel.layers import LAYOUT_ATTR, ShardLayout
-from smp_adapter.runtime.checkpoint.integrity.manifest import note_written
 from smp_adapter.runtime.state import state
 
 FOLDER = "universal"
@@ -105,26 +104,27 @@ class IndexFile:
         from safetensors.torch import save_file
 
         save_file(self.tensors, str(path), metadata={"index": json.dumps(self.index)})
-        note_written(path)
 
 
-def write_index(staging: Path, pieces, buffers, module, optimizer, keys, step, saved=None, scaler=None) -> dict:
-    """Write this rank's ``universal/rank<R>.safetensors``: the index of ``pieces`` ((name, parameter,
-    kind, start, 1-D values)) and ``buffers``, pointing into the engine's own files where ``saved``
-    locates the values, else holding them (buffers, a value the engine did not save as-is). Return
-    the manifest's record (``scaler``: the fp16 loss scaler, the same on every rank)."""
+def write_index(io, pieces, buffers, module, optimizer, keys, step, saved=None, scaler=None) -> dict:
+    """Write this rank's ``universal/rank<R>.safetensors`` into ``io.folder`` (the staging folder; noted in the save's
+    ``checkpoint.io.CheckpointIO``, hashed at the end of the save): the index of ``pieces`` ((name, parameter,
+    kind, start, 1-D values)) and ``buffers``, pointing into the engine's own files where ``saved`` locates the
+    values, else holding them (buffers, a value the engine did not save as-is). Return the manifest's record
+    (``scaler``: the fp16 loss scaler, the same on every rank)."""
     out, tp = IndexFile(), state.dims.tp
     for name, p, kind, start, values in pieces:
         out.add(name, kind, start, values, shard_shape(p), state.coord.tp, tp, layout_of(p),
                 ref=saved.locate(values) if saved is not None else None)
     for name, b in buffers:
         out.add(name, "buffer", 0, b.detach().reshape(-1).clone(), list(b.shape), 0, tp, None, dtype=str(b.dtype))
-    folder = staging / FOLDER
+    folder = Path(io.folder) / FOLDER
     if state.rank == 0:
         folder.mkdir(parents=True, exist_ok=True)
     if state.world_size > 1:
         dist.barrier()
     out.save(folder / f"rank{state.rank}.safetensors")
+    io.note(folder / f"rank{state.rank}.safetensors")
     groups = [{k: g[k] for k in GROUP_KEYS if k in g} for g in optimizer.param_groups]
     config = getattr(module, "config", None)  # a Hugging Face model's: lets `checkpoint export --to hf` write config.json
     hf_config = (json.loads(config.to_json_string(use_diff=False))

@@ -257,13 +257,16 @@ class Engine(ABC):
 
     # -- partial checkpoints (runtime/checkpoint/dirs.py) ----------------------------------------
     @abstractmethod
-    def save_partial(self, staging, optimizer) -> dict:
-        """Write this rank's model and optimizer state into the staging directory; return what the
-        manifest should record about it (rank 0's return value is kept)."""
+    def save_partial(self, io, optimizer) -> dict:
+        """Write this rank's model and optimizer state into ``io.folder`` (the staging directory),
+        every file through ``io`` (runtime/checkpoint/io.py ``CheckpointIO``: written with
+        ``io.torch_save``, or noted with ``io.note``); return what the manifest should record about it
+        (rank 0's return value is kept)."""
 
     @abstractmethod
-    def load_partial(self, folder, optimizer, strict: bool, load_optimizer: bool) -> None:
-        """Load a partial checkpoint saved by this same layout."""
+    def load_partial(self, io, optimizer, strict: bool, load_optimizer: bool) -> None:
+        """Load a partial checkpoint saved by this same layout from ``io.folder``, reading every file
+        through ``io`` (``io.torch_load``, or ``io.source``), which hashes it for the resume's check."""
 
     def load_partial_from_other_layout(self, folder, optimizer, manifest: dict, difference: str) -> None:
         """Load a partial checkpoint saved by another layout (``difference`` says how it differs)

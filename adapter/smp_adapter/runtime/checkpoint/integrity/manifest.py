@@ -1,32 +1,26 @@
-"""Digests of every file of a partial checkpoint, recorded at save and checked before a checkpoint
-is used (resume, ``smp-adapter checkpoint export / reshard / verify``). A leaf on the shared floor:
-no engine is imported here; the engines' writers only tell ``note_written`` what they wrote.
+"""A partial checkpoint's manifest (``smp_manifest.json``) and the checks against it, before a
+checkpoint is used (resume, ``smp-adapter checkpoint export / reshard / verify``). A leaf on the
+shared floor: no engine is imported here.
 
-Manifest fields (``smp_manifest.json``):
+Manifest fields:
     digest_algorithm   "xxh3_128" (the ``xxhash`` package) or "blake2b" (hashlib, when xxhash is absent)
-    files              {path relative to the folder: a record (runtime/checkpoint/integrity/records.py: size, digest,
+    files              {path relative to the folder: a record (integrity/records.py: size, digest,
                        and per-chunk digests for a file over one chunk)} for every file but the
                        manifest: the engine's files (DeepSpeed's ``ds/`` included), the
                        layout-independent pieces, RNG states, user content
     manifest_digest    the digest of the manifest's own JSON without this field (sorted keys)
 
-Save: the files are hashed as they are written (``write_hashed``: torch.save into a file object that
-hashes each 1 MiB before writing it, while those bytes are in the CPU's cache; DeepSpeed's default
-checkpoint engine is handed that file object instead of its path, ``noting_saves``); a file some
-writer did not hash (the safetensors index, another checkpoint engine's files) is hashed right after.
-The digests are gathered, and rank 0 digests anything no rank claimed (DeepSpeed's
-``zero_to_fp32.py``) before writing the manifest, all inside the staging folder that is renamed into
-place afterwards (the save stays atomic). Check: ``verify`` / ``require_intact`` in one process
+Save: integrity/saving.py (the digests gathered, the manifest written), fed by the files the save's
+``checkpoint/io.py`` ``CheckpointIO`` noted. Check: ``verify`` / ``require_intact`` in one process
 (``checkpoint verify / export / reshard``); a resume's check around the engine's load, in every
-rank, is runtime/checkpoint/integrity/resume_check.py, built on the pieces here (``read_manifest``, ``check_sizes``,
+rank, is integrity/resume_check.py, built on the pieces here (``read_manifest``, ``check_sizes``,
 ``check_contents``, ``shares``, ``agree``, ``refusal``).
 ``smp.save`` / full checkpoints: a ``<file>.smp_digest`` record beside each file
-(runtime/checkpoint/integrity/sidecars.py).
+(integrity/sidecars.py).
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import warnings
@@ -34,10 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from smp_adapter.errors import SMPCheckpointError
-from smp_adapter.runtime.checkpoint.integrity import hashing_io
 from smp_adapter.runtime.checkpoint.integrity.records import (CHUNK_ENV, SKIP_ENV, default_algorithm, digest_file, hasher, unit_bytes,  # noqa: F401
                                                 damaged_units, unit_range, units)
-from smp_adapter.runtime.checkpoint.integrity.spare_cores import writer_helper
 
 MANIFEST = "smp_manifest.json"
 FILES = "files"
@@ -49,124 +41,10 @@ def skipped() -> bool:
     return os.environ.get(SKIP_ENV, "").strip().lower() in ("1", "true", "yes")
 
 
-# -- save ------------------------------------------------------------------------------------------
-_written: list | None = None  # (path, its default-algorithm digest or None) per file written in a ``written_files`` block
-
-
-def write_hashed(path, write, algorithm: str | None = None) -> dict:
-    """``hashing_io.write_hashed``, hashing beside the write on a spare core where this rank has one."""
-    return hashing_io.write_hashed(path, write, algorithm, writer_helper())
-
-
-def note_written(path, record: dict | None = None) -> None:
-    """Called by every checkpoint writer once a file is complete, with its digest (``write_hashed``,
-    default algorithm) when it was hashed while written (atomic_torch_save, DeepSpeed's files); the
-    others are hashed at the end of the save."""
-    if _written is not None:
-        _written.append((Path(path), record))
-
-
-@contextlib.contextmanager
-def written_files():
-    """``with written_files() as files:`` ... the (path, record) of each file this process wrote meanwhile."""
-    global _written
-    previous, _written = _written, []
-    try:
-        yield _written
-    finally:
-        _written = previous
-
-
-@contextlib.contextmanager
-def noting_saves(checkpoint_engine, writes_with_torch_save: bool):
-    """DeepSpeed's checkpoint engine writes its files itself: note each path it saves to. Its default
-    engine (``writes_with_torch_save``: ``torch.save(state_dict, path)``) is handed a hashing file
-    object instead of the path, so the file is hashed as it is written; any other engine's files are
-    hashed after the save.
-
-    Yields a list of the storage failures (disk full, any OSError) of its writes: they do not raise
-    inside DeepSpeed's save, whose collectives (barriers) the other ranks are waiting in; the caller
-    raises the first one once DeepSpeed returned (checkpoint/dirs.py makes every rank raise it)."""
-    from smp_adapter.runtime.checkpoint.storage import is_storage_failure
-
-    had_own = "save" in vars(checkpoint_engine)
-    original = checkpoint_engine.save
-    failures: list = []
-
-    def save(state_dict, path, *args, **kwargs):
-        try:
-            if writes_with_torch_save and isinstance(path, (str, os.PathLike)):
-                note_written(path, write_hashed(path, lambda f: original(state_dict, f, *args, **kwargs)))
-                return None
-            result = original(state_dict, path, *args, **kwargs)
-        except Exception as exc:
-            if not is_storage_failure(exc):
-                raise
-            failures.append(exc)
-            return None
-        note_written(path)
-        return result
-
-    checkpoint_engine.save = save
-    try:
-        yield failures
-    finally:
-        if had_own:
-            checkpoint_engine.save = original
-        else:
-            vars(checkpoint_engine).pop("save", None)
-
-
-def digest_written(root: Path, written, algorithm: str) -> dict:
-    """{relative path: digest} of the files this rank wrote under ``root`` (hashed now when their
-    writer did not hash them)."""
-    root = Path(root).resolve()
-    out = {}
-    for path, record in written:
-        path = Path(path).resolve()
-        if path.is_file() and path.is_relative_to(root):
-            hashed = record if algorithm == default_algorithm() else None
-            out[path.relative_to(root).as_posix()] = hashed or digest_file(path, algorithm)
-    return out
-
-
-def gather(own: dict, world_size: int) -> dict:
-    """Every rank's digests, merged (collective: every rank calls it; it doubles as the barrier after
-    which every rank's files are complete)."""
-    if world_size == 1:
-        return dict(own)
-    import torch.distributed as dist
-
-    views = [None] * world_size
-    dist.all_gather_object(views, own)
-    merged = {}
-    for view in views:
-        merged.update(view)
-    return merged
-
-
-def complete(root: Path, recorded: dict, algorithm: str) -> dict:
-    """The manifest's digest fields for every file under ``root``: ``recorded`` plus the files no rank
-    claimed (digested here)."""
-    files = {}
-    for path in sorted(p for p in Path(root).rglob("*") if p.is_file()):
-        rel = path.relative_to(root).as_posix()
-        if rel != MANIFEST:
-            files[rel] = recorded.get(rel) or digest_file(path, algorithm)
-    return {ALGORITHM: algorithm, FILES: files}
-
-
 def _own_digest(manifest: dict, algorithm: str) -> str:
     h = hasher(algorithm)
     h.update(json.dumps({k: v for k, v in manifest.items() if k != SELF}, sort_keys=True).encode())
     return h.hexdigest()
-
-
-def write_manifest(folder: Path, manifest: dict) -> None:
-    """The manifest, carrying its own digest when it records file digests."""
-    if ALGORITHM in manifest:
-        manifest = {**manifest, SELF: _own_digest(manifest, manifest[ALGORITHM])}
-    (Path(folder) / MANIFEST).write_text(json.dumps(manifest, indent=1))
 
 
 # -- check -----------------------------------------------------------------------------------------

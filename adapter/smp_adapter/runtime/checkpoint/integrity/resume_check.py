@@ -1,11 +1,12 @@
 """A resume's digest check, in every rank, around the engine's load (``start_check`` before it,
-``Check.reading`` during it, ``Check.finish`` after it; runtime/checkpoint/dirs.py runs them): the
+``Check.source`` for each file the engine reads, ``Check.finish`` after it; runtime/checkpoint/dirs.py
+runs them, the engine reads through the ``CheckpointIO`` of checkpoint/io.py that holds the Check): the
 manifest, the file list, sizes and small files before the engine reads anything; the engine's files
 hashed while it reads them (as read, ``hashing_io.HashingReader``, or on spare cores beside the
-load, runtime/checkpoint/integrity/spare_cores.py); one all-reduce of every chunk's state gives every rank the
+load, integrity/spare_cores.py); one all-reduce of every chunk's state gives every rank the
 verdict before the resume returns, so all ranks raise the same error naming the file (none is left
 waiting in a later collective); only chunks no rank read (another layout's resume) are split among
-the ranks and hashed after. The records and the one-process checks: runtime/checkpoint/integrity/manifest.py.
+the ranks and hashed after. The records and the one-process checks: integrity/manifest.py.
 """
 
 from __future__ import annotations
@@ -22,41 +23,6 @@ from smp_adapter.runtime.checkpoint.integrity.hashing_io import HashingReader
 from smp_adapter.runtime.checkpoint.integrity.records import due_units, hasher, small
 from smp_adapter.runtime.checkpoint.integrity.spare_cores import SpareCoreHasher, hashing_threads
 
-_reading = None  # the Check whose files torch.load reads through a HashingReader (``Check.reading``)
-
-
-@contextlib.contextmanager
-def checked_source(path, shared_by: tuple[int, int] = (0, 1)):
-    """``with checked_source(path) as source: torch.load(source, ...)``: inside a resume's engine load
-    (``Check.reading``), a reader that hashes the bytes torch.load reads (``HashingReader``) when
-    ``path`` is a recorded file of the checkpoint being checked; otherwise the path itself.
-    ``shared_by`` = (position, count): the engine reads this file whole on ``count`` ranks, and this
-    one hashes every count-th chunk (a chunk no rank hashed is checked after the load all the same)."""
-    check, reader = _reading, None
-    if check is not None:
-        path_ = Path(path).resolve()
-        if path_.is_relative_to(check.root):
-            name = path_.relative_to(check.root).as_posix()
-            record = check.manifest[FILES].get(name)
-            if record is not None and name not in check.checked_before and (name, shared_by) not in check.read_whole:
-                if check.spare_cores is not None:  # hashed beside the load; torch.load reads the path itself
-                    check.readers.append((name, check.spare_cores.submit(path_, check.manifest[ALGORITHM], record,
-                                                                         shared_by)))
-                    check.read_whole.add((name, shared_by))
-                else:
-                    reader = HashingReader(path_, check.manifest[ALGORITHM], record, shared_by)
-                    check.readers.append((name, reader))
-    try:
-        yield reader if reader is not None else path
-    finally:
-        if reader is not None:
-            reader.close()
-            # read again later (DeepSpeed reads its model file twice: once to check the mp size), it
-            # is not hashed again when this read checked every chunk it was to
-            if all(i in reader.checked for i in due_units(record, shared_by)):
-                check.read_whole.add((name, shared_by))
-
-
 OK, DAMAGED = 1, 2  # a unit's state after the load, reduced over the ranks by maximum (0: no rank checked it)
 
 
@@ -64,16 +30,15 @@ class Check:
     """A resume's check, in two collective halves around the engine's load (``start_check``, then
     ``finish``): what costs no large read (the manifest, every file there with its size, no file
     added, the contents of the small files: ``checked_before``) is settled before the engine reads
-    anything. During the load (``reading``), torch.load reads each other recorded file through a
-    reader that hashes the bytes just read, while they are in the CPU's cache (a second pass through
-    a memory map costs more, and on a busy core that is the whole cost of the check), or, where the
-    rank has spare cores, hands the file to threads that hash it beside the load
-    (runtime/checkpoint/integrity/spare_cores.py). ``finish``
-    reduces over the ranks, in one all-reduce, which units (chunks, or whole files) every rank has
-    checked and which were damaged: every rank then holds the same verdict, and returns or raises
-    the same error before the resume returns, i.e. before a training step uses a value. Only when
-    some unit was read by no rank (another layout's resume, reading the layout-independent pieces)
-    are those split among the ranks and hashed, and the problems agreed once more."""
+    anything. During the load (``source``, through the engine's ``CheckpointIO``), torch.load reads each other
+    recorded file through a reader that hashes the bytes just read, while they are in the CPU's cache (a second
+    pass through a memory map costs more, and on a busy core that is the whole cost of the check), or, where the
+    rank has spare cores, hands the file to threads that hash it beside the load (integrity/spare_cores.py).
+    ``finish`` reduces over the ranks, in one all-reduce, which units (chunks, or whole files) every rank has
+    checked and which were damaged: every rank then holds the same verdict, and returns or raises the same error
+    before the resume returns, i.e. before a training step uses a value. Only when some unit was read by no rank
+    (another layout's resume, reading the layout-independent pieces) are those split among the ranks and hashed,
+    and the problems agreed once more."""
 
     def __init__(self, folder: Path, manifest: dict, action: str, rank: int, world_size: int, local_ranks: int = 1):
         self.folder, self.manifest, self._action, self._world, self._rank = folder, manifest, action, world_size, rank
@@ -85,17 +50,45 @@ class Check:
         self.spare_cores = SpareCoreHasher(threads) if threads else None  # else hashed as read (HashingReader)
 
     @contextlib.contextmanager
-    def reading(self):
-        global _reading
-        previous, _reading = _reading, (self if self._active else None)
+    def loading(self):
+        """Around the engine's load: an exception stops the spare cores' hashing of this resume."""
         try:
             yield
         except BaseException:
             if self.spare_cores is not None:
                 self.spare_cores.cancel()
             raise
+
+    @contextlib.contextmanager
+    def source(self, path, shared_by: tuple[int, int] = (0, 1)):
+        """``with check.source(path) as source: torch.load(source, ...)``: a reader that hashes the bytes
+        torch.load reads (``HashingReader``) when ``path`` is a recorded file of this checkpoint not
+        checked yet; otherwise the path itself (the file handed to spare cores, or nothing to check).
+        ``shared_by`` = (position, count): the engine reads this file whole on ``count`` ranks, and this
+        one hashes every count-th chunk (a chunk no rank hashed is checked after the load all the same)."""
+        reader = None
+        if self._active:
+            path_ = Path(path).resolve()
+            if path_.is_relative_to(self.root):
+                name = path_.relative_to(self.root).as_posix()
+                record = self.manifest[FILES].get(name)
+                if record is not None and name not in self.checked_before and (name, shared_by) not in self.read_whole:
+                    if self.spare_cores is not None:  # hashed beside the load; torch.load reads the path itself
+                        self.readers.append((name, self.spare_cores.submit(path_, self.manifest[ALGORITHM], record,
+                                                                           shared_by)))
+                        self.read_whole.add((name, shared_by))
+                    else:
+                        reader = HashingReader(path_, self.manifest[ALGORITHM], record, shared_by)
+                        self.readers.append((name, reader))
+        try:
+            yield reader if reader is not None else path
         finally:
-            _reading = previous
+            if reader is not None:
+                reader.close()
+                # read again later (DeepSpeed reads its model file twice: once to check the mp size), it
+                # is not hashed again when this read checked every chunk it was to
+                if all(i in reader.checked for i in due_units(record, shared_by)):
+                    self.read_whole.add((name, shared_by))
 
     def every_problem(self) -> list:
         """Not collective: every file checked by this rank alone, for a rank whose engine could not read a

@@ -1,6 +1,6 @@
 """A checkpoint's hashing on the node's spare cores, beside the rank's own work (a leaf on the shared
-floor: runtime/checkpoint/integrity/manifest.py asks it for the save's helper thread, runtime/checkpoint/integrity/resume_check.py
-for the resume's pool).
+floor: runtime/checkpoint/integrity/saving.py asks it for the save's helper thread,
+runtime/checkpoint/integrity/resume_check.py for the resume's pool).
 
 Two ways to hash, each as strong as the other (every byte of every chunk a rank is due to record or
 check is hashed, and a check compares it before the resume returns):

@@ -309,25 +309,23 @@ class DeepSpeedEngine(StartsThroughDeepSpeed, Engine):
 
     # -- partial checkpoints: DeepSpeed's own format under <tag>_partial/ds, and layout-independent
     # pieces under <tag>_partial/universal (runtime/engines/deepspeed/universal_checkpoint.py) ----------------------
-    def save_partial(self, staging, optimizer) -> dict:
+    def save_partial(self, io, optimizer) -> dict:
         from smp_adapter.runtime.checkpoint import universal
         from smp_adapter.runtime.engines.deepspeed import universal_checkpoint
         from smp_adapter.runtime.checkpoint.refs import SavedTensors
 
         from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
 
-        from smp_adapter.runtime.checkpoint.integrity.manifest import noting_saves
-
-        checkpoint_engine = self._ds.checkpoint_engine
+        staging, checkpoint_engine = Path(io.folder), self._ds.checkpoint_engine
         # the files DeepSpeed writes for this rank are hashed as they are written (its default engine)
-        with noting_saves(checkpoint_engine, type(checkpoint_engine).save is TorchCheckpointEngine.save) as failed:
+        with io.noting_saves(checkpoint_engine, type(checkpoint_engine).save is TorchCheckpointEngine.save) as failed:
             if not universal.enabled():
                 self._ds.save_checkpoint(str(staging), tag="ds", save_latest=False)
             else:
                 with SavedTensors(self._ds, Path(staging)) as saved:  # the index points into these files
                     self._ds.save_checkpoint(str(staging), tag="ds", save_latest=False)
         record = {} if not universal.enabled() else \
-            {"universal": universal_checkpoint.save(self._ds, self.model.module, Path(staging), saved)}
+            {"universal": universal_checkpoint.save(self._ds, self.model.module, io, saved)}
         if failed:  # a write failed (disk full): raised once the save's collectives (DeepSpeed's, ours) are done
             raise failed[0]
         return record
@@ -337,21 +335,19 @@ class DeepSpeedEngine(StartsThroughDeepSpeed, Engine):
 
         universal_checkpoint.load(self._ds, self.model.module, Path(folder), universal)
 
-    def load_partial(self, folder, optimizer, strict: bool, load_optimizer: bool) -> None:
+    def load_partial(self, io, optimizer, strict: bool, load_optimizer: bool) -> None:
         from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
 
-        from smp_adapter.runtime.checkpoint.integrity.resume_check import checked_source
-
-        checkpoint_engine = self._ds.checkpoint_engine
+        folder, checkpoint_engine = io.folder, self._ds.checkpoint_engine
         read = checkpoint_engine.load
         # its default engine (torch.load(path)) is handed a file object that hashes what it reads
-        # inside a checked resume (resume_check.Check); any other engine reads its path
+        # for the resume's check (io.source); any other engine reads its path
         torch_load_engine = type(checkpoint_engine).load is TorchCheckpointEngine.load
 
         def load(path, *args, **kwargs):
             try:
                 if torch_load_engine:
-                    with checked_source(path, _shared_by(path)) as source:
+                    with io.source(path, _shared_by(path)) as source:
                         return read(source, *args, **kwargs)
                 return read(path, *args, **kwargs)
             except Exception as exc:  # noqa: BLE001 - torch's reader on a file cut short: "[Errno 22] Invalid argument"

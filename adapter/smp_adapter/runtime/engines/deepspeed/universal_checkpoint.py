@@ -91,8 +91,9 @@ def _pieces_to_write(engine, p, keys) -> list[tuple[str, int, torch.Tensor]]:
     return [(kind, 0, v.detach().reshape(-1)) for kind, v in values.items()]
 
 
-def save(engine, module, staging: Path, saved=None) -> dict:
-    """The DeepSpeed engine's index (pp = 1); return what the manifest records (rank 0's view).
+def save(engine, module, io, saved=None) -> dict:
+    """The DeepSpeed engine's index (pp = 1), written into ``io.folder`` through ``io`` (the save's
+    ``checkpoint.io.CheckpointIO``); return what the manifest records (rank 0's view).
     ``saved``: a ``checkpoint.refs.SavedTensors`` around DeepSpeed's save."""
     inner = _inner_optimizer(engine)
     keys = state_keys(inner)
@@ -100,7 +101,7 @@ def save(engine, module, staging: Path, saved=None) -> dict:
               if layout_of(p) is not None or state.coord.tp == 0  # held whole by every TP rank: TP rank 0 records
               for kind, start, values in _pieces_to_write(engine, p, keys)]
     buffers = persistent_buffers(module, module.named_buffers()) if state.rank == 0 else []  # the same everywhere
-    return write_index(staging, pieces, buffers, module, inner, keys, step_count(inner), saved,
+    return write_index(io, pieces, buffers, module, inner, keys, step_count(inner), saved,
                        scaler=loss_scaler(engine.optimizer))
 
 

@@ -25,7 +25,6 @@ from __future__ import annotations
 from pathlib import Path
 
 from smp_adapter.errors import SMPCheckpointError, SMPUsageError
-from smp_adapter.runtime.checkpoint.files import atomic_torch_save, safe_torch_load
 from smp_adapter.runtime.state import state
 
 STAGE_MARK = "_smp_stage_units"
@@ -46,9 +45,10 @@ def mark_stage(runner, sd: dict) -> dict:
     return sd
 
 
-def save_stage(staging: Path, runner, optimizer, saved=None) -> dict | None:
-    """This rank's part of a partial checkpoint (rdp rank 0 of each (pp, tp) position writes the
-    stage file); return the stage file's object (None on other rdp ranks). ``saved``: a
+def save_stage(io, runner, optimizer, saved=None) -> dict | None:
+    """This rank's part of a partial checkpoint, into ``io.folder`` through ``io`` (a
+    ``checkpoint.io.CheckpointIO``; rdp rank 0 of each (pp, tp) position writes the stage file);
+    return the stage file's object (None on other rdp ranks). ``saved``: a
     ``checkpoint.refs.SavedTensors`` told what each file holds."""
     model = runner.model
     if not runner.built:
@@ -58,9 +58,11 @@ def save_stage(staging: Path, runner, optimizer, saved=None) -> dict | None:
     c = state.coord
     sharded = state.dims.zero_stage > 0
     mixed = getattr(optimizer, "mixed_precision", None)
+    staging = Path(io.folder)
     staging.mkdir(parents=True, exist_ok=True)
+
     def save(obj, path: Path) -> None:
-        atomic_torch_save(obj, str(path))
+        io.torch_save(obj, path)
         if saved is not None:
             saved.record(path, obj)
 
@@ -76,7 +78,7 @@ def save_stage(staging: Path, runner, optimizer, saved=None) -> dict | None:
     return blob
 
 
-def save_universal(staging: Path, runner, optimizer, mixed, saved, blob) -> dict:
+def save_universal(io, runner, optimizer, mixed, saved, blob) -> dict:
     """The layout-independent index (runtime/checkpoint/universal.py) of this stage, so that a job
     with another layout can resume the checkpoint. Each value is recorded once: parameters (fp32
     masters under fp16/bf16) by rdp rank 0 of their (pp, tp) position, a tied parameter by the
@@ -116,7 +118,7 @@ def save_universal(staging: Path, runner, optimizer, mixed, saved, blob) -> dict
     module = runner.model.module
     buffers = (universal.persistent_buffers(module, runner.local_named_buffers()) if c.tp == 0 and c.rdp == 0
                else [])
-    return universal.write_index(staging, pieces, buffers, module, torch_optimizer, keys, step, saved,
+    return universal.write_index(io, pieces, buffers, module, torch_optimizer, keys, step, saved,
                                  scaler=mixed.scaler if mixed is not None else None)
 
 
@@ -165,14 +167,15 @@ def load_universal(runner, folder: Path, universal: dict, mixed):
     return load_optimizer_state
 
 
-def load_stage(folder: Path, model, optimizer, strict: bool, load_optimizer: bool) -> None:
-    c = state.coord
+def load_stage(io, model, optimizer, strict: bool, load_optimizer: bool) -> None:
+    """This rank's stage file (and optimizer shard) from ``io.folder``, read through ``io``."""
+    c, folder = state.coord, Path(io.folder)
     path = stage_file(folder, c.pp, c.tp)
     if not path.exists():
         raise SMPCheckpointError(f"{folder} has no {path.name} for this rank (pp_rank {c.pp}, tp_rank {c.tp}): it was "
                                  "not written by a pipeline-parallel run with this layout; resume from a checkpoint "
                                  "saved with the same pipeline_parallel_degree and tensor_parallel_degree")
-    blob = safe_torch_load(str(path))
+    blob = io.torch_load(path)
     if not isinstance(blob, dict) or "model" not in blob:
         raise SMPCheckpointError(f"{path} is not an smp-adapter stage checkpoint (no 'model' entry)")
     model.load_state_dict(blob["model"], strict=strict)
@@ -191,7 +194,7 @@ def load_stage(folder: Path, model, optimizer, strict: bool, load_optimizer: boo
             raise SMPCheckpointError(f"{folder} has no {shard.name}: it was saved without shard_optimizer_state or with "
                                      "another data-parallel degree; resume with the saving run's options, or pass "
                                      "load_optimizer=False to start the optimizer afresh")
-        optimizer.load_state_dict(safe_torch_load(str(shard)))
+        optimizer.load_state_dict(io.torch_load(shard))
     elif blob.get("optimizer") is not None:
         optimizer.load_state_dict(blob["optimizer"])
 

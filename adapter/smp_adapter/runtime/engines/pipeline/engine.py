@@ -224,22 +224,22 @@ class PipelineEngine(StartsThroughDeepSpeed, Engine):
             optimizer.load_state_dict(sd)
 
     # -- partial checkpoints: one file per stage ---------------------------------------------------
-    def save_partial(self, staging, optimizer) -> dict:
+    def save_partial(self, io, optimizer) -> dict:
         from smp_adapter.runtime.engines.pipeline.checkpoint import save_stage, save_universal
         from smp_adapter.runtime.checkpoint import universal
         from smp_adapter.runtime.checkpoint.refs import SavedTensors
 
         if not universal.enabled() or optimizer is None:
-            save_stage(staging, self.runner, optimizer)  # same-layout resume only
+            save_stage(io, self.runner, optimizer)  # same-layout resume only
             return {}
-        with SavedTensors(None, Path(staging)) as saved:  # the index points into these files
-            blob = save_stage(staging, self.runner, optimizer, saved)
-        return {"universal": save_universal(staging, self.runner, optimizer, self._mixed, saved, blob)}
+        with SavedTensors(None, Path(io.folder)) as saved:  # the index points into these files
+            blob = save_stage(io, self.runner, optimizer, saved)
+        return {"universal": save_universal(io, self.runner, optimizer, self._mixed, saved, blob)}
 
-    def load_partial(self, folder, optimizer, strict: bool, load_optimizer: bool) -> None:
+    def load_partial(self, io, optimizer, strict: bool, load_optimizer: bool) -> None:
         from smp_adapter.runtime.engines.pipeline.checkpoint import load_stage
 
-        load_stage(folder, self.model, optimizer, strict, load_optimizer)
+        load_stage(io, self.model, optimizer, strict, load_optimizer)
 
     def load_universal(self, folder, universal: dict) -> None:
         from smp_adapter.runtime.engines.pipeline.checkpoint import load_universal
