@@ -282,7 +282,8 @@ class _Checker:
         if api:
             key, status, note = lookup(api)
             self.add(node, text, key, "api", status, note)
-        if ".encoder.layer" in text and "vit" in text.split(".encoder.layer")[0].split(".")[-1].lower():
+        if ".encoder.layer" in text and "vit" in text.split(".encoder.layer")[0].split(".")[-1].lower() \
+                and not self.new_name_first(node, "layers"):
             self.add(node, text, "vit.encoder.layer", "compat", ERROR,
                      "transformers 5 moved ViT's encoder layers to vit.layers: use "
                      "getattr(vit, 'layers', None) or vit.encoder.layer")
@@ -356,6 +357,20 @@ class _Checker:
             self.check_options(node, node.args[0])
         elif not node.keywords and self.init_options is None:
             self.init_options = {}
+
+    def new_name_first(self, node: ast.AST, new: str) -> bool:
+        """``node`` is the old spelling's fallback: taken only when the new name is absent
+        (``x.layers if hasattr(x, "layers") else x.encoder.layer``, ``getattr(x, "layers", None) or ...``)."""
+        child = node
+        while child in self.parents:
+            parent = self.parents[child]
+            if isinstance(parent, (ast.If, ast.IfExp)) and child is not parent.test and new in ast.unparse(parent.test):
+                return True
+            if isinstance(parent, ast.BoolOp) and isinstance(parent.op, ast.Or) and \
+                    any(new in ast.unparse(v) for v in parent.values[:parent.values.index(child)]):
+                return True
+            child = parent
+        return False
 
     def guarded(self, node: ast.AST) -> bool:
         while node in self.parents:

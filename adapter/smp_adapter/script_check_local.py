@@ -45,6 +45,73 @@ def module_files(base: Path, name: str) -> list[Path]:
     return []
 
 
+def _static_path(node: ast.AST, script: Path) -> Path | str | None:
+    """The value of a path expression a script builds from its own location, where it can be read
+    without running anything: ``__file__``, ``Path(...)``, ``.resolve()`` / ``.absolute()``,
+    ``.parent``, ``.parents[N]``, ``str(...)``, ``os.path.abspath / realpath / dirname / join`` and
+    string literals. None for anything else."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return node.value
+    if isinstance(node, ast.Name) and node.id == "__file__":
+        return script
+    if isinstance(node, ast.Attribute) and node.attr == "parent":
+        inner = _static_path(node.value, script)
+        return Path(inner).parent if inner is not None else None
+    if isinstance(node, ast.Subscript) and isinstance(node.value, ast.Attribute) and node.value.attr == "parents" \
+            and isinstance(node.slice, ast.Constant) and isinstance(node.slice.value, int):
+        inner = _static_path(node.value.value, script)
+        parents = Path(inner).parents if inner is not None else ()
+        return parents[node.slice.value] if 0 <= node.slice.value < len(parents) else None
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Div):  # Path(...) / "shared"
+        left, right = _static_path(node.left, script), _static_path(node.right, script)
+        return Path(left) / right if left is not None and right is not None else None
+    if not isinstance(node, ast.Call):
+        return None
+    func, args = node.func, [_static_path(a, script) for a in node.args]
+    if any(a is None for a in args) or node.keywords:
+        return None
+    name = ast.unparse(func)
+    if name in ("Path", "pathlib.Path", "str", "os.fspath") and len(args) == 1:
+        return Path(args[0]) if name.endswith("Path") else str(args[0])
+    if name in ("os.path.abspath", "os.path.realpath", "os.path.normpath") and len(args) == 1:
+        return Path(args[0])
+    if name == "os.path.dirname" and len(args) == 1:
+        return Path(args[0]).parent
+    if name == "os.path.join" and args:
+        return Path(*map(str, args))
+    if isinstance(func, ast.Attribute) and func.attr in ("resolve", "absolute") and not args:
+        inner = _static_path(func.value, script)
+        return Path(inner) if inner is not None else None
+    return None
+
+
+def search_roots(tree: ast.Module, path: Path) -> list[Path]:
+    """Where the file's absolute imports are looked for among the script's own modules: its folder,
+    then each folder it puts on ``sys.path`` at module level with a path built from its own location
+    (``sys.path.insert(0, str(Path(__file__).resolve().parents[1]))``, as the recipes and many AWS
+    examples do to reach a shared helper)."""
+    roots = [path.parent]
+    for stmt in tree.body:
+        call = stmt.value if isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Call) else None
+        if call is None or ast.unparse(call.func) not in ("sys.path.insert", "sys.path.append") or not call.args:
+            continue
+        value = _static_path(call.args[-1], path)
+        if value is not None:
+            folder = Path(value) if Path(value).is_absolute() else path.parent / value
+            if folder.is_dir() and folder not in roots:
+                roots.append(folder)
+    return roots
+
+
+def local_module_files(roots: list[Path], name: str) -> list[Path]:
+    """``module_files`` in the first of ``roots`` that holds the module."""
+    for root in roots:
+        found = module_files(root, name)
+        if found:
+            return found
+    return []
+
+
 def parsed_files(queue: list[Path]):
     """(path, syntax tree) of each file in ``queue`` once, breadth first, including the files the
     caller appends to ``queue`` while reading (a module's own imports); at most ``_MAX_FILES``.
@@ -116,6 +183,7 @@ def missing_imports(script: str | Path, skip: tuple[str, ...] = APEX_ROOTS) -> l
         script_tree = ast.parse(path.read_text(), filename=str(path))
     except (OSError, SyntaxError, ValueError):
         return []
+    roots = search_roots(script_tree, path)
     found, cache = [], {}
     for node in ast.walk(script_tree):
         if not isinstance(node, (ast.Import, ast.ImportFrom)) or _guarded(script_tree, node):
@@ -123,9 +191,9 @@ def missing_imports(script: str | Path, skip: tuple[str, ...] = APEX_ROOTS) -> l
         for name, level in imported_roots(node):
             if level or name in skip:
                 continue
-            local = module_files(root, name)
+            local = local_module_files(roots, name)
             if local:
-                for module, where, conditional in _missing_in_helpers(root, local, skip, cache):
+                for module, where, conditional in _missing_in_helpers(root, roots, local, skip, cache):
                     found.append(MissingImport(node.lineno, node.col_offset + 1, ast.unparse(node), module, where,
                                                conditional or _conditional(script_tree, node)))
             elif not _resolves(name):
@@ -134,18 +202,22 @@ def missing_imports(script: str | Path, skip: tuple[str, ...] = APEX_ROOTS) -> l
     return found
 
 
-def _missing_in_helpers(root: Path, files: list[Path], skip, cache: dict) -> list[tuple[str, str, bool]]:
+def _missing_in_helpers(root: Path, roots: list[Path], files: list[Path], skip,
+                        cache: dict) -> list[tuple[str, str, bool]]:
     """(module, "file.py:line", conditional) for each unresolvable import in the helper files and
-    the helpers they import in turn (breadth first, a few dozen files at most)."""
-    queue, found = list(files), []
+    the helpers they import in turn (breadth first, a few dozen files at most); a helper's own
+    ``sys.path`` additions count from where they are read on."""
+    queue, found, roots = list(files), [], list(roots)
     for path, tree in parsed_files(queue):
+        roots += [r for r in search_roots(tree, path)[1:] if r not in roots]
         for node in ast.walk(tree):
             if not isinstance(node, (ast.Import, ast.ImportFrom)) or _guarded(tree, node):
                 continue
             for name, level in imported_roots(node):
-                beside = module_files(path.parent if level else root, name)
+                beside = module_files(path.parent, name) if level else local_module_files(roots, name)
                 if beside or level:
                     queue += beside
                 elif name not in skip and not cache.setdefault(name, _resolves(name)):
-                    found.append((name, f"{path.relative_to(root)}:{node.lineno}", _conditional(tree, node)))
+                    where = path.relative_to(root) if path.is_relative_to(root) else path
+                    found.append((name, f"{where}:{node.lineno}", _conditional(tree, node)))
     return found

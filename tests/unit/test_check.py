@@ -241,3 +241,13 @@ def test_aws_style_scripts_are_predicted_to_run(capsys, script):
     assert set(apex.values()) <= {"supported", "partial"}, apex
     assert {n for n, s in apex.items() if s == "partial"} <= {"apex.amp.initialize",
                                                             "apex.parallel.DistributedDataParallel"}, apex
+
+
+@pytest.mark.parametrize("expr", ["vit.layers if hasattr(vit, 'layers') else vit.encoder.layer",
+                                  "getattr(vit, 'layers', None) or vit.encoder.layer"])
+def test_the_old_vit_layer_name_as_a_fallback_is_no_slip(expr):
+    source = f"import smdistributed.modelparallel.torch as smp\nsmp.init({{}})\nfor layer in {expr}:\n    pass\n"
+    names = [u.name for u in check_source(source, "train.py").uses]
+    assert "vit.encoder.layer" not in names
+    names = [u.name for u in check_source(source.replace(expr, "vit.encoder.layer"), "train.py").uses]
+    assert "vit.encoder.layer" in names
