@@ -172,7 +172,7 @@ def reduce_from_tp(x, group):
 
 
 # ---------------------------------------------------------------- traced forms (torch.export)
-# Pipeline stages are cut from the model by torch.export (runtime/engines/pipeline/runtime.py), with the Hugging
+# Pipeline stages are cut from the model by torch.export (runtime/engines/pipeline/stage_builder.py), with the Hugging
 # Face units already split for tensor parallelism. A collective inside a traced unit becomes one of
 # torch's functional collectives, whose gradient is the collective's own adjoint (all-gather <->
 # reduce-scatter, all-to-all reversed): right for the batch exchanges above, wrong for Megatron's

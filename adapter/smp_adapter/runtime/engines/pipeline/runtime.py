@@ -5,7 +5,8 @@ One ``PipelineRunner`` per DistributedModel when pipeline_parallel_degree > 1. O
 keeps this rank's stage module, re-points the stage at the model's own Parameter objects (so the
 user's optimizer, built from ``model.parameters()`` before partitioning, updates them), swaps the
 replaced tensor-parallel modules back in (Hugging Face units split in place are traced with their
-collectives), and builds a traced ``PipelineStage`` over smp's PP group.
+collectives), and builds a traced ``PipelineStage`` over smp's PP group: that first-step build is
+stage_builder.py's ``StageBuilder``, which ``PipelineRunner`` extends; this module runs the steps.
 
 Each step call:
   1. the first stage learns the model inputs of every microbatch by running the step body up to its
@@ -29,26 +30,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from smp_adapter.config.pipeline_schedule import SPLIT_BACKWARD
-from smp_adapter.errors import SMPUsageError, UnsupportedFeatureError
-from smp_adapter.runtime import activation_checkpoint
-from smp_adapter.runtime.engines.pipeline import partition as part, pass_through, stage_memory, surgery, tied, torch_compat
+from smp_adapter.errors import SMPUsageError
+from smp_adapter.runtime.engines.pipeline import surgery
 from smp_adapter.runtime.engines.pipeline.idle_time import ComputeClock
-from smp_adapter.runtime.engines.pipeline.virtual_stages import StageLayout, skip_self_warmup
-from smp_adapter.runtime.partition import partition_mark
+from smp_adapter.runtime.engines.pipeline.stage_builder import StageBuilder
+from smp_adapter.runtime.engines.pipeline.virtual_stages import StageLayout
 from smp_adapter.runtime.state import state
 
 
 _MODE_DEPENDENT = (nn.Dropout, nn.modules.batchnorm._BatchNorm)
-
-
-def _untraceable(module, e: Exception) -> UnsupportedFeatureError:
-    return UnsupportedFeatureError(
-        f"pipeline parallelism could not split {type(module).__name__}: torch.export failed to trace it "
-        f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}). Make its forward traceable "
-        "(no data-dependent Python control flow, tensors/containers as inputs and outputs; for Hugging "
-        "Face models pass use_cache=False), or run with pipeline_parallel_degree: 1 and fit the model "
-        "with tensor_parallel_degree or sharded_data_parallel_degree")
 
 
 class _Captured(Exception):
@@ -57,7 +47,7 @@ class _Captured(Exception):
         self.args, self.kwargs = args, kwargs
 
 
-class PipelineRunner:
+class PipelineRunner(StageBuilder):
     def __init__(self, model, tp_originals: dict | None = None):
         self.model = model
         # qualified name -> module before the TP swap. Modules replaced by a split one (smp.nn layers,
@@ -311,157 +301,6 @@ class PipelineRunner:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
                 dist.all_reduce(p.grad, op=dist.ReduceOp.AVG, group=state.groups.rdp)
-
-    # -- partitioning ------------------------------------------------------------------------------
-    def _build(self, args, kwargs) -> None:
-        from torch.distributed.pipelining import pipeline
-        from torch.distributed.pipelining.stage import build_stage
-
-        module = self.model.module
-        cfg = state.cfg
-        surgery.no_generation_cache(module, state.rank)
-        # traced with fake stand-ins: no rank ever holds the whole model on its device (stage_memory.py)
-        from smp_adapter.runtime.deferred_init import record_of
-
-        record = record_of(module)  # delayed initialisation: what this rank's stage is replayed from
-        stand_ins = stage_memory.FakeStandIns([module, *self.tp_originals.values()], state.device)
-        args, kwargs = stand_ins.inputs((args, kwargs))
-        with stand_ins, surgery.originals_swapped_in(module, self.tp_originals), activation_checkpoint.tracing_plain():
-            try:
-                with stand_ins.mode:
-                    prof = part.profile(module, args, kwargs)
-                    with torch.no_grad():
-                        example_out = module(*args, **kwargs)
-            except Exception as e:  # noqa: BLE001 - a forward that needs values (data-dependent control flow)
-                if isinstance(e, (SMPUsageError, UnsupportedFeatureError)):
-                    raise
-                raise _untraceable(module, e) from e
-            self.out_spec = torch.utils._pytree.tree_flatten(example_out)[1]
-            if cfg.auto_partition:
-                marked = [n for n, m in module.named_modules() if partition_mark(m) is not None]
-                if marked and state.rank == 0:
-                    warnings.warn(f"auto_partition is true: smp.partition/set_partition marks are ignored ({marked[:3]}"
-                                  f"{'...' if len(marked) > 3 else ''}); set auto_partition: false to use them")
-                self.stage_units = part.auto_split(module, prof, self.layout.total, cfg.memory_weight)
-            else:
-                self.stage_units = part.manual_split(module, prof, self.num_stages, cfg.default_partition)
-            if state.rank == 0:
-                part.log_assignment(module, self.stage_units, "auto" if cfg.auto_partition else "manual", self.layout)
-            pipe = self._split(pipeline, module, args, kwargs)
-            late = self._late_inputs()
-            if late:
-                # Model inputs first used by a later stage (labels=... of a Hugging Face model, whose loss
-                # is computed by the last stage): copied at the very start of forward, they become values
-                # of stage 0 that the splitter passes on, stage to stage, like any activation.
-                hook = module.register_forward_pre_hook(surgery.CarryInputs(module, late), with_kwargs=True)
-                try:
-                    pipe = self._split(pipeline, module, args, kwargs)
-                finally:
-                    hook.remove()
-                self._check_inputs_reach_first_stage(module)
-            stage_mods = [pipe.get_stage_module(i) for i in range(self.layout.total)]
-        owners = tied.point_stages_at_model(module, stage_mods)
-        ids = self.layout.stages_of(self.stage_index)
-        self.stage_modules = [stage_mods[i] for i in ids]
-        for i, mine in zip(ids, self.stage_modules):
-            surgery.run_generated_code(mine)
-            surgery.contiguous_crossing_metadata(mine)
-            for name, original in self.tp_originals.items():  # the split (TP) modules go back in
-                if surgery.has_submodule(mine, name):
-                    surgery.set_submodule(mine, name, surgery.get_submodule(module, name))
-            if i != self.layout.total - 1:
-                # activations cross to the next stage in buffers of the traced dtype: an autocast forward's
-                # reduced-precision outputs are sent widened (exact), and the next stage's autocast
-                # narrows them again for its matmuls
-                traced = next((p.dtype for p in mine.parameters() if p.is_floating_point()), torch.get_default_dtype())
-                mine.register_forward_hook(surgery.SendableOutputs(traced))
-            if i > 0 and cfg.pipeline in SPLIT_BACKWARD:  # the first stage's backward is not split
-                surgery.own_outputs_read_inside(mine)
-                mine.register_forward_hook(surgery.OwnViewOutputs())
-        # this rank's stage(s) get their values on its device; every other tensor is released
-        stage_memory.keep_stage(module, stage_memory.stage_tensors(self.stage_modules), record, state.device)
-        del record  # the other stages' creation records are released with it
-        marked = [n for mine in self.stage_modules for n in surgery.checkpoint_marked(module, mine)]
-        if marked:  # set_activation_checkpointing, lost by torch.export, applied again to the stages
-            print(f"Activation checkpointing in the stage(s) of pipeline rank {self.stage_index}: {', '.join(marked)}")
-        self.local_params = list({id(p): p for m in self.stage_modules for p in m.parameters()}.values())
-        self.local_keys = {k for m in self.stage_modules for k in m.state_dict().keys()}
-        self.tied = tied.tie_groups(self, owners)
-        self.stages = [build_stage(mine, i, pipe.info(), state.device, group=self.group)
-                       for i, mine in zip(ids, self.stage_modules)]
-        for stage in self.stages:
-            torch_compat.receive_integers(stage)
-        if cfg.pipeline in SPLIT_BACKWARD:
-            for stage in self.stages:
-                surgery.merge_weight_groups(stage)
-        if self.layout.v_shaped:
-            for stage in self.stages:
-                stage.stage_index_to_group_rank = dict(enumerate(self.layout.ranks))
-                skip_self_warmup(stage)
-        self.clock = ComputeClock(self.stages)
-        self.tp_originals = {}
-        self.built = True
-        self.model.mark_partitioned()
-
-    def _split(self, pipeline, module, args, kwargs):
-        spec = part.split_spec(self.stage_units)
-        # pipeline() wraps each split module's forward and never unwraps it; a second split (see
-        # _build) would then recurse forever. Put every forward back exactly as it was.
-        saved = {name: module.get_submodule(name).__dict__.get("forward") for name in spec}
-        try:
-            pipe = pipeline(module, tuple(args), dict(kwargs), split_spec=spec)
-        except Exception as e:  # noqa: BLE001 - export failures come in many types
-            from smp_adapter.runtime import comm_ledger
-
-            if comm_ledger.is_on() and state.dims.tp > 1:
-                # export maps torch.distributed's collectives to traceable ones by the function objects;
-                # the ledger's counting wrappers are other objects, so TP exchanges inside a stage fail
-                raise UnsupportedFeatureError(
-                    f"pipeline parallelism could not split {type(module).__name__} while the communication ledger is "
-                    f"on ({comm_ledger.ENV}): torch.export cannot trace the tensor-parallel exchanges inside the stages "
-                    "through the ledger's counting wrappers. Run this layout without the ledger (unset the variable, no "
-                    "--comm-ledger), or with prescaled_batch: true, whose exchanges the ledger can count") from e
-            raise _untraceable(module, e) from e
-        finally:
-            for name, forward in saved.items():
-                split_module = module.get_submodule(name)
-                split_module.__dict__.pop("_orig_forward", None)
-                if forward is None:
-                    split_module.__dict__.pop("forward", None)
-                else:
-                    split_module.forward = forward
-        if pipe.num_stages != self.layout.total:
-            raise UnsupportedFeatureError(
-                f"splitting {type(module).__name__} produced {pipe.num_stages} stages instead of {self.layout.total}: "
-                "the split points were not on the traced path. Partition manually (auto_partition: false, "
-                "smp.partition / smp.set_partition) at modules that run at the top level of forward")
-        # values read past the next stage (GPT-2's causal mask) go through the stages in between:
-        # torch's multi-stage schedules send only to the next stage, and no torch stage takes the
-        # backward of an output read by several stages (pass_through.py)
-        pass_through.thread_skipped_values(pipe.split_gm)
-        self._stage_calls = [n for n in pipe.split_gm.graph.nodes if n.op == "call_module"]
-        pass_through.refuse_unthreaded(module, self._stage_calls)
-        return pipe
-
-    def _late_inputs(self) -> dict[int, list[str]]:
-        """{stage: model inputs (placeholders) it reads directly} for stages after the first."""
-        late = {}
-        for i, node in enumerate(self._stage_calls[1:], start=1):
-            used = []
-            torch.fx.node.map_arg((node.args, node.kwargs), lambda a: used.append(a) or a)
-            names = [a.target for a in used if a.op == "placeholder"]
-            if names:
-                late[i] = names
-        return late
-
-    def _check_inputs_reach_first_stage(self, module) -> None:
-        for i, late in self._late_inputs().items():
-            if late:
-                raise UnsupportedFeatureError(
-                    f"pipeline parallelism: the model input(s) {late} of {type(module).__name__} are first used on "
-                    f"stage {i}, but model inputs reach only the first stage. Compute what uses them in the step "
-                    "function instead (e.g. for Hugging Face models do not pass labels=: take the logits and compute "
-                    "the loss in the step body), or partition manually so that their first use is on stage 0")
 
     def _stage0_inputs(self, args, kwargs):
         """The first stage's positional inputs: the model's forward arguments named by the traced

@@ -1,5 +1,5 @@
 """Module surgery for pipeline stages: swapping modules and tensors by qualified name, and the
-hooks the stage builder installs (runtime/engines/pipeline/runtime.py).
+hooks the stage builder installs (runtime/engines/pipeline/stage_builder.py).
 
 * ``originals_swapped_in``: the pre-TP modules back in place while torch.export traces the model;
 * ``CarryInputs``: model inputs first read by a later stage, carried from stage 0;
