@@ -269,11 +269,11 @@ class Supervisor:
         lines = list(self.rank_lines.get(rank, ())) if rank is not None else \
             [t for t in self.launcher_lines if re.search(r"Error|Traceback|error", t)]
         cause = _cause(lines)
-        if code == -signal.SIGTERM and cause and self.signalled is None and 0 < launcher_code < 128:
+        if code == -signal.SIGTERM and cause and self.signalled is None and not self._lost_a_peer(rank):
             # it printed its error and the launcher's SIGTERM met it on its way out (every rank of a script
             # with a syntax error fails alike; the first exited before it was watched): the launcher's status
-            # is the first exit's code
-            code = launcher_code
+            # is the first exit's code when it says one, else Python's for an uncaught exception
+            code = launcher_code if 0 < launcher_code < 128 else 1
         print(f"smp-adapter launch: {who} failed ({describe(code)}){f': {cause}' if cause else ''}; all ranks were "
               f"stopped{when}", file=err)
         if rank is not None and any(_TRACEBACK in t for t in lines):

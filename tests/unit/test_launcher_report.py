@@ -30,6 +30,13 @@ def test_a_rank_stopped_on_its_way_out_reports_the_launchers_status(capsys):
     assert "rank 1 failed (exit code 1): SyntaxError: invalid syntax (File \"/job/broken.py\", line 3)" in err
 
 
+def test_when_the_launcher_itself_was_stopped_the_printed_error_still_decides(capsys):
+    # the same race, with the launcher process ended by the supervisor's SIGTERM as well (its status 143)
+    sup = _supervisor({1: SYNTAX}, {1: -signal.SIGTERM})
+    assert sup.report(128 + signal.SIGTERM) == 1
+    assert "rank 1 failed (exit code 1): SyntaxError" in capsys.readouterr().err
+
+
 def test_the_rank_that_raised_is_blamed_not_the_one_stopped_after(capsys):
     sup = _supervisor({0: ["Traceback (most recent call last):", "ValueError: bad batch"], 1: []},
                       {0: 1, 1: -signal.SIGTERM})
