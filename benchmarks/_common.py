@@ -76,6 +76,8 @@ def run_ranks(script: Path, nprocs: int, args, out_dir: Path, env: dict | None =
     if not torch.cuda.is_available():
         base.update({"DS_ACCELERATOR": "cpu", "CUDA_VISIBLE_DEVICES": ""})
     base.update(env or {})
+    if os.environ.get("SMP_BENCH_FORK_RANKS") == "1":
+        return _forked_ranks(script, nprocs, args, out_dir, base, timeout)
     procs, logs = [], []
     for rank in range(nprocs):
         e = dict(base, RANK=str(rank), WORLD_SIZE=str(nprocs), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(nprocs),
@@ -98,6 +100,23 @@ def run_ranks(script: Path, nprocs: int, args, out_dir: Path, env: dict | None =
     codes = [p.returncode for p in procs]
     if any(codes):
         raise RuntimeError(f"exit codes {codes}:\n" + _logs(out_dir, nprocs))
+    return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(nprocs)]
+
+
+def _forked_ranks(script: Path, nprocs: int, args, out_dir: Path, env: dict, timeout: float) -> list[dict]:
+    """SMP_BENCH_FORK_RANKS=1 (the tests set it, tests/distributed/test_benchmarks.py): the ranks are
+    forked from a job server that imported torch, DeepSpeed and transformers once for this program
+    (tests/distributed/launch_util.run_job) instead of starting as fresh processes, which on the
+    2-core CI machine spend 5-6 s of CPU each on those imports. What the tests check (losses, tensor
+    bytes, configs, which figures exist) does not depend on how a rank started; the figures in
+    RESULTS.md come from fresh processes (the default), where start-up, RSS and timing are a user's."""
+    sys.path.insert(0, str(ROOT / "tests" / "distributed"))
+    from launch_util import run_job
+
+    try:
+        run_job(script, nprocs, [str(a) for a in args], env=env, timeout=timeout, out_dir=out_dir)
+    except AssertionError as exc:  # run_job's report: exit codes or a timeout, with every rank's log
+        raise RuntimeError(str(exc)) from None
     return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(nprocs)]
 
 

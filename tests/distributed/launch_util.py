@@ -35,6 +35,15 @@ def run_ranks(script: str | Path, nprocs: int, args=(), env: dict | None = None,
     The ranks are forked from a job server that has imported the heavy libraries once for this
     test process (rank_zygote.py: on two cores that saves each job 5 s of imports and each rank
     more); each gets the environment a launcher would give it and runs the script as ``__main__``."""
+    out_dir = Path(out_dir)
+    run_job(script, nprocs, args, env, timeout, out_dir)
+    return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(nprocs)]
+
+
+def run_job(script: str | Path, nprocs: int, args=(), env: dict | None = None, timeout: float = 240,
+            out_dir: Path | None = None, cwd: Path | None = None) -> str:
+    """``run_ranks`` without the JSON results: every rank's whole output (log<R>.txt in ``out_dir``),
+    rank after rank. The ranks run in ``cwd`` (default: ``out_dir``)."""
     port = free_port()
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -47,7 +56,7 @@ def run_ranks(script: str | Path, nprocs: int, args=(), env: dict | None = None,
         ranks.append({"env": e, "log": str(out_dir / f"log{rank}.txt")})
     job = out_dir / "zygote_job.json"
     job.write_text(json.dumps({"script": str(Path(script).resolve()), "args": [str(a) for a in args],
-                               "cwd": str(out_dir), "ranks": ranks}))
+                               "cwd": str(cwd or out_dir), "ranks": ranks}))
     server = _zygote_server(ranks[0]["env"])
     reply = server.run(job, timeout)
     if reply is None:
@@ -60,13 +69,14 @@ def run_ranks(script: str | Path, nprocs: int, args=(), env: dict | None = None,
         raise AssertionError(f"the rank starter failed: {out[-3000:]}\n" + _logs(out_dir, nprocs))
     if any(codes):
         raise AssertionError(f"exit codes {codes}:\n" + _logs(out_dir, nprocs))
-    return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(nprocs)]
+    return "".join((out_dir / f"log{r}.txt").read_text() for r in range(nprocs))
 
 
 # Variables that differ from job to job but are read only after the fork (by the rank's script,
 # smp-adapter's SMP_* settings, SageMaker's SM_* ones), never by the imports the server made (torch,
 # DeepSpeed, transformers, Megatron-core): jobs differing only in these share a server.
-_PER_JOB = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "PYTEST_CURRENT_TEST")
+_PER_JOB = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "PYTEST_CURRENT_TEST",
+            "BENCH_OUT")  # BENCH_OUT: benchmarks/_common.py's results folder, read by the rank's write_result
 _PER_JOB_PREFIXES = ("SMP_", "SM_")
 _servers: dict = {}
 _MAX_SERVERS = 2  # each holds the imported libraries (~0.5 GB); an evicted one is simply started again

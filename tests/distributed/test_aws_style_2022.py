@@ -1,8 +1,10 @@
 """The 2022 AWS GPT templates' way (tests/fixtures/aws_style/gpt2022/train.py and its fp16/ helpers,
 which import NVIDIA apex's amp_C and apex.multi_tensor_apply and torch._six unconditionally) and the
 BERT example's apex use (tests/fixtures/aws_style/bert/pretrain.py: apex imported before smp) run on
-CPU ranks through `smp-adapter launch --cpu` with no apex installed: the launched ranks import
-smp-adapter's apex fallback (smp_adapter/apex_fallback).
+CPU ranks as `smp-adapter launch --cpu` runs them, with no apex installed: the launched ranks import
+smp-adapter's apex fallback (smp_adapter/apex_fallback). BERT through the whole launcher; the GPT
+runs with the environment and arguments launch gives its ranks (its apex shim on PYTHONPATH
+included), the ranks forked from the test process's job server (aws_style.py says why).
 
 * GPT, tp 2 x dp 2, fp32 (DeepSpeed has no fp16 on CPU at pp = 1): GPT2Block registered with
   DistributedTransformerLayer through smp's own hooks, so the blocks are split in place; the losses
@@ -20,7 +22,7 @@ smp-adapter's apex fallback (smp_adapter/apex_fallback).
 import json
 import math
 
-from aws_style import FIXTURES, bert_reference, gpt_reference, make_bert, make_tokens, run_ok
+from aws_style import FIXTURES, bert_reference, gpt_reference, make_bert, make_tokens, run_forked_ok, run_ok
 
 SCRIPT = FIXTURES / "gpt2022/train.py"
 RTOL = 1e-5  # fp32: only the order of the data-parallel sums and TP partial matmuls differs (test_aws_style_gpt.py)
@@ -30,8 +32,8 @@ def _run(tmp_path, nprocs, args):
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     data = make_tokens(tmp_path / "data")
-    results, output = run_ok(SCRIPT, nprocs, {**args, "results_file": run_dir / "results.json"}, run_dir,
-                             channels={"train": data})
+    results, output = run_forked_ok(SCRIPT, nprocs, {**args, "results_file": run_dir / "results.json"}, run_dir,
+                                    channels={"train": data})
     return results, output, data, run_dir
 
 

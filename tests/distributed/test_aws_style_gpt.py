@@ -1,6 +1,8 @@
 """The GPT template-style script (tests/fixtures/aws_style/gpt/train.py: smp options built by the
 script, hard-coded CUDA placement, FusedLayerNorm, smp's seq_layers walk, ZeRO internals, partial
-checkpoints) runs unchanged through `smp-adapter launch --cpu`, against a single-process reference.
+checkpoints) runs unchanged as `smp-adapter launch --cpu` runs it, against a single-process reference:
+the sdp 2 case through the whole launcher, the others with the environment and arguments launch gives
+its ranks, the ranks forked from the test process's job server (aws_style.py says why).
 
 Tolerance 1e-5 relative on fp32 losses: the runs differ from one process only in the order of the
 data-parallel sums and the tensor-parallel partial matmuls (observed 1.2e-7). Delayed parameter
@@ -11,18 +13,19 @@ import math
 
 import pytest
 
-from aws_style import FIXTURES, gpt_reference, make_tokens, run_ok
+from aws_style import FIXTURES, gpt_reference, make_tokens, run_forked_ok, run_ok
 
 SCRIPT = FIXTURES / "gpt/train.py"
 RTOL = 1e-5
 
 
-def _run(tmp_path, nprocs, args, name="run"):
+def _run(tmp_path, nprocs, args, name="run", through_launcher=False):
     run_dir = tmp_path / name
     run_dir.mkdir()
     data = make_tokens(tmp_path / "data")
-    results, output = run_ok(SCRIPT, nprocs, {**args, "results_file": run_dir / "results.json"}, run_dir,
-                             channels={"train": data})
+    run = run_ok if through_launcher else run_forked_ok
+    results, output = run(SCRIPT, nprocs, {**args, "results_file": run_dir / "results.json"}, run_dir,
+                          channels={"train": data})
     return results, output, data
 
 
@@ -41,7 +44,7 @@ def test_gpt2_sharded_data_parallel_hf_layers(tmp_path):
     """use_distributed_transformer 0, sdp 2 (ZeRO-3): ds_tensor read before the optimizer exists,
     fp32_partitioned_groups_flat read through smp.DistributedOptimizer."""
     args = {"sharded_data_parallel_degree": 2, "use_distributed_transformer": 0}
-    results, output, data = _run(tmp_path, 2, args)
+    results, output, data = _run(tmp_path, 2, args, through_launcher=True)
     _assert_matches(results["losses"], gpt_reference(args, data, data_ranks=2))
     assert results["sharded_params"] == results["zero_flat"] == results["num_params"] // 2
     # norms of the ds_tensor shards summed over optimizer.ds_param_shard_group: the whole model's norm

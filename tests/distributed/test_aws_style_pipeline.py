@@ -1,5 +1,7 @@
 """The BERT- and MNIST-style pipeline scripts of tests/fixtures/aws_style (smp.init() with the job's
-options, hard-coded CUDA placement) run unchanged through `smp-adapter launch --cpu --options ...`.
+options, hard-coded CUDA placement) run unchanged as `smp-adapter launch --cpu --options ...` runs
+them: with the environment and arguments launch gives its ranks, the ranks forked from the test
+process's job server (aws_style.py says why; the pipeline recipes run through the whole launcher).
 
 BERT: pp 2 with smp.optimizers.FusedLAMB against one process training the same model on the same
 global batches with the same optimizer (1e-5 relative: the pipeline changes only where the
@@ -12,7 +14,7 @@ import math
 
 import pytest
 
-from aws_style import FIXTURES, bert_reference, make_bert, make_mnist, run_ok
+from aws_style import FIXTURES, bert_reference, make_bert, make_mnist, run_forked_ok
 
 
 def _options(options):
@@ -24,7 +26,7 @@ def test_bert_style_pp2_fused_lamb(tmp_path):
     run_dir.mkdir()
     data = make_bert(tmp_path / "data")
     options = {"pipeline_parallel_degree": 2, "microbatches": 2, "ddp": True, "partitions": 2}
-    results, _ = run_ok(FIXTURES / "bert/pretrain.py", 2, {"results_file": run_dir / "results.json"}, run_dir,
+    results, _ = run_forked_ok(FIXTURES / "bert/pretrain.py", 2, {"results_file": run_dir / "results.json"}, run_dir,
                         channels={"train": data}, extra=_options(options))
     reference = bert_reference(data, data_ranks=1, microbatches=2)
     for step, (got, want) in enumerate(zip(results["losses"], reference)):
@@ -41,7 +43,7 @@ def test_mnist_style_pp2_autocast_grad_scaler(tmp_path, schedule):
     run_dir.mkdir()
     options = {"pipeline_parallel_degree": 2, "microbatches": 4, "ddp": True, "partitions": 2,
                "auto_partition": False, "default_partition": 0, **schedule}
-    results, output = run_ok(FIXTURES / "mnist/train_mnist.py", 2, {"results-file": run_dir / "results.json"},
+    results, output = run_forked_ok(FIXTURES / "mnist/train_mnist.py", 2, {"results-file": run_dir / "results.json"},
                              run_dir, channels={"train": make_mnist(tmp_path / "data")}, extra=_options(options))
     losses = results["epoch_losses"]
     assert all(math.isfinite(x) for x in losses) and losses[-1] < losses[0], losses

@@ -1,6 +1,7 @@
 """The benchmark programs, run tiny: they must keep working, and the comparisons they rest on must
 hold. No timing is asserted (CI machines are shared; figures live in benchmarks/RESULTS.md), only
-what does not depend on speed:
+what does not depend on speed, nor on how a rank started (their ranks are forked from a job server
+that has done the imports: SMP_BENCH_FORK_RANKS, benchmarks/_common.py):
 
 * pipeline.py: smp's pipeline and DeepSpeed's own pipeline engine, same weights and batches, cut the
   MLP into the same stages and give the same loss at every step (an independent reference for PP);
@@ -29,6 +30,7 @@ def run_benchmark(name: str, *argv, tmp_path: Path, timeout: float = 300) -> dic
     out = tmp_path / f"{name}.json"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SM_", "OMPI_", "RANK", "LOCAL_", "WORLD_"))}
     env["PYTHONPATH"] = str(ROOT / "adapter")
+    env["SMP_BENCH_FORK_RANKS"] = "1"  # ranks forked after the imports (benchmarks/_common.py: _forked_ranks)
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / f"{name}.py"), *map(str, argv), "--json", str(out)],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
