@@ -5,7 +5,9 @@ launch, a bare ``mpirun -np 2 python script.py`` the way SageMaker started ranks
 with the variables ``srun`` sets, two nodes of two tasks.
 
 Equality is exact: the ranks, their data and the collectives are the same whichever node a rank
-runs on, so any difference would be a layout or rendezvous mistake, not rounding."""
+runs on, so any difference would be a layout or rendezvous mistake, not rounding. The one-node
+reference of each job is run once for the module (``one_node``), its 4 ranks started as the other
+distributed tests start theirs (launch_util.run_ranks); the one-node launch itself is test_launch.py's."""
 
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from launch_util import ROOT, base_env, free_port, start_cli
+from launch_util import ROOT, base_env, free_port, run_ranks, start_cli
 
 VIT = ROOT / "tests/distributed/scripts/train_vit.py"
 TP = ROOT / "tests/distributed/scripts/train_tp.py"
@@ -60,6 +62,21 @@ def _launch(out: Path, options: dict, script: Path, *script_args, nodes: int, pe
     return _finish(procs)
 
 
+@pytest.fixture(scope="module")
+def one_node(tmp_path_factory):
+    """``one_node(options, script, *args)``: the job's results on one node of 4 ranks, each job run once."""
+    done = {}
+
+    def results(options: dict, script: Path, *args) -> list[dict]:
+        key = (json.dumps(options, sort_keys=True), str(script), *map(str, args))
+        if key not in done:
+            done[key] = run_ranks(script, 4, args, env={"SM_HP_MP_PARAMETERS": json.dumps(options)},
+                                  out_dir=tmp_path_factory.mktemp("one_node"), timeout=150)
+        return done[key]
+
+    return results
+
+
 def _ok(finished):
     for code, stdout, stderr in finished:
         assert code == 0, stdout[-3000:] + stderr[-3000:]
@@ -67,10 +84,9 @@ def _ok(finished):
 
 @pytest.mark.parametrize("options, script, args", [(ZERO3, VIT, ["--optimizer", "adam", "--lr", "1e-3"]),
                                                    (TP_DP, TP, [])], ids=["zero3_sdp4", "tp2_x_dp2"])
-def test_two_nodes_match_one_node(tmp_path, options, script, args):
-    _ok(_launch(tmp_path / "one", options, script, *args, nodes=1, per_node=4, cwd=tmp_path))
+def test_two_nodes_match_one_node(tmp_path, one_node, options, script, args):
     _ok(_launch(tmp_path / "two", options, script, *args, nodes=2, per_node=2, cwd=tmp_path))
-    one, two = _results(tmp_path / "one", 4), _results(tmp_path / "two", 4)
+    one, two = one_node(options, script, *args), _results(tmp_path / "two", 4)
     assert [r["losses"] for r in two] == [r["losses"] for r in one]
     for rank, r in enumerate(two):  # placed as on two hosts of 2: ranks 0-1 on algo-1, 2-3 on algo-2
         where = r["placement"]
@@ -143,7 +159,7 @@ def test_bare_mpirun_the_sagemaker_way(tmp_path):
     _vit_reference_check(results)
 
 
-def test_srun_environment_two_nodes_of_two_tasks(tmp_path):
+def test_srun_environment_two_nodes_of_two_tasks(tmp_path, one_node):
     """Ranks started with what srun sets for `srun --nodes 2 --ntasks-per-node 2 python train.py`
     (two "nodes" on one machine: the nodelist names 127.0.0.1 first, so it is the master)."""
     out = tmp_path / "out"
@@ -166,9 +182,7 @@ def test_srun_environment_two_nodes_of_two_tasks(tmp_path):
         where = r["placement"]
         assert (where["rank"], where["local_rank"], where["env"]["MASTER_ADDR"]) == (rank, rank % 2, "127.0.0.1")
         assert (where["tp_rank"], where["rdp_rank"]) == (rank % 2, rank // 2)
-    one = tmp_path / "torch"
-    _ok(_launch(one, TP_DP, TP, nodes=1, per_node=4, cwd=tmp_path))
-    assert [r["losses"] for r in results] == [r["losses"] for r in _results(one, 4)]
+    assert [r["losses"] for r in results] == [r["losses"] for r in one_node(TP_DP, TP)]
 
 
 FAKE_REMOTE = ROOT / "tests/fixtures/fake_remote"
