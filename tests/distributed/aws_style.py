@@ -6,21 +6,18 @@ Two ways, the same script, arguments and environment:
 * ``run_ok``: the whole `smp-adapter launch` (its supervisor, torchrun, fresh rank processes);
 * ``run_forked_ok``: what `smp-adapter launch --dry-run` prints (the environment it sets for the ranks
   and the script's command line, apex shim and CUDA on CPU ranks included) given to ranks forked from
-  the test process's job server (launch_util.run_job). On the 2-core CI machine a fresh rank spends
-  5-6 s of CPU importing torch, DeepSpeed, transformers and Megatron-core, and torchrun 2-3 s more:
-  most of these tests' cost. The launcher's own part (start, output, failure handling) is what
-  test_launch.py, test_recipes.py, test_multinode.py and the sdp test here run through ``run_ok``."""
+  the test process's job server (launch_util.run_as_launched says why). The launcher's own part is run
+  whole by the sdp test and the BERT apex test here, and by test_launch.py and the others it names."""
 
 from __future__ import annotations
 
 import json
-import shlex
 import subprocess
 import sys
 from pathlib import Path
 
 import torch
-from launch_util import ROOT, base_env, run_job
+from launch_util import ROOT, base_env, run_as_launched
 
 FIXTURES = ROOT / "tests/fixtures/aws_style"
 
@@ -60,44 +57,22 @@ def _launch_command(script: Path, nprocs: int, args: dict, run_dir: Path, channe
     return cmd
 
 
-def launch_plan(script: Path, nprocs: int, args: dict, run_dir: Path, channels: dict | None = None,
-                extra: tuple = ()) -> tuple[dict, list[str]]:
-    """What `smp-adapter launch ... --dry-run` says it would do: the environment it sets for the job
-    and the script's arguments on the launcher's command line (after the script's path)."""
-    cmd = _launch_command(script, nprocs, args, run_dir, channels, extra, "--dry-run")
-    result = subprocess.run(cmd, env=base_env(), cwd=run_dir, capture_output=True, text=True, timeout=60)
-    assert result.returncode == 0, result.stdout + result.stderr
-    env, command = {}, None
-    for line in result.stdout.splitlines():
-        if line.startswith("export "):
-            name, _, value = line[len("export "):].partition("=")
-            env[name] = "".join(shlex.split(value))
-        elif line and not line.startswith("#"):
-            assert command is None, result.stdout  # one command line
-            command = shlex.split(line)
-    assert command is not None and str(script) in command, result.stdout
-    return env, command[command.index(str(script)) + 1:]
-
-
-def run_forked_ok(script: Path, nprocs: int, args: dict, run_dir: Path, channels: dict | None = None,
-                  timeout: int = 400, extra: tuple = ()) -> tuple[dict, str]:
-    """``run_ok``'s job, its ranks forked with the environment and arguments `smp-adapter launch`
-    gives them (module docstring): the script's results and every rank's output."""
-    env, script_args = launch_plan(script, nprocs, args, run_dir, channels, extra)
-    for name in ("SM_MODEL_DIR", "SM_OUTPUT_DATA_DIR", "SM_OUTPUT_DIR"):  # as launch creates them
-        Path(env[name]).mkdir(parents=True, exist_ok=True)
-    output = run_job(script, nprocs, script_args, env=env, timeout=timeout, out_dir=run_dir / "job" / "ranks",
-                     cwd=run_dir)
-    assert "Traceback" not in output, output[-6000:]
-    return json.loads((run_dir / "results.json").read_text()), output
-
-
 def run_ok(*a, **k) -> tuple[dict, str]:
     result = launch(*a, **k)
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-6000:]
     assert "Traceback" not in output, output[-6000:]
     run_dir = a[3]
+    return json.loads((run_dir / "results.json").read_text()), output
+
+
+def run_forked_ok(script: Path, nprocs: int, args: dict, run_dir: Path, channels: dict | None = None,
+                  timeout: int = 400, extra: tuple = ()) -> tuple[dict, str]:
+    """``run_ok``'s job, its ranks forked with the environment and arguments `smp-adapter launch`
+    gives them (launch_util.run_as_launched): the script's results and every rank's output."""
+    launch_args = _launch_command(script, nprocs, args, run_dir, channels, extra)[4:]  # after `python -c MAIN launch`
+    output = run_as_launched(*launch_args, cwd=run_dir, timeout=timeout)
+    assert "Traceback" not in output, output[-6000:]
     return json.loads((run_dir / "results.json").read_text()), output
 
 

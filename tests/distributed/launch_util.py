@@ -6,7 +6,9 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import re
 import select
+import shlex
 import subprocess
 import sys
 import time
@@ -196,3 +198,42 @@ def start_cli(*argv, cwd: Path, env: dict | None = None) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-c", MAIN, *map(str, argv)], cwd=cwd, env=cli_env(env),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
+
+
+def launch_plan(*launch_args, cwd: Path) -> tuple[dict, int, Path, list[str]]:
+    """What ``smp-adapter launch LAUNCH_ARGS --dry-run`` says it would do: the environment it sets for
+    the job, the processes per node, the training script and the script's arguments (what follows
+    the script on the launcher's command line)."""
+    proc = subprocess.run([sys.executable, "-c", MAIN, "launch", "--dry-run", *map(str, launch_args)], cwd=cwd,
+                          env=cli_env(), capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    env, command, nprocs = {}, None, None
+    for line in proc.stdout.splitlines():
+        if line.startswith("export "):
+            name, _, value = line[len("export "):].partition("=")
+            env[name] = "".join(shlex.split(value))
+        elif m := re.match(r"# smp-adapter launch: 1 node\(s\) x (\d+) processes", line):
+            nprocs = int(m.group(1))
+        elif line and not line.startswith("#"):
+            assert command is None, proc.stdout  # one command line
+            command = shlex.split(line)
+    assert command is not None and nprocs is not None, proc.stdout
+    script = next(i for i, arg in enumerate(command) if arg.endswith(".py") and Path(arg).is_file())
+    return env, nprocs, Path(command[script]), command[script + 1:]
+
+
+def run_as_launched(*launch_args, cwd: Path, timeout: float = 400) -> str:
+    """The job ``smp-adapter launch LAUNCH_ARGS`` (one node) would run, with the environment and script
+    arguments its dry run prints, the ranks started by ``run_job`` (forked from this test process's
+    job server) in ``cwd``, as the launcher starts them there: every rank's output.
+
+    Why: a launched rank is a fresh process that spends 5-6 s of CPU importing torch, DeepSpeed,
+    transformers and Megatron-core, and torchrun or DeepSpeed's launcher 2-4 s more: on the 2-core CI
+    machine most of what a short job costs. Tests whose subject is the script use this; the launcher's
+    own part (starting ranks, streaming output, failure handling) is run whole by test_launch.py,
+    test_multinode.py, test_readme_example.py and the recipes that keep ``launch`` in test_recipes.py."""
+    env, nprocs, script, script_args = launch_plan(*launch_args, cwd=cwd)
+    for name in ("SM_MODEL_DIR", "SM_OUTPUT_DATA_DIR", "SM_OUTPUT_DIR"):  # as launch creates them
+        Path(env[name]).mkdir(parents=True, exist_ok=True)
+    return run_job(script, nprocs, script_args, env=env, timeout=timeout,
+                   out_dir=Path(env["SM_OUTPUT_DIR"]) / "forked-ranks", cwd=cwd)
