@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from launch_util import MAIN, cli_env
+from launch_util import MAIN, cli_env, run_as_launched
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "tests/fixtures/launch_train.py"
@@ -280,3 +280,27 @@ def test_a_checkpoint_dir_or_job_dir_that_cannot_be_written_is_refused_before_st
                          proc.stderr), proc.stderr
     finally:
         subprocess.run(["umount", str(disk)], timeout=30)
+
+
+@pytest.mark.parametrize("launcher", ["deepspeed", "torchrun"])
+def test_forked_ranks_are_given_what_launched_ranks_are_given(launcher, job):
+    """launch_util.run_as_launched, which the AWS-style and model-parallel recipe tests use to run a
+    script's ranks forked instead of launched, gives each rank the arguments, working directory and
+    environment the launcher gives it (the variables launch sets and the rank's coordinates)."""
+    script = ROOT / "tests/distributed/scripts/rank_inputs.py"
+    seen = {}
+    for way in ("launched", "forked"):
+        out = job / way
+        out.mkdir()
+        args = ["--launcher", launcher, "--nproc-per-node", 2, "--options", '{"ddp": true}', "--channel", "train=train",
+                "--hp", "epochs=3", "--job-dir", job / "smp-job", script, "--out", out]
+        if way == "launched":
+            proc, _ = launch(*args, cwd=job)
+            assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        else:
+            run_as_launched(*args, cwd=job, timeout=60)
+        seen[way] = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    for launched, forked in zip(seen["launched"], seen["forked"]):
+        assert forked["argv"][:-1] == launched["argv"][:-1] and forked["cwd"] == launched["cwd"]
+        assert forked["env"] == launched["env"]
+    assert seen["launched"][1]["env"]["RANK"] == "1" and "SM_CHANNEL_TRAIN" in seen["launched"][1]["env"]
