@@ -77,7 +77,8 @@ def run_ranks(script: Path, nprocs: int, args, out_dir: Path, env: dict | None =
         base.update({"DS_ACCELERATOR": "cpu", "CUDA_VISIBLE_DEVICES": ""})
     base.update(env or {})
     if os.environ.get("SMP_BENCH_FORK_RANKS") == "1":
-        return _forked_ranks(script, nprocs, args, out_dir, base, timeout)
+        _fork_ranks(script, nprocs, args, out_dir, base, timeout)
+        return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(nprocs)]
     procs, logs = [], []
     for rank in range(nprocs):
         e = dict(base, RANK=str(rank), WORLD_SIZE=str(nprocs), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(nprocs),
@@ -103,7 +104,7 @@ def run_ranks(script: Path, nprocs: int, args, out_dir: Path, env: dict | None =
     return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(nprocs)]
 
 
-def _forked_ranks(script: Path, nprocs: int, args, out_dir: Path, env: dict, timeout: float) -> list[dict]:
+def _fork_ranks(script: Path, nprocs: int, args, out_dir: Path, env: dict, timeout: float) -> None:
     """SMP_BENCH_FORK_RANKS=1 (the tests set it, tests/distributed/test_benchmarks.py): the ranks are
     forked from a job server that imported torch, DeepSpeed and transformers once for this program
     (tests/distributed/launch_util.run_job) instead of starting as fresh processes, which on the
@@ -117,7 +118,6 @@ def _forked_ranks(script: Path, nprocs: int, args, out_dir: Path, env: dict, tim
         run_job(script, nprocs, [str(a) for a in args], env=env, timeout=timeout, out_dir=out_dir)
     except AssertionError as exc:  # run_job's report: exit codes or a timeout, with every rank's log
         raise RuntimeError(str(exc)) from None
-    return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(nprocs)]
 
 
 def _logs(out_dir: Path, nprocs: int) -> str:

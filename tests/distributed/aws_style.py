@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 import torch
-from launch_util import ROOT, base_env, run_as_launched
+from launch_util import MAIN, ROOT, base_env, run_as_launched
 
 FIXTURES = ROOT / "tests/fixtures/aws_style"
 
@@ -40,14 +40,15 @@ def launch(script: Path, nprocs: int, args: dict, run_dir: Path, channels: dict 
     torchrun, not the default deepspeed launcher: these tests are about the scripts, and the deepspeed
     launcher's two extra Python processes cost about 3.7 s per job here (its own path is tested in
     test_launch.py and by the recipes)."""
-    cmd = _launch_command(script, nprocs, args, run_dir, channels, extra, "--timeout", str(timeout - 30))
+    cmd = [sys.executable, "-c", MAIN, "launch", "--timeout", str(timeout - 30),
+           *_launch_args(script, nprocs, args, run_dir, channels, extra)]
     return subprocess.run(cmd, env=base_env(), cwd=run_dir, capture_output=True, text=True, timeout=timeout)
 
 
-def _launch_command(script: Path, nprocs: int, args: dict, run_dir: Path, channels: dict | None, extra: tuple,
-                    *options) -> list[str]:
-    cmd = [sys.executable, "-c", "from smp_adapter.cli import main; raise SystemExit(main())", "launch", "--cpu",
-           "--launcher", "torchrun", "--nproc-per-node", str(nprocs), "--job-dir", str(run_dir / "job"), *options,
+def _launch_args(script: Path, nprocs: int, args: dict, run_dir: Path, channels: dict | None,
+                 extra: tuple) -> list[str]:
+    """`launch`'s arguments for the job: the launcher's options, then the script and its own arguments."""
+    cmd = ["--cpu", "--launcher", "torchrun", "--nproc-per-node", str(nprocs), "--job-dir", str(run_dir / "job"),
            *extra]
     for name, path in (channels or {}).items():
         cmd += ["--channel", f"{name}={path}"]
@@ -70,8 +71,8 @@ def run_forked_ok(script: Path, nprocs: int, args: dict, run_dir: Path, channels
                   timeout: int = 400, extra: tuple = ()) -> tuple[dict, str]:
     """``run_ok``'s job, its ranks forked with the environment and arguments `smp-adapter launch`
     gives them (launch_util.run_as_launched): the script's results and every rank's output."""
-    launch_args = _launch_command(script, nprocs, args, run_dir, channels, extra)[4:]  # after `python -c MAIN launch`
-    output = run_as_launched(*launch_args, cwd=run_dir, timeout=timeout)
+    output = run_as_launched(*_launch_args(script, nprocs, args, run_dir, channels, extra), cwd=run_dir,
+                             timeout=timeout)
     assert "Traceback" not in output, output[-6000:]
     return json.loads((run_dir / "results.json").read_text()), output
 

@@ -200,26 +200,31 @@ def start_cli(*argv, cwd: Path, env: dict | None = None) -> subprocess.Popen:
 
 
 
+def parse_dry_run(stdout: str) -> tuple[dict, list[str] | None]:
+    """``smp-adapter launch --dry-run``'s output: the environment it sets for the job and its command."""
+    env, command = {}, None
+    for line in stdout.splitlines():
+        if line.startswith("export "):
+            name, _, value = line[len("export "):].partition("=")
+            env[name] = "".join(shlex.split(value))
+        elif line and not line.startswith("#"):
+            assert command is None, stdout  # one command line
+            command = shlex.split(line)
+    return env, command
+
+
 def launch_plan(*launch_args, cwd: Path) -> tuple[dict, int, Path, list[str]]:
-    """What ``smp-adapter launch LAUNCH_ARGS --dry-run`` says it would do: the environment it sets for
-    the job, the processes per node, the training script and the script's arguments (what follows
+    """What ``smp-adapter launch LAUNCH_ARGS --dry-run`` says it would do on one node: the environment
+    it sets for the job, the processes, the training script and the script's arguments (what follows
     the script on the launcher's command line)."""
     proc = subprocess.run([sys.executable, "-c", MAIN, "launch", "--dry-run", *map(str, launch_args)], cwd=cwd,
                           env=cli_env(), capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    env, command, nprocs = {}, None, None
-    for line in proc.stdout.splitlines():
-        if line.startswith("export "):
-            name, _, value = line[len("export "):].partition("=")
-            env[name] = "".join(shlex.split(value))
-        elif m := re.match(r"# smp-adapter launch: 1 node\(s\) x (\d+) processes", line):
-            nprocs = int(m.group(1))
-        elif line and not line.startswith("#"):
-            assert command is None, proc.stdout  # one command line
-            command = shlex.split(line)
+    env, command = parse_dry_run(proc.stdout)
+    nprocs = re.search(r"^# smp-adapter launch: 1 node\(s\) x (\d+) processes", proc.stdout, re.M)
     assert command is not None and nprocs is not None, proc.stdout
     script = next(i for i, arg in enumerate(command) if arg.endswith(".py") and Path(arg).is_file())
-    return env, nprocs, Path(command[script]), command[script + 1:]
+    return env, int(nprocs.group(1)), Path(command[script]), command[script + 1:]
 
 
 def run_as_launched(*launch_args, cwd: Path, timeout: float = 400) -> str:

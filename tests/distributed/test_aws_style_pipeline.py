@@ -27,7 +27,7 @@ def test_bert_style_pp2_fused_lamb(tmp_path):
     data = make_bert(tmp_path / "data")
     options = {"pipeline_parallel_degree": 2, "microbatches": 2, "ddp": True, "partitions": 2}
     results, _ = run_forked_ok(FIXTURES / "bert/pretrain.py", 2, {"results_file": run_dir / "results.json"}, run_dir,
-                        channels={"train": data}, extra=_options(options))
+                               channels={"train": data}, extra=_options(options))
     reference = bert_reference(data, data_ranks=1, microbatches=2)
     for step, (got, want) in enumerate(zip(results["losses"], reference)):
         assert abs(got - want) <= 1e-5 * abs(want), f"step {step}: {got} != {want} (reference)"
@@ -44,7 +44,7 @@ def test_mnist_style_pp2_autocast_grad_scaler(tmp_path, schedule):
     options = {"pipeline_parallel_degree": 2, "microbatches": 4, "ddp": True, "partitions": 2,
                "auto_partition": False, "default_partition": 0, **schedule}
     results, output = run_forked_ok(FIXTURES / "mnist/train_mnist.py", 2, {"results-file": run_dir / "results.json"},
-                             run_dir, channels={"train": make_mnist(tmp_path / "data")}, extra=_options(options))
+                                    run_dir, channels={"train": make_mnist(tmp_path / "data")}, extra=_options(options))
     losses = results["epoch_losses"]
     assert all(math.isfinite(x) for x in losses) and losses[-1] < losses[0], losses
     assert results["correct"] > 0.5 * results["seen"], results  # 10 classes: chance is 10 %

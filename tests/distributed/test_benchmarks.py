@@ -30,7 +30,7 @@ def run_benchmark(name: str, *argv, tmp_path: Path, timeout: float = 300) -> dic
     out = tmp_path / f"{name}.json"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SM_", "OMPI_", "RANK", "LOCAL_", "WORLD_"))}
     env["PYTHONPATH"] = str(ROOT / "adapter")
-    env["SMP_BENCH_FORK_RANKS"] = "1"  # ranks forked after the imports (benchmarks/_common.py: _forked_ranks)
+    env["SMP_BENCH_FORK_RANKS"] = "1"  # ranks forked after the imports (benchmarks/_common.py: _fork_ranks)
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / f"{name}.py"), *map(str, argv), "--json", str(out)],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shlex
 import subprocess
 import sys
 import time
@@ -15,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from launch_util import MAIN, cli_env, run_as_launched
+from launch_util import MAIN, cli_env, parse_dry_run, run_as_launched
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "tests/fixtures/launch_train.py"
@@ -41,14 +40,7 @@ def job(tmp_path) -> Path:
 def dry_run(cwd: Path, *argv, env: dict | None = None) -> tuple[dict, list[str], str]:
     proc, _ = launch("--dry-run", *argv, cwd=cwd, timeout=60, env=env)
     assert proc.returncode == 0, proc.stderr
-    env, command = {}, None
-    for line in proc.stdout.splitlines():
-        if line.startswith("export "):
-            name, _, value = line[len("export "):].partition("=")
-            env[name] = shlex.split(value)[0] if value else ""
-        elif line and not line.startswith("#"):
-            command = shlex.split(line)
-    return env, command, proc.stdout
+    return (*parse_dry_run(proc.stdout), proc.stdout)
 
 
 @pytest.mark.parametrize("launcher", ["deepspeed", "torchrun", "mpirun", "srun"])

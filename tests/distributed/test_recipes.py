@@ -16,7 +16,7 @@ import subprocess
 import sys
 
 import pytest
-from launch_util import ROOT, base_env, run_as_launched
+from launch_util import MAIN, ROOT, base_env, run_as_launched
 
 # recipe -> hyperparameter overrides that keep the run short
 RECIPES = {
@@ -40,8 +40,7 @@ def launch_recipe(recipe: str, run_dir, overrides: dict) -> str:
         args += ["--hp", f"{key}={value}"]
     if recipe not in THROUGH_LAUNCHER:
         return run_as_launched(*args, cwd=run_dir, timeout=400)
-    cmd = [sys.executable, "-c", "from smp_adapter.cli import main; raise SystemExit(main())", "launch", *args,
-           "--timeout", "400"]
+    cmd = [sys.executable, "-c", MAIN, "launch", *args, "--timeout", "400"]
     result = subprocess.run(cmd, env=base_env(), cwd=run_dir, capture_output=True, text=True, timeout=450)
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-4000:]
