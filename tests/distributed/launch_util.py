@@ -236,9 +236,21 @@ def run_as_launched(*launch_args, cwd: Path, timeout: float = 400) -> str:
     transformers and Megatron-core, and torchrun or DeepSpeed's launcher 2-4 s more: on the 2-core CI
     machine most of what a short job costs. Tests whose subject is the script use this; the launcher's
     own part (starting ranks, streaming output, failure handling) is run whole by test_launch.py,
-    test_multinode.py, test_readme_example.py and the recipes that keep ``launch`` in test_recipes.py."""
+    test_multinode.py, test_readme_example.py and the recipes that keep ``launch`` in test_recipes.py.
+    test_launch.py checks that such a rank is given, and computes, what a launched one is and does."""
+    return _as_launched(launch_args, cwd, timeout)[0]
+
+
+def results_as_launched(*launch_args, cwd: Path, timeout: float = 400) -> list[dict]:
+    """``run_as_launched``, returning each rank's JSON result (``write_result``) instead of the output:
+    the reference that a launched job's results are compared with exactly (test_multinode.py)."""
+    _, out_dir, nprocs = _as_launched(launch_args, cwd, timeout)
+    return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(nprocs)]
+
+
+def _as_launched(launch_args, cwd: Path, timeout: float) -> tuple[str, Path, int]:
     env, nprocs, script, script_args = launch_plan(*launch_args, cwd=cwd)
     for name in ("SM_MODEL_DIR", "SM_OUTPUT_DATA_DIR", "SM_OUTPUT_DIR"):  # as launch creates them
         Path(env[name]).mkdir(parents=True, exist_ok=True)
-    return run_job(script, nprocs, script_args, env=env, timeout=timeout,
-                   out_dir=Path(env["SM_OUTPUT_DIR"]) / "forked-ranks", cwd=cwd)
+    out_dir = Path(env["SM_OUTPUT_DIR"]) / "forked-ranks"
+    return run_job(script, nprocs, script_args, env=env, timeout=timeout, out_dir=out_dir, cwd=cwd), out_dir, nprocs

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from launch_util import MAIN, cli_env, parse_dry_run, run_as_launched
+from launch_util import MAIN, cli_env, parse_dry_run, run_as_launched, run_ranks
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "tests/fixtures/launch_train.py"
@@ -274,25 +274,44 @@ def test_a_checkpoint_dir_or_job_dir_that_cannot_be_written_is_refused_before_st
         subprocess.run(["umount", str(disk)], timeout=30)
 
 
-@pytest.mark.parametrize("launcher", ["deepspeed", "torchrun"])
-def test_forked_ranks_are_given_what_launched_ranks_are_given(launcher, job):
+# The CPU's own instruction set, and AVX2 (CPUs without AVX512, such as AMD EPYC before Zen 4, where a
+# forked rank once computed other float32 attention than a launched one: issue 55)
+@pytest.mark.parametrize("launcher, capability", [("deepspeed", None), ("torchrun", "avx2")])
+def test_forked_ranks_are_given_what_launched_ranks_are_given(launcher, capability, job, monkeypatch):
     """launch_util.run_as_launched, which the AWS-style and model-parallel recipe tests use to run a
     script's ranks forked instead of launched, gives each rank the arguments, working directory and
-    environment the launcher gives it (the variables launch sets and the rank's coordinates)."""
+    environment the launcher gives it (the variables launch sets and the rank's coordinates), and the
+    rank computes the same numbers, also when started as most distributed tests start theirs
+    (launch_util.run_ranks, without launch's variables, so CUDA on CPU off): after importing smp, the
+    same torch threads, CPU capability, attention kernels, matmul precision and numerical libraries'
+    variables, and bit-equal results of float32 and bfloat16 attention, a matmul, gelu, softmax and
+    layer norm."""
+    if capability:
+        monkeypatch.setenv("ATEN_CPU_CAPABILITY", capability)  # read by the launched and the forked ranks
     script = ROOT / "tests/distributed/scripts/rank_inputs.py"
     seen = {}
     for way in ("launched", "forked"):
         out = job / way
         out.mkdir()
         args = ["--launcher", launcher, "--nproc-per-node", 2, "--options", '{"ddp": true}', "--channel", "train=train",
-                "--hp", "epochs=3", "--job-dir", job / "smp-job", script, "--out", out]
+                "--hp", "epochs=3", "--job-dir", job / "smp-job", script, "--numerics", "--out", out]
         if way == "launched":
             proc, _ = launch(*args, cwd=job)
             assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         else:
             run_as_launched(*args, cwd=job, timeout=60)
         seen[way] = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
-    for launched, forked in zip(seen["launched"], seen["forked"]):
+    # and as most distributed tests start theirs (run_ranks: the options alone, none of launch's variables)
+    plain = job / "plain"
+    run_ranks(script, 2, ["--numerics", "--out", plain], env={"SM_HP_MP_PARAMETERS": '{"ddp": true}'}, out_dir=plain,
+              timeout=60)
+    seen["plain"] = [json.loads((plain / f"rank{r}.json").read_text()) for r in range(2)]
+    for launched, forked, started_plain in zip(seen["launched"], seen["forked"], seen["plain"]):
         assert forked["argv"][:-1] == launched["argv"][:-1] and forked["cwd"] == launched["cwd"]
         assert forked["env"] == launched["env"]
+        assert forked["numerics"] == launched["numerics"]
+        assert started_plain["numerics"] == launched["numerics"]
     assert seen["launched"][1]["env"]["RANK"] == "1" and "SM_CHANNEL_TRAIN" in seen["launched"][1]["env"]
+    assert seen["launched"][0]["env"]["SMP_ADAPTER_CUDA_ON_CPU"] == "1"  # the mode is on in both
+    if capability:
+        assert seen["forked"][0]["numerics"]["capability"] == capability.upper()

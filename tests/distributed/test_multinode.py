@@ -6,8 +6,9 @@ with the variables ``srun`` sets, two nodes of two tasks.
 
 Equality is exact: the ranks, their data and the collectives are the same whichever node a rank
 runs on, so any difference would be a layout or rendezvous mistake, not rounding. The one-node
-reference of each job is run once for the module (``one_node``), its 4 ranks started as the other
-distributed tests start theirs (launch_util.run_ranks); the one-node launch itself is test_launch.py's."""
+reference of each job is run once for the module (``one_node``), with the environment and arguments
+launch gives 4 ranks on one node, the ranks forked (launch_util.results_as_launched); the one-node
+launch itself is test_launch.py's."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from launch_util import ROOT, base_env, free_port, run_ranks, start_cli
+from launch_util import ROOT, base_env, free_port, results_as_launched, start_cli
 
 VIT = ROOT / "tests/distributed/scripts/train_vit.py"
 TP = ROOT / "tests/distributed/scripts/train_tp.py"
@@ -64,14 +65,19 @@ def _launch(out: Path, options: dict, script: Path, *script_args, nodes: int, pe
 
 @pytest.fixture(scope="module")
 def one_node(tmp_path_factory):
-    """``one_node(options, script, *args)``: the job's results on one node of 4 ranks, each job run once."""
+    """``one_node(options, script, *args)``: the job's results on one node of 4 ranks, each job run once,
+    with what ``smp-adapter launch`` gives its ranks (environment, arguments), the ranks forked
+    (launch_util.results_as_launched): the two-node job is compared with it exactly, so both start
+    their ranks the same way (test_launch.py checks that such ranks compute what launched ones do)."""
     done = {}
 
     def results(options: dict, script: Path, *args) -> list[dict]:
         key = (json.dumps(options, sort_keys=True), str(script), *map(str, args))
         if key not in done:
-            done[key] = run_ranks(script, 4, args, env={"SM_HP_MP_PARAMETERS": json.dumps(options)},
-                                  out_dir=tmp_path_factory.mktemp("one_node"), timeout=150)
+            cwd = tmp_path_factory.mktemp("one_node")
+            done[key] = results_as_launched("--launcher", "torchrun", "--cpu", "--nproc-per-node", 4, "--options",
+                                            json.dumps(options), "--job-dir", cwd / "job", script, *args, cwd=cwd,
+                                            timeout=150)
         return done[key]
 
     return results

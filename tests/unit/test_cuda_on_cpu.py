@@ -97,32 +97,6 @@ def test_without_the_shim_the_script_fails_as_on_a_cpu_machine():
             or "Found no NVIDIA driver on your system" in proc.stderr), proc.stderr[-2000:]
 
 
-FP16_ATTENTION = """
-import json, torch
-import smdistributed.modelparallel.torch as smp
-q = torch.randn(2, 2, 64, 16, generator=torch.Generator().manual_seed(0)).half().cuda().requires_grad_()
-out = torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
-out.float().sum().backward()
-ref_q = q.detach().float().requires_grad_()
-ref = torch.nn.functional.scaled_dot_product_attention(ref_q, ref_q, ref_q, is_causal=True)
-ref.sum().backward()
-print("RESULT " + json.dumps({"capability": torch.backends.cpu.get_cpu_capability(),
-                              "out": (out.float() - ref).abs().max().item(),
-                              "grad": (q.grad.float() - ref_q.grad).abs().max().item()}))
-"""
-
-
-def test_fp16_attention_of_a_gpu_script_runs_on_cpus_without_avx512():
-    """torch's CPU flash kernel for float16 raises without AVX512 ("pack_vnni2 is only supported when
-    avx512 is supported"); under the shim such CPUs use the math kernel. ATEN_CPU_CAPABILITY=avx2
-    makes any machine such a CPU. Tolerance: float16 attention against float32, 64 keys, values ~1."""
-    for capability in ("avx2", "default"):
-        out = _result(_run(FP16_ATTENTION, {"SMP_ADAPTER_CUDA_ON_CPU": "1", "ATEN_CPU_CAPABILITY": capability}))
-        # torch < 2.12 names the capability without vector instructions "NO AVX"
-        assert out["capability"] in ({"DEFAULT", "NO AVX"} if capability == "default" else {capability.upper()})
-        assert out["out"] < 5e-3 and out["grad"] < 5e-2, out
-
-
 CUDA_INSIDE_THE_STEP = """
 import json, torch
 import smdistributed.modelparallel.torch as smp

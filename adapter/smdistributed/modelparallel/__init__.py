@@ -23,3 +23,9 @@ _install_apex_fallback()
 from smp_adapter.runtime.cuda_on_cpu import install_if_requested as _install_cuda_on_cpu  # noqa: E402
 
 _install_cuda_on_cpu()
+
+# float16 attention on CPUs without AVX512, where torch's CPU flash kernel raises: the math kernel
+# for that case only, in every process (smp_adapter/runtime/cpu_attention.py)
+from smp_adapter.runtime.cpu_attention import install as _install_cpu_fp16_attention  # noqa: E402
+
+_install_cpu_fp16_attention()

@@ -24,8 +24,10 @@ How:
   ``current_device`` returns the index last set. Memory queries report this process's resident memory
   (``memory_allocated`` / ``memory_reserved``: now; ``max_*``: peak since start), ``mem_get_info`` the
   machine's free and total RAM, device properties name the CPU with the machine's RAM.
-* ``scaled_dot_product_attention`` runs torch's math kernel on CPUs without AVX512, where torch's
-  CPU flash kernel for float16 raises (see ``_FP16_FLASH_NEEDS_MATH``).
+* float16 attention on CPUs without AVX512 (where torch's CPU flash kernel raises) is not this
+  shim's: runtime/cpu_attention.py does it for every process that imports smp, and changes nothing
+  else. Nothing this shim does picks another kernel for a computation the script runs on the CPU
+  anyway, so a rank computes the same numbers with the mode on or off.
 * ``torch.cuda.amp.autocast`` / ``torch.autocast("cuda")`` become CPU autocast (bfloat16 unless a
   dtype is given); ``torch.cuda.amp.GradScaler`` is torch's CPU GradScaler; ``torch.cuda.Event``
   measures wall-clock time; streams are placeholders; ``torch.cuda.FloatTensor`` & co. are the CPU types.
@@ -133,16 +135,6 @@ def _load_to_cpu(load):
     return call
 
 
-# torch 2.13's CPU flash-attention kernel for float16 packs with AVX512 instructions and raises
-# "pack_vnni2 is only supported when avx512 is supported" elsewhere (ATEN_CPU_CAPABILITY=avx2/default,
-# or CPUs without AVX512 such as AMD EPYC before Zen 4) for sequences of 32 tokens and more. A GPU
-# script's fp16 attention then fails on such CPU ranks; its math kernel computes the same attention.
-# On such CPUs the shim turns torch's flash kernel off for the process (what sdpa_kernel(MATH) does
-# for a block): the functional, the aten op a traced pipeline stage calls and any name bound to them
-# all choose by that switch; attention of every dtype then runs the math kernel there.
-_FP16_FLASH_NEEDS_MATH = torch.backends.cpu.get_cpu_capability() != "AVX512"
-
-
 def _wrap_device_arguments() -> None:
     for name in _FACTORIES:
         setattr(torch, name, _device_to_cpu(getattr(torch, name)))
@@ -157,8 +149,6 @@ def _wrap_device_arguments() -> None:
     for name in ("tensor", "empty", "zeros", "ones", "full", "arange", "eye", "randn"):
         if zero_init is not None and hasattr(zero_init, f"_orig_torch_{name}"):
             setattr(zero_init, f"_orig_torch_{name}", getattr(torch, name))
-    if _FP16_FLASH_NEEDS_MATH:
-        torch.backends.cuda.enable_flash_sdp(False)
 
 
 def _as_transferred(t: torch.Tensor) -> torch.Tensor:

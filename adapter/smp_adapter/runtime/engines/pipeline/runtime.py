@@ -31,6 +31,7 @@ import torch.distributed as dist
 from torch import nn
 
 from smp_adapter.errors import SMPUsageError
+from smp_adapter.runtime import cpu_attention
 from smp_adapter.runtime.engines.pipeline import surgery
 from smp_adapter.runtime.engines.pipeline.idle_time import ComputeClock
 from smp_adapter.runtime.engines.pipeline.stage_builder import StageBuilder
@@ -143,10 +144,13 @@ class PipelineRunner(StageBuilder):
         smp_schedule = state.cfg.pipeline in ("interleaved", "simple", "_only_forward")
         group = active if smp_schedule and (simple or active < self.num_stages) else m
         self._mode, self._detach_results = "replay", detach
+        # a traced stage calls attention's aten op, past the functional cpu_attention wraps
+        fp16 = torch.float16 if state.cfg.fp16 else None
         try:
-            for start in range(0, m, group):
-                idx = list(range(start, min(start + group, m)))
-                self._run_group(func, bound_mbs, inputs, idx, m, training, simple, results)
+            with cpu_attention.math_kernel_for(fp16, state.device):
+                for start in range(0, m, group):
+                    idx = list(range(start, min(start + group, m)))
+                    self._run_group(func, bound_mbs, inputs, idx, m, training, simple, results)
         finally:
             self._mode, self._replay, self._loss = None, None, None
         results = self._broadcast_results(results, detach)
