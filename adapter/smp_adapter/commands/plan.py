@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
 
 from smp_adapter.plan.input_errors import PlanInputError
@@ -133,7 +134,7 @@ def script_features(path: str) -> tuple[bool, bool]:
 
 
 def run(args) -> int:
-    from smp_adapter.config.dims import ParallelDims
+    from smp_adapter.config.dims import ParallelDims, sdp_engine_from
     from smp_adapter.config.problems import raise_if_any
     from smp_adapter.plan.layouts import model_problems
     from smp_adapter.plan.model_spec import model_spec
@@ -151,7 +152,7 @@ def run(args) -> int:
     global_batch = args.global_batch or (args.global_batch_tokens // spec.seq_len if args.global_batch_tokens else None)
     if args.search and global_batch is not None:
         return _search(args, spec, job_spec, cluster, global_batch, checkpointing, delayed)
-    dims = ParallelDims.from_config(cfg, cluster.world_size)
+    dims = ParallelDims.from_config(cfg, cluster.world_size, sdp_engine_from(os.environ))
     if args.search:  # the job as given: its per-rank batch on its own layout
         return _search(args, spec, job_spec, cluster, dims.global_batch_size(args.batch_size) * args.accumulation,
                        checkpointing, delayed)

@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import sys
 from pathlib import Path
 from typing import Any
 
-from smp_adapter.config.dims import ParallelDims
+from smp_adapter.config.dims import ParallelDims, sdp_engine_from
 from smp_adapter.config.distribution import JobSpec, load_job
 from smp_adapter.config.problems import ConfigProblem, raise_if_any
 from smp_adapter.errors import SMPAdapterError
@@ -71,7 +72,7 @@ def translation_bundle(job: JobSpec, world_size: int | None = None, instance_cou
         nprocs = world_size // nnodes
     else:
         nnodes, nprocs = resolve_processes(job, cfg, processes_per_host, instance_count)
-    dims = ParallelDims.from_config(cfg, nnodes * nprocs)
+    dims = ParallelDims.from_config(cfg, nnodes * nprocs, sdp_engine_from(os.environ))
     ds = to_deepspeed_config(dims, batch_size)
     plan = to_megatron_plan(dims, batch_size)
     launch = {name: to_launch_plan(job, cfg, script, launcher=name, nprocs_per_node=nprocs, nnodes=nnodes,

@@ -4,12 +4,15 @@ Like torchtitan's ``ParallelDims``: the user-facing config stays separate from t
 object that knows the degrees and owns the rank grid. Everything here is pure arithmetic:
 
     world = pp * tp * rdp          dp = tp * rdp          mp = pp * tp
-    sdp divides rdp; sdp == rdp -> plain ZeRO-3; sdp < rdp -> ZeRO-3 + hpZ groups of sdp ranks
+    sdp divides rdp; sdp == rdp -> plain ZeRO-3; 1 < sdp < rdp -> smp v1's MiCS (groups of sdp ranks
+    sharding everything, replicated across groups) on FSDP2, or ZeRO-3 + hpZ where the adapter
+    setting SMP_ADAPTER_SDP_ENGINE=hpz asks for it (``SDP_ENGINES``)
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Mapping
 
 from smp_adapter.config.layout import RankGrid
 from smp_adapter.config.limits import MAX_WORLD_SIZE
@@ -17,14 +20,31 @@ from smp_adapter.config.options import SMPConfig
 from smp_adapter.config.problems import ConfigProblem, raise_if_any
 
 
+# The adapter setting (not an smp key) that says what runs 1 < sharded_data_parallel_degree < rdp:
+# "mics" (default): smp v1's MiCS on torch FSDP2 hybrid sharding; "hpz": DeepSpeed ZeRO-3 + hpZ.
+SDP_ENGINE_ENV = "SMP_ADAPTER_SDP_ENGINE"
+SDP_ENGINES = ("mics", "hpz")
+
+
+def sdp_engine_from(environ: Mapping[str, str]) -> str:
+    """The SMP_ADAPTER_SDP_ENGINE setting of ``environ`` ("mics" when unset); a bad value is refused."""
+    value = environ.get(SDP_ENGINE_ENV, "").strip().lower() or "mics"
+    if value not in SDP_ENGINES:
+        raise_if_any([ConfigProblem(SDP_ENGINE_ENV, f"must be one of {', '.join(SDP_ENGINES)}",
+                                    f"set {SDP_ENGINE_ENV}=mics (smp v1's MiCS, the default) or {SDP_ENGINE_ENV}=hpz "
+                                    "(DeepSpeed ZeRO-3 + hpZ), or unset it", value)])
+    return value
+
+
 @dataclass(frozen=True)
 class ParallelDims:
     cfg: SMPConfig
     world_size: int
     grid: RankGrid
+    sdp_engine: str = "mics"  # SDP_ENGINES: what runs 1 < sdp < rdp
 
     @classmethod
-    def from_config(cls, cfg: SMPConfig, world_size: int) -> "ParallelDims":
+    def from_config(cls, cfg: SMPConfig, world_size: int, sdp_engine: str = "mics") -> "ParallelDims":
         pp, tp, sdp = cfg.pipeline_parallel_degree, cfg.tensor_parallel_degree, cfg.sharded_data_parallel_degree
         problems: list[ConfigProblem] = []
         if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
@@ -50,8 +70,12 @@ class ParallelDims:
             problems.append(ConfigProblem(
                 "ddp", f"must be true when there is more than one model replica ({rdp} replicas on {world_size} processes)",
                 "add ddp: true", False))
+        if sdp_engine not in SDP_ENGINES:
+            problems.append(ConfigProblem(SDP_ENGINE_ENV, f"must be one of {', '.join(SDP_ENGINES)}",
+                                          f"set {SDP_ENGINE_ENV}=mics or hpz", sdp_engine))
         raise_if_any(problems)
-        return cls(cfg, world_size, RankGrid.from_degrees(world_size, pp=pp, tp=tp, placement=cfg.placement_strategy))
+        return cls(cfg, world_size, RankGrid.from_degrees(world_size, pp=pp, tp=tp, placement=cfg.placement_strategy),
+                   sdp_engine)
 
     # -- degrees -------------------------------------------------------------------------------
     @property
@@ -87,20 +111,32 @@ class ParallelDims:
     # -- what the engines get ------------------------------------------------------------------
     @property
     def engine(self) -> str:
-        """The engine that runs this layout (runtime/engines): the one branch on the pipeline degree.
-        pp > 1: torch.distributed.pipelining stages ("pipeline"); pp = 1: DeepSpeed ZeRO 0/1/3 ("deepspeed")."""
-        return "pipeline" if self.pp > 1 else "deepspeed"
+        """The engine that runs this layout (runtime/engines), the one home of that choice.
+        pp > 1: torch.distributed.pipelining stages ("pipeline"); pp = 1 and 1 < sdp < rdp: smp v1's
+        MiCS on torch FSDP2 ("mics"), unless SMP_ADAPTER_SDP_ENGINE=hpz; otherwise DeepSpeed ZeRO 0/1/3
+        (+ hpZ) ("deepspeed")."""
+        if self.pp > 1:
+            return "pipeline"
+        return "mics" if 1 < self.sdp < self.rdp and self.sdp_engine == "mics" else "deepspeed"
 
     @property
     def zero_stage(self) -> int:
+        """The ZeRO stage of the job's sharding: 3 for sharded data parallelism (MiCS shards
+        parameters, gradients and optimizer state too, inside its groups)."""
         if self.sdp > 1:
             return 3
         return 1 if self.cfg.shard_optimizer_state else 0
 
     @property
+    def mics_group_size(self) -> int:
+        """MiCS: the ranks that shard everything among themselves (sdp), replicated rdp / sdp times; 1: off."""
+        return self.sdp if self.engine == "mics" else 1
+
+    @property
     def hpz_partition_size(self) -> int:
-        """ZeRO++ hpZ secondary shard size: sdp when it is smaller than the rdp size, else 1 (off)."""
-        return self.sdp if 1 < self.sdp < self.rdp else 1
+        """ZeRO++ hpZ secondary shard size: sdp when it is smaller than the rdp size and DeepSpeed
+        runs it (SMP_ADAPTER_SDP_ENGINE=hpz, or pipeline parallelism), else 1 (off)."""
+        return self.sdp if 1 < self.sdp < self.rdp and self.engine != "mics" else 1
 
     def describe_grid(self) -> str:
         """The rank grid (its product is the world size), as the layout line and explain's world-size row say it."""
@@ -108,6 +144,9 @@ class ParallelDims:
 
     def describe(self) -> str:
         """The layout in one line, as `plan` and `translate --explain` print it."""
+        if self.mics_group_size > 1:
+            return (f"{self.describe_grid()}, sdp {self.sdp}, MiCS: groups of {self.sdp} shard everything, "
+                    f"{self.rdp // self.sdp} replicas (torch FSDP2)")
         return (f"{self.describe_grid()}, sdp {self.sdp}, ZeRO stage {self.zero_stage}"
                 + (f", hpZ groups of {self.hpz_partition_size}" if self.hpz_partition_size > 1 else ""))
 

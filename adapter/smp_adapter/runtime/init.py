@@ -12,7 +12,7 @@ import os
 from datetime import timedelta
 from typing import Any, Mapping
 
-from smp_adapter.config.dims import ParallelDims
+from smp_adapter.config.dims import ParallelDims, sdp_engine_from
 from smp_adapter.config.options import SMPConfig
 from smp_adapter.errors import SMPUsageError
 from smp_adapter.free_port import free_port
@@ -43,7 +43,7 @@ def resolve_layout(config: Mapping[str, Any] | None, environ: Mapping[str, str])
 def place_options(cfg: SMPConfig, environ: Mapping[str, str]):
     """(options, ParallelDims, LaunchEnv) for options already read: the world this process is in."""
     launch = LaunchEnv.from_environ(environ)
-    return cfg, ParallelDims.from_config(cfg, launch.world_size), launch
+    return cfg, ParallelDims.from_config(cfg, launch.world_size, sdp_engine_from(environ)), launch
 
 
 def init(config: Mapping[str, Any] | None = None) -> None:
