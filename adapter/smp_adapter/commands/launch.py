@@ -226,6 +226,9 @@ def build(args: argparse.Namespace) -> dict[str, Any]:
                           hostfile=args.hostfile, master_addr=args.master_addr, master_port=port, cpu=cpu,
                           nnodes=nnodes, hosts=hosts, python=sys.executable,
                           node_rank=args.node_rank if launcher == "torchrun" else None)
+    engine_note = _sdp_engine_note(cfg, plan.nnodes * plan.nprocs_per_node)
+    if engine_note:
+        notes = [*notes, engine_note]
     node_rank = args.node_rank or 0
     if not 0 <= node_rank < plan.nnodes:
         raise SMPAdapterError(f"--node-rank {node_rank}: must be between 0 and nnodes - 1 = {plan.nnodes - 1}")
@@ -284,6 +287,20 @@ def build(args: argparse.Namespace) -> dict[str, Any]:
     return {"command": [*head, *rest], "set": sm, "plan": plan, "dirs": dirs, "launcher": launcher, "cpu": cpu,
             "rank_offset": node_rank * plan.nprocs_per_node, "channels": channels, "deepspeed_env": deepspeed_env,
             "notes": [options_source, *notes, *plan.notes]}
+
+
+def _sdp_engine_note(cfg, world_size: int) -> str | None:
+    """Which engine runs sharded_data_parallel_degree < rdp (ParallelDims.engine), and how to pick the other."""
+    from smp_adapter.config.dims import SDP_ENGINE_ENV, ParallelDims, sdp_engine_from
+
+    dims = ParallelDims.from_config(cfg, world_size, sdp_engine_from(os.environ))
+    if dims.pp > 1 or not 1 < dims.sdp < dims.rdp:
+        return None
+    if dims.engine == "mics":
+        return (f"sharded_data_parallel_degree {dims.sdp} < rdp {dims.rdp}: smp v1's MiCS on torch FSDP2 (groups of "
+                f"{dims.sdp} ranks shard everything); {SDP_ENGINE_ENV}=hpz runs DeepSpeed ZeRO-3 + hpZ instead")
+    return (f"sharded_data_parallel_degree {dims.sdp} < rdp {dims.rdp}: DeepSpeed ZeRO-3 + hpZ ({SDP_ENGINE_ENV}=hpz); "
+            f"unset it for smp v1's MiCS on torch FSDP2")
 
 
 _CHECKPOINT_HP = re.compile(r"checkpoint.*(dir|path)", re.I)  # checkpoint_dir, checkpoint-dir, checkpoint_path

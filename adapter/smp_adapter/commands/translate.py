@@ -163,7 +163,7 @@ def run(args: argparse.Namespace) -> int:
     if args.explain:
         table = format_table([ExplainRow(**row) for row in bundle["explain"]])
         # the layout line plan prints too (one model of a layout: ParallelDims.describe)
-        layout = ParallelDims.from_config(job.config(), bundle["world_size"]).describe()
+        layout = ParallelDims.from_config(job.config(), bundle["world_size"], sdp_engine_from(os.environ)).describe()
     if args.format == "json":
         print(json.dumps(bundle, indent=2))
     else:  # the toolkit's line and the layout line are text only: --format json and --out keep the golden

@@ -232,6 +232,12 @@ class RankGrid:
         chunks = [g[i : i + sdp] for g in self.groups("rdp") for i in range(0, self.rdp, sdp)]
         return tuple(sorted(chunks))
 
+    def sdp_replica_groups(self, sdp: int) -> tuple[tuple[int, ...], ...]:
+        """MiCS's replicas: within each RDP group, the ranks at the same place of every chunk of
+        ``sdp_groups`` (the groups its gradient shards are all-reduced over). Sorted by first rank."""
+        _check_degree("sharded_data_parallel_degree", sdp)
+        return tuple(sorted(tuple(g[j::sdp]) for g in self.groups("rdp") for j in range(sdp)))
+
     def megatron_order(self) -> str:
         """``order`` for Megatron-core ``initialize_model_parallel`` giving this layout.
 

@@ -86,6 +86,11 @@ def init(config: Mapping[str, Any] | None = None) -> None:
     _build_groups(dims, launch.rank, backend)
     _set_tp_context()
     comm_ledger.install_if_requested(dims, launch.rank, launch.local_size)  # SMP_ADAPTER_COMM_LEDGER only
+    if launch.rank == 0 and dims.pp == 1 and 1 < dims.sdp < dims.rdp:  # which of the two engines runs it
+        import sys
+
+        print(f"smp-adapter: {dims.describe()} (engine {dims.engine}; SMP_ADAPTER_SDP_ENGINE=mics or hpz)",
+              file=sys.stderr, flush=True)
     state.initialized = True
     # what smp.init (and DeepSpeed's init_distributed) put into the environment: undone by shutdown()
     state.environ_changes = {k: environ_before.get(k) for k in set(environ_before) | set(os.environ)
@@ -133,6 +138,10 @@ def _build_groups(dims: ParallelDims, rank: int, backend: str) -> None:
             if rank in ranks:
                 mine = group
         setattr(state.groups, kind, mine)
+    if dims.mics_group_size > 1:  # MiCS: the chunks and the replicas across them (runtime/engines/mics/mesh.py)
+        from smp_adapter.runtime.engines.mics.mesh import build_groups
+
+        state.groups.sdp, state.groups.sdp_replicas = build_groups(dims, rank)
     if dims.hpz_partition_size > 1:  # hpZ: chunks of sdp ranks of each RDP group (runtime/engines/deepspeed/groups.py)
         for ranks in grid.sdp_groups(dims.sdp):
             group = dist.new_group(list(ranks))

@@ -22,7 +22,8 @@ class ProcessGroups:
     rdp: Any = None
     dp: Any = None
     mp: Any = None
-    sdp: Any = None  # hpZ only (sdp < rdp size): this rank's sharding group, a chunk of its RDP group
+    sdp: Any = None  # sdp < rdp size (hpZ or MiCS): this rank's sharding group, a chunk of its RDP group
+    sdp_replicas: Any = None  # MiCS only: the ranks at this rank's place in every chunk of its RDP group
     objects: Any = None  # gloo group over the world for pickled-object collectives (NCCL jobs too)
 
 

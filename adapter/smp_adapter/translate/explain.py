@@ -15,13 +15,14 @@ import json
 from dataclasses import asdict, dataclass
 from typing import Any, Mapping
 
-from smp_adapter.config.dims import ParallelDims
+from smp_adapter.config.dims import SDP_ENGINE_ENV, ParallelDims
 from smp_adapter.config.distribution import JobSpec
 from smp_adapter.config.keys import KEYS, Policy
 from smp_adapter.config.options import SMPConfig
 from smp_adapter.config.pipeline_schedule import EXTENSION_SCHEDULES, TORCH_CLASS, V_SHAPED, bubble_formula
 from smp_adapter.translate.deepspeed import DEEPSPEED_KEYS, SDP_COPIED, deepspeed_value
 from smp_adapter.translate.megatron import MegatronPlan
+from smp_adapter.translate.mics import ENGINE as MICS_ENGINE, MICS_KEYS, layout_note as mics_layout_note
 
 STATUSES = ("exact", "approximated", "ignored", "default")
 # Keys shown even when left at their default: they decide the layout and the engines.
@@ -87,6 +88,9 @@ def _map_key(key: str, cfg: SMPConfig, dims: ParallelDims, ds: Mapping[str, Any]
     """(engine key, engine value, status, note) for one smp key."""
     row = KEYS.get(key)
     zero = ds.get("zero_optimization", {})
+    if key == "sdp_hierarchical_allgather" and dims.mics_group_size > 1:
+        engine_key, status, note = MICS_KEYS[key]
+        return engine_key, "-", status, note
     if row is not None and row.policy is Policy.IGNORED:
         return "-", "-", "ignored", row.note
     if row is not None and row.policy is Policy.REJECTED:  # only the default value gets this far
@@ -151,7 +155,8 @@ def _map_key(key: str, cfg: SMPConfig, dims: ParallelDims, ds: Mapping[str, Any]
                                          "use the memory-saving split)")
         return "auto-partition memory_weight", cfg.memory_weight, "approximated", KEYS["optimize"].note if key == "optimize" else row.note
     if key == "ddp":
-        return "data-parallel gradient reduction (DeepSpeed engine)", cfg.ddp, "exact", f"over {dims.rdp} model replicas"
+        how = {"mics": "MiCS engine, FSDP2", "pipeline": "pipeline engine"}.get(dims.engine, "DeepSpeed engine")
+        return f"data-parallel gradient reduction ({how})", cfg.ddp, "exact", f"over {dims.rdp} model replicas"
     if key == "ddp_port":
         return "launch --master_port / MASTER_PORT", cfg.ddp_port, "exact", "used when no master port is given to the launcher"
     if key == "ddp_dist_backend":
@@ -180,16 +185,22 @@ def _map_key(key: str, cfg: SMPConfig, dims: ParallelDims, ds: Mapping[str, Any]
         note = "smp v1 allowed bf16 only with sharded data parallel; accepted without it here" if cfg.bf16 and dims.sdp == 1 else ""
         return f"{_ds(key)}; megatron bf16", cfg.bf16, "exact", note
     if key == "sharded_data_parallel_degree":
+        if dims.mics_group_size > 1:  # the engine smp.init chooses (ParallelDims.engine)
+            return MICS_ENGINE, f"{dims.rdp // dims.sdp} x {dims.sdp}", "exact", mics_layout_note(dims)
         if dims.sdp == 1:
             return _ds(key, 1), zero.get("stage"), "exact", "sharded data parallel off"
         if dims.hpz_partition_size > 1:
             return f"{_ds(key, 1)} + zero_hpz_partition_size", f"3 + {dims.hpz_partition_size}", "approximated", \
-                (f"MiCS groups of {dims.sdp} ranks approximated by ZeRO-3 + hpZ: parameters gathered inside each group, "
-                 f"optimizer state sharded over all {dims.rdp} replicas (less memory than MiCS)")
+                (f"MiCS groups of {dims.sdp} ranks approximated by ZeRO-3 + hpZ ({SDP_ENGINE_ENV}=hpz): parameters "
+                 f"gathered inside each group, optimizer state sharded over all {dims.rdp} replicas (less memory "
+                 "than MiCS); gradients reduce-scattered over all of them")
         return _ds(key, 1), 3, "exact", f"ZeRO-3 over all {dims.rdp} replicas"
     if key in SDP_KEYS:
         if dims.sdp == 1:
             return "-", "-", "ignored", "only used with sharded_data_parallel_degree > 1"
+        if dims.mics_group_size > 1:
+            engine_key, status, note = MICS_KEYS[key]
+            return engine_key, getattr(cfg, key), status, note
         return _ds(key), deepspeed_value(ds, DEEPSPEED_KEYS[key][0]), "exact", ""
     return "-", "-", "ignored", row.note if row else "not an smp option"
 
@@ -224,12 +235,21 @@ def _derived_rows(dims: ParallelDims, ds: Mapping[str, Any], mg: MegatronPlan) -
                    dims.describe_grid()),
         ExplainRow("(derived) rdp size", dims.rdp, "derived", "megatron data_parallel_size", mg.data_parallel_size, "exact",
                    "model replicas = world / (pp x tp)"),
-        ExplainRow("(derived) ZeRO stage", stage, "derived", "deepspeed zero_optimization.stage", stage, "exact", why.get(stage, "")),
+        ExplainRow("(derived) ZeRO stage", stage, "derived", "deepspeed zero_optimization.stage", stage, "exact", why.get(stage, ""))
+        if dims.engine != "mics" else
+        ExplainRow("(derived) ZeRO stage", stage, "derived", "MiCS engine (FSDP2 fully_shard)", "shard inside groups",
+                   "exact", f"parameters, gradients and optimizer state sharded over groups of {dims.sdp} ranks"),
     ]
     if zero.get("zero_hpz_partition_size", 1) > 1:
         rows.append(ExplainRow("(derived) hpZ partition", dims.hpz_partition_size, "derived",
                                "deepspeed zero_optimization.zero_hpz_partition_size", zero["zero_hpz_partition_size"],
-                               "approximated", "stands in for MiCS (removed from DeepSpeed 0.19)"))
+                               "approximated", f"stands in for MiCS (removed from DeepSpeed 0.19.7) because "
+                                               f"{SDP_ENGINE_ENV}=hpz"))
+    if dims.pp == 1 and 1 < dims.sdp < dims.rdp:
+        rows.append(ExplainRow("(derived) sdp engine", dims.sdp_engine, "derived", f"{SDP_ENGINE_ENV}",
+                               "runtime/engines/mics (torch FSDP2)" if dims.engine == "mics"
+                               else "runtime/engines/deepspeed (ZeRO-3 + hpZ)", "exact",
+                               f"what runs sharded_data_parallel_degree < rdp; {SDP_ENGINE_ENV}=mics (default) or hpz"))
     micro = ds["train_micro_batch_size_per_gpu"]
     rows += [
         ExplainRow("(derived) micro batch", micro, "derived", "deepspeed train_micro_batch_size_per_gpu", micro, "exact",
@@ -238,7 +258,8 @@ def _derived_rows(dims: ParallelDims, ds: Mapping[str, Any], mg: MegatronPlan) -
                    mg.micro_batch_size, "exact", "samples per model replica per microbatch"),
         ExplainRow("(derived) global batch", mg.global_batch_size, "derived", "megatron global_batch_size", mg.global_batch_size,
                    "exact", ("rdp" if dims.cfg.prescaled_batch else "dp") + " x per-rank batch"),
-        ExplainRow("(derived) gradient clipping", ds.get("gradient_clipping"), "derived", "deepspeed gradient_clipping",
+        ExplainRow("(derived) gradient clipping", ds.get("gradient_clipping"), "derived",
+                   "MiCS engine: clipped in optimizer.step()" if dims.engine == "mics" else "deepspeed gradient_clipping",
                    ds.get("gradient_clipping"), "exact",
                    "sdp_gradient_clipping" if dims.sdp > 1 else "smp clips only under sharded data parallel: 0.0 = off"),
     ]

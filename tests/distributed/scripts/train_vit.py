@@ -117,10 +117,14 @@ if args.nan_in_shard_padding:  # the templates' norm logging: squares of the sha
         whole_squares = sum(p.data.float().pow(2).sum() for p in model.module.parameters())
     squares = [shard_squares.item(), whole_squares.item()]
 
-engine = model.engine
-stage = engine.zero_optimization_stage()
+engine = model.engine  # DeepSpeed's; None on the MiCS engine (FSDP2 shards: DTensors)
+stage = engine.zero_optimization_stage() if engine is not None else "mics"
+
+
 def held_bytes(p):
     """Bytes of this parameter held on this rank: its shard(s), plus the full tensor if it is live."""
+    if hasattr(p, "to_local"):  # an FSDP2 shard
+        return p.to_local().numel() * p.element_size()
     if not hasattr(p, "ds_tensor"):
         return p.numel() * p.element_size()
     secondary = getattr(p, "ds_secondary_tensor", None)  # hpZ's second shard
@@ -128,13 +132,17 @@ def held_bytes(p):
 
 
 param_bytes = sum(held_bytes(p) for p in model.module.parameters())
-opt = engine.optimizer
-moments = [t for st in getattr(opt, "optimizer", opt).state.values() for k, t in st.items()
+opt = engine.optimizer if engine is not None else optimizer.optimizer  # the torch optimizer smp wraps
+local = lambda t: t.to_local() if hasattr(t, "to_local") else t  # noqa: E731
+moments = [local(t) for st in getattr(opt, "optimizer", opt).state.values() for k, t in st.items()
            if k in ("exp_avg", "exp_avg_sq")]
 master = list(getattr(opt, "fp32_partitioned_groups_flat", []))
 opt_bytes = sum(t.numel() * t.element_size() for t in moments + master)
+grad_bytes = sum(local(p.grad).numel() * local(p.grad).element_size() for p in model.module.parameters()
+                 if p.grad is not None)
 write_result({"losses": losses, "squares": squares, "first_params": first_params, "saved_state": saved_state, "zero_stage": stage, "param_bytes": param_bytes,
               "buffers": {k: v.tolist() for k, v in model.module.named_buffers()},  # BatchNorm statistics
               "opt_bytes": opt_bytes,
               "adam_moment_bytes": sum(t.numel() * t.element_size() for t in moments), "total_param_bytes": total_params * 4, "dp_size": smp.dp_size(),
+              "grad_bytes": grad_bytes,
               "hpz": engine.zero_hpz_partition_size() if stage == 3 else 1})

@@ -78,9 +78,7 @@ def load_model_state_dict(model, state_dict, strict: bool = True):
         from smp_adapter.parallel.tensor import current_tp_context, shard_state_dict
 
         sd = shard_state_dict(module, sd, current_tp_context())
-    # ZeRO-3: rank 0's writes into the gathered values are re-partitioned on exit
-    with engine.gathered(list(module.parameters()), modifier_rank=0):
-        return module.load_state_dict(sd, strict=strict)
+    return engine.load_whole_state_dict(sd, strict)
 
 
 # -- smp.save / smp.load -------------------------------------------------------------------------

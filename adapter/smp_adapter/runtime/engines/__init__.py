@@ -6,6 +6,8 @@
 * ``deepspeed`` (deepspeed/): pipeline_parallel_degree 1. A DeepSpeed engine (ZeRO 0/1/3, hpZ,
   fp16/bf16) over the whole module, tensor-parallel layers inside it; everything that imports
   DeepSpeed lives in that folder.
+* ``mics`` (mics/): pipeline_parallel_degree 1 and 1 < sharded_data_parallel_degree < rdp: smp v1's
+  MiCS on torch FSDP2 (unless SMP_ADAPTER_SDP_ENGINE=hpz keeps DeepSpeed's ZeRO-3 + hpZ).
 * ``pipeline`` (pipeline/): pipeline_parallel_degree > 1. torch.distributed.pipelining stages, with
   smp's reductions, mixed precision and optimizer-state sharding.
 
@@ -26,6 +28,7 @@ from smp_adapter.runtime.state import state
 ENGINES = {
     "deepspeed": "smp_adapter.runtime.engines.deepspeed.engine:DeepSpeedEngine",
     "pipeline": "smp_adapter.runtime.engines.pipeline.engine:PipelineEngine",
+    "mics": "smp_adapter.runtime.engines.mics.engine:MicsEngine",
 }
 
 

@@ -185,6 +185,13 @@ class Engine(ABC):
         """Copies of this rank's tensors of the module, by name (before ``local_state_dict``)."""
         return {k: v.detach().clone().cpu() for k, v in self.model.module.state_dict().items()}
 
+    def load_whole_state_dict(self, sd: dict, strict: bool):
+        """Load a state dict of whole tensors (tensor-parallel slices already taken) into the module.
+        ZeRO-3: rank 0's writes into the gathered values are re-partitioned on exit."""
+        module = self.model.module
+        with self.gathered(list(module.parameters()), modifier_rank=0):
+            return module.load_state_dict(sd, strict=strict)
+
     def load_local_state_dict(self, sd: dict, strict: bool):
         """Load a partial state dict (layout already checked): every entry is this rank's."""
         return self.model.module.load_state_dict(sd, strict=strict)

@@ -1,0 +1,194 @@
+"""The MiCS engine: ``1 < sharded_data_parallel_degree < rdp`` at pipeline_parallel_degree 1, as smp
+v1 documents it ("SDP is AWS's MiCS implementation"), on torch FSDP2 (``fully_shard``).
+
+* Parameters, gradients and optimizer state are sharded inside each group of ``sdp`` ranks (1/sdp
+  of each per rank); the groups are replicas (mesh.py: a 2-D DeviceMesh (replicate, shard) per TP rank).
+* Each sharding unit (mesh.sharding_units: a transformer layer) is all-gathered inside the group
+  for its forward and again for its backward, then freed; its gradients are reduce-scattered inside
+  the group after every microbatch and accumulate as shards.
+* Across groups, each rank's gradient shard is all-reduced once per optimizer step: after the last
+  microbatch of every ``backward_passes_per_step``-th step call (FSDP2's
+  ``set_requires_all_reduce(False)`` before that), as MiCS did.
+* Averaging: FSDP2 reduces with ReduceOp.AVG where it can; gloo sums instead (pytorch#162338), so
+  every unit reduces with sums and FSDP2 divides by the data-parallel size afterwards
+  (``set_force_sum_reduction_for_comms``): the same average on every backend.
+* Microbatches: each microbatch's loss is divided by microbatches x backward_passes_per_step (smp's
+  average over microbatches), as the DeepSpeed engine does.
+* bf16: FSDP2's mixed precision, bf16 compute and gathers, fp32 shards (the optimizer's masters)
+  and fp32 gradient reduction. fp16 is refused with the layout (config/dims.py) until smp's loss
+  scaling is carried out here; ZeRO-3 + hpZ runs it (SMP_ADAPTER_SDP_ENGINE=hpz).
+* Tensor parallelism: the mesh spans this TP rank's RDP group; without ``prescaled_batch`` each TP
+  rank trains on its own samples, so the shards of replicated parameters are averaged over the TP
+  group too before the update (the same shard on every TP rank: the parameters have equal shapes).
+* Gradient clipping (``sdp_gradient_clipping``, ``clip_master_grads``) inside ``optimizer.step()``
+  by the global norm of the whole model, from the shards (runtime/clipping.py).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from smp_adapter.errors import SMPCheckpointError, SMPUsageError
+from smp_adapter.runtime.engines.base import Engine, model_dtype
+from smp_adapter.runtime.engines.mics import shards
+from smp_adapter.runtime.state import state
+
+FILE = "mics_rank{rank:05d}.pt"
+
+
+class MicsEngine(Engine):
+    name = "mics"
+
+    @classmethod
+    def load_code(cls) -> None:
+        import torch.distributed.fsdp  # noqa: F401  (fully_shard, and DTensor under it)
+
+    @classmethod
+    def is_own_parameter(cls, param) -> bool:
+        return shards.is_shard(param)
+
+    @classmethod
+    def local_data(cls, tensor):
+        return tensor.to_local() if shards.is_shard(tensor) else tensor
+
+    @classmethod
+    def gathered(cls, params, modifier_rank=None):
+        return shards.gathered(params, modifier_rank)
+
+    def __init__(self, model, tp_originals: dict):
+        super().__init__(model, tp_originals)
+        cfg = state.cfg  # fp16 was refused with the layout (ParallelDims.from_config)
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        from smp_adapter.runtime.engines.mics.mesh import mics_mesh, sharding_units
+
+        mesh = mics_mesh(state.dims, state.rank, state.groups.sdp, state.groups.sdp_replicas, state.device.type)
+        dtype = model_dtype(cfg)
+        policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32) if dtype else MixedPrecisionPolicy()
+        module = model.module
+        if dtype is not None:  # the shards (the optimizer's masters) stay fp32; compute in the job's dtype
+            module.float()
+        # fully_shard registers new Parameter objects: the marks set on the old ones (tensor
+        # parallelism's split flag and layout, Megatron's attributes) are carried over by name
+        marks = {name: dict(vars(p)) for name, p in module.named_parameters()}
+        self.units = []
+        for unit in sharding_units(module) + [module]:
+            fully_shard(unit, mesh=mesh, mp_policy=policy, reshard_after_forward=True)
+            unit.set_force_sum_reduction_for_comms(True)  # gloo has no AVG: sums, then one divide (pytorch#162338)
+            self.units.append(unit)
+        for name, p in module.named_parameters():
+            for key, value in marks.get(name, {}).items():
+                if not hasattr(p, key):
+                    setattr(p, key, value)
+        self._plain_backward_pending = False
+        self._optimizer = None
+        # without prescaled_batch each TP rank had its own samples: replicated parameters also
+        # average over the TP group (as runtime/engines/deepspeed does)
+        self._tp_average = state.dims.tp > 1 and not cfg.prescaled_batch
+        model.mark_partitioned()
+
+    # -- model -----------------------------------------------------------------------------------
+    def run_step(self, func, bound_mbs: list, detach: bool) -> list:
+        from smp_adapter.runtime.step import run_microbatches
+
+        return run_microbatches(func, bound_mbs, before_each=self._before_microbatch)
+
+    def _before_microbatch(self, mb: int, num_microbatches: int) -> None:
+        """The all-reduce across groups only after the last microbatch of every
+        backward_passes_per_step-th step call; reduce-scatters inside the group every microbatch."""
+        last_call = (state.step_calls + 1) % self.model.backward_passes_per_step == 0
+        self.model.module.set_requires_all_reduce(last_call and mb == num_microbatches - 1, recurse=True)
+
+    def forward(self, args, kwargs):
+        if not state.in_step and torch.is_grad_enabled() and self.model.training:
+            self.model.module.set_requires_all_reduce(True, recurse=True)  # plain style: reduced by its backward
+        return self.model.module(*args, **kwargs)
+
+    def backward(self, loss) -> None:
+        if self._optimizer is None:
+            raise SMPUsageError(
+                "model.backward() needs an optimizer: wrap it with smp.DistributedOptimizer(optimizer) right after "
+                "smp.DistributedModel, before the first step")
+        if state.in_step and self.model.average_grads_across_microbatches:
+            loss = loss / (state.cfg.microbatches * self.model.backward_passes_per_step)
+        loss.backward()
+
+    def local_named_parameters(self):
+        return self.model.module.named_parameters()
+
+    def local_named_buffers(self):
+        return self.model.module.named_buffers()
+
+    def local_named_modules(self):
+        return self.model.module.named_modules()
+
+    # -- model state dicts: this rank's shards --------------------------------------------------
+    def local_tensors(self) -> dict:
+        return {k: (v.to_local() if shards.is_shard(v) else v).detach().clone().cpu()
+                for k, v in self.model.module.state_dict().items()}
+
+    def load_local_state_dict(self, sd: dict, strict: bool):
+        return shards.load_local(self.model.module, sd, strict)
+
+    def load_whole_state_dict(self, sd: dict, strict: bool):
+        return shards.load_whole(self.model.module, sd, strict)
+
+    # -- optimizer -------------------------------------------------------------------------------
+    def attach_optimizer(self, optimizer, loss_scale) -> None:
+        owned = {id(p) for p in self.model.module.parameters()}
+        stray = [p for group in optimizer.param_groups for p in group["params"] if id(p) not in owned]
+        if stray:
+            raise SMPUsageError(
+                f"the optimizer holds {len(stray)} tensor(s) that are not the wrapped model's parameters: with "
+                "sharded_data_parallel_degree < rdp the model's parameters become shards when smp.DistributedModel "
+                "wraps it; create the optimizer from model.parameters() after smp.DistributedModel")
+        self._optimizer = optimizer
+
+    @property
+    def ready_for_checkpoint(self) -> bool:
+        return self._optimizer is not None
+
+    def optimizer_step(self, optimizer, clip_norm) -> None:
+        if self._tp_average:
+            shards.average_replicated_over_tp(self.model)
+        if clip_norm is not None:
+            shards.clip(self.model, clip_norm)
+        optimizer.step()
+
+    def zero_grad(self, optimizer, set_to_none: bool) -> None:
+        optimizer.zero_grad(set_to_none=set_to_none)
+
+    def param_shard_group(self):
+        return state.groups.sdp
+
+    def optimizer_state_dict(self, optimizer) -> dict:
+        from smp_adapter.runtime.engines.base import refuse_full_sharded_optimizer_state
+
+        refuse_full_sharded_optimizer_state()
+
+    def optimizer_local_state_dict(self, optimizer) -> dict:
+        return shards.to_local_tree(self._optimizer.state_dict())  # the torch optimizer smp's wraps
+
+    def load_optimizer_state_dict(self, optimizer, sd: dict) -> None:
+        shards.load_optimizer_local(self._optimizer, sd)
+
+    # -- partial checkpoints: one file per rank, its shards of the model and the optimizer state --------
+    def save_partial(self, io, optimizer) -> dict:
+        path = Path(io.folder) / FILE.format(rank=state.rank)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        io.torch_save({"model": self.local_tensors(), "optimizer": self.optimizer_local_state_dict(optimizer),
+                       "sdp": state.dims.sdp, "rdp": state.dims.rdp}, path)
+        return {}
+
+    def load_partial(self, io, optimizer, strict: bool, load_optimizer: bool) -> None:
+        path = Path(io.folder) / FILE.format(rank=state.rank)
+        if not path.exists():
+            raise SMPCheckpointError(
+                f"{io.folder} has no {path.name} for rank {state.rank}: it was not saved by a MiCS run with this "
+                "layout; resume with the saving run's options, or load a full checkpoint (partial=False)")
+        blob = io.torch_load(path)
+        self.load_local_state_dict(blob["model"], strict)
+        if load_optimizer and optimizer is not None:
+            self.load_optimizer_state_dict(optimizer, blob["optimizer"])

@@ -1,0 +1,190 @@
+"""FSDP2's shards (DTensors placed (Replicate, Shard(0)) on the MiCS mesh) as the rest of smp sees them.
+
+A rank's shard of a parameter is ``dtensor.to_local()``: rows ``torch.chunk(full, sdp)[i]`` of the
+whole tensor for shard coordinate ``i`` (FSDP2 pads the last chunks only in its communication
+buffers). Whole values are made by ``full_tensor()`` (an all-gather inside the group).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from smp_adapter.errors import SMPCheckpointError
+
+
+def is_shard(tensor) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(tensor, DTensor)
+
+
+def _shard_rows(full: torch.Tensor, dtensor) -> torch.Tensor:
+    """This rank's rows of ``full`` as FSDP2 cuts them (Shard(0) on the mesh's last dimension)."""
+    mesh = dtensor.device_mesh
+    index = mesh.get_local_rank(mesh.ndim - 1)
+    size = mesh.size(mesh.ndim - 1)
+    chunks = torch.chunk(full, size, dim=0)
+    if index < len(chunks):
+        return chunks[index]
+    return full.new_empty((0, *full.shape[1:]))
+
+
+def _owners(params) -> list[tuple[nn.Module, str, nn.Parameter]]:
+    """(module, attribute name, parameter) for each DTensor parameter in ``params`` (as registered)."""
+    from smp_adapter.runtime.state import state
+
+    wanted = {id(p) for p in params if is_shard(p)}
+    module = state.model.module if state.model is not None else None
+    found = []
+    if module is None or not wanted:
+        return found
+    for m in module.modules():
+        for name, p in m._parameters.items():
+            if p is not None and id(p) in wanted:
+                found.append((m, name, p))
+    return found
+
+
+@contextlib.contextmanager
+def gathered(params, modifier_rank=None):
+    """Inside: every sharded parameter among ``params`` is registered as its whole value (an
+    all-gather inside the group; every rank passes the same parameters). On exit the shards come
+    back; with ``modifier_rank`` not None, what was written into the whole values is kept (each
+    rank keeps its own rows). Loading a state dict goes through ``load_whole`` instead: FSDP2's
+    load hooks expect its own parameters registered."""
+    owners = _owners(params)
+    swapped = []
+    with torch.no_grad():
+        for m, name, p in owners:
+            whole = nn.Parameter(p.full_tensor(), requires_grad=p.requires_grad)
+            m._parameters[name] = whole
+            swapped.append((m, name, p, whole))
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for m, name, p, whole in swapped:
+                if modifier_rank is not None:
+                    p.to_local().copy_(_shard_rows(whole.data, p))
+                m._parameters[name] = p
+
+
+def load_local(module: nn.Module, sd: dict, strict: bool):
+    """A partial state dict (this rank's shards, whole buffers) into the module."""
+    own = module.state_dict()
+    missing = sorted(set(own) - set(sd))
+    unexpected = sorted(set(sd) - set(own))
+    if strict and (missing or unexpected):
+        raise SMPCheckpointError(f"the partial state dict does not match the model: missing {missing[:5]}, "
+                                 f"unexpected {unexpected[:5]}; load it into the model it was saved from, or pass "
+                                 "strict=False")
+    with torch.no_grad():
+        for name, target in own.items():
+            if name not in sd:
+                continue
+            local = target.to_local() if is_shard(target) else target
+            value = sd[name]
+            if tuple(value.shape) != tuple(local.shape):
+                raise SMPCheckpointError(
+                    f"{name}: the saved shard has shape {tuple(value.shape)}, this rank's has {tuple(local.shape)}: "
+                    "the checkpoint was saved with another sharded_data_parallel_degree or model; resume with the "
+                    "saving run's layout, or load a full checkpoint (partial=False)")
+            local.copy_(value)
+    return nn.modules.module._IncompatibleKeys(missing, unexpected)
+
+
+def load_whole(module: nn.Module, sd: dict, strict: bool):
+    """A state dict of whole tensors into the module: each rank takes its rows of every sharded
+    parameter (no communication: every rank loads the same state dict)."""
+    from torch.distributed.tensor import DTensor
+
+    sd = dict(sd)
+    for name, target in module.state_dict().items():
+        if is_shard(target) and name in sd and not is_shard(sd[name]):
+            local = target.to_local()
+            rows = _shard_rows(sd[name].to(device=local.device, dtype=local.dtype), target)
+            sd[name] = DTensor.from_local(rows, target.device_mesh, target.placements, shape=target.shape,
+                                          stride=target.stride(), run_check=False)
+    return module.load_state_dict(sd, strict=strict)
+
+
+def to_local_tree(obj):
+    """``obj`` with every DTensor replaced by its local shard (a copy on the CPU)."""
+    if is_shard(obj):
+        return obj.to_local().detach().clone().cpu()
+    if isinstance(obj, dict):
+        return {k: to_local_tree(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(to_local_tree(v) for v in obj)
+    return obj
+
+
+def load_optimizer_local(optimizer, sd: dict) -> None:
+    """An optimizer state dict of local shards (``to_local_tree``) into ``optimizer``: each state
+    tensor shaped like its parameter's shard becomes a DTensor placed as the parameter."""
+    from torch.distributed.tensor import DTensor
+
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    optimizer.load_state_dict(sd)
+    for p in params:
+        if not is_shard(p):
+            continue
+        for key, value in list(optimizer.state.get(p, {}).items()):
+            if isinstance(value, torch.Tensor) and not is_shard(value) and value.shape == p.to_local().shape:
+                optimizer.state[p][key] = DTensor.from_local(value.to(p.to_local().device), p.device_mesh,
+                                                             p.placements, shape=p.shape, stride=p.stride(),
+                                                             run_check=False)
+
+
+def _local_grads(model) -> list[tuple[torch.Tensor, bool]]:
+    """(this rank's gradient shard, is split by tensor parallelism) of every parameter with a gradient."""
+    out = []
+    for p in model.module.parameters():
+        if p.grad is None:
+            continue
+        g = p.grad.to_local() if is_shard(p.grad) else p.grad
+        out.append((g, model.is_distributed_parameter(p)))
+    return out
+
+
+def average_replicated_over_tp(model) -> None:
+    """Without prescaled_batch: the shards of parameters not split by tensor parallelism are
+    averaged over the TP group (each TP rank trained on its own samples)."""
+    from smp_adapter.runtime.state import state
+
+    group, size = state.groups.tp, state.dims.tp
+    for g, split in _local_grads(model):
+        if not split and g.numel():
+            dist.all_reduce(g, group=group)
+            g.div_(size)
+
+
+def clip(model, max_norm: float) -> float:
+    """Scale every gradient shard by max_norm / global norm when that is < 1: the squares of the
+    shards summed inside the sharding group, split parameters also over the TP group."""
+    from smp_adapter.runtime.state import state
+
+    split = torch.zeros((), dtype=torch.float64)
+    replicated = torch.zeros((), dtype=torch.float64)
+    grads = _local_grads(model)
+    for g, is_split in grads:
+        sq = g.detach().double().pow(2).sum()
+        if is_split:
+            split += sq
+        else:
+            replicated += sq
+    both = torch.stack([split, replicated])
+    dist.all_reduce(both, group=state.groups.sdp)  # each group holds one copy of every gradient
+    split, replicated = both[0], both[1]
+    if state.dims.tp > 1:
+        dist.all_reduce(split, group=state.groups.tp)
+    norm = float((split + replicated).sqrt())
+    coef = max_norm / (norm + 1e-6)
+    if coef < 1:
+        for g, _ in grads:
+            g.detach().mul_(coef)
+    return norm

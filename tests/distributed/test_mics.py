@@ -1,0 +1,112 @@
+"""sharded_data_parallel_degree < rdp on the MiCS engine (runtime/engines/mics: torch FSDP2 hybrid
+sharding), each job a real multi-process CPU/gloo run of the seed-style ViT script (seed 002)
+compared with plain single-process PyTorch on the same model, initial weights and global batches.
+
+Tolerance: 1e-5 relative on losses (fp32), as tests/distributed/test_data_parallel.py. SGD makes a
+wrongly scaled gradient reduction visible (a summed instead of averaged gradient: gloo's summing
+reduce, pytorch#162338, changes the second loss by ~1e-2); Adam would hide it.
+Memory: each rank's parameter, gradient and Adam-moment bytes are read from the tensors it holds
+(train_vit.py: the local shards' numel x element size), against the whole model's.
+"""
+
+import json
+
+import pytest
+import torch
+from common import reference_losses, tiny_vit
+from launch_util import ROOT, run_ranks
+
+SCRIPT = ROOT / "tests/distributed/scripts/train_vit.py"
+LR = {"sgd": 0.1, "adam": 1e-3}
+
+
+@pytest.fixture(scope="module")
+def init_weights(tmp_path_factory):
+    path = tmp_path_factory.mktemp("init") / "init.pt"
+    torch.save(tiny_vit().state_dict(), path)
+    return str(path)
+
+
+def _run(out, options, nprocs, *args, env=None):
+    return run_ranks(SCRIPT, nprocs, args=[str(a) for a in args], out_dir=out, timeout=240,
+                     env={"SM_HP_MP_PARAMETERS": json.dumps({"ddp": True, "sdp_gradient_clipping": 0.0, **options}),
+                          **(env or {})})
+
+
+def _matches(results, optimizer, init_weights, steps=4, per_rank_batch=4):
+    r0 = results[0]
+    ref, _ = reference_losses(steps, per_rank_batch * r0["dp_size"], LR[optimizer], optimizer, init_weights)
+    torch.testing.assert_close(torch.tensor(r0["losses"]), torch.tensor(ref), rtol=1e-5, atol=1e-6)
+    for r in results:  # every rank agrees on the global loss
+        assert r["losses"] == pytest.approx(r0["losses"], rel=1e-6)
+
+
+@pytest.mark.parametrize("sdp, nprocs, microbatches, optimizer, delayed", [
+    (2, 4, 1, "sgd", False), (2, 4, 2, "adam", False), (2, 6, 2, "sgd", True), (2, 6, 1, "adam", True)],
+    ids=["sdp2_rdp4_mb1", "sdp2_rdp4_mb2_adam", "sdp2_rdp6_mb2_delayed", "sdp2_rdp6_mb1_adam_delayed"])
+def test_mics_matches_one_process(tmp_path, init_weights, sdp, nprocs, microbatches, optimizer, delayed):
+    """Losses equal one process; each rank holds 1/sdp of the parameters, gradients and Adam moments
+    (within 5 %: the shards of tensors whose first dimension does not divide by sdp differ by a row).
+    delayed: no weights loaded after wrapping, so the run starts from what smp.model_creation's
+    delayed initialisation made, which must be tiny_vit()'s eager weights."""
+    args = ["--optimizer", optimizer, "--lr", LR[optimizer]] + ([] if delayed else ["--init-weights", init_weights])
+    results = _run(tmp_path, {"sharded_data_parallel_degree": sdp, "microbatches": microbatches}, nprocs, *args)
+    assert results[0]["zero_stage"] == "mics"  # DeepSpeed's engine is not there: model.engine is None
+    _matches(results, optimizer, None if delayed else init_weights)
+    whole = results[0]["total_param_bytes"]
+    for r in results:
+        assert r["param_bytes"] == pytest.approx(whole / sdp, rel=0.05), r["param_bytes"]
+        assert r["grad_bytes"] == pytest.approx(whole / sdp, rel=0.05), r["grad_bytes"]
+        if optimizer == "adam":
+            assert r["adam_moment_bytes"] == pytest.approx(2 * whole / sdp, rel=0.05), r["adam_moment_bytes"]
+
+
+def _ledger_steps(folder, rank):
+    lines = (folder / f"rank{rank}.jsonl").read_text().splitlines()
+    return [rec for rec in map(json.loads, lines) if rec.get("step") is not None]
+
+
+@pytest.mark.parametrize("engine", ["mics", "hpz"])
+def test_ledger_shows_where_each_engine_communicates(tmp_path, init_weights, engine):
+    """sdp 2 of rdp 6, microbatches 2. MiCS: all-gathers and reduce-scatters only inside groups of 2
+    ("sdp"), and per optimizer step one all-reduce across the groups ("sdp_replicas") of each rank's
+    gradient shard: its bytes are a shard's fp32 gradient bytes (1/sdp of the model's, padded to the
+    largest shard of the group). hpZ: the
+    gradients are reduce-scattered over all 6 replicas ("rdp") and nothing crosses as an all-reduce."""
+    ledger = tmp_path / "ledger"
+    results = _run(tmp_path / "out", {"sharded_data_parallel_degree": 2, "microbatches": 2,
+                                      "sdp_param_persistence_threshold": 0}, 6,
+                   "--optimizer", "sgd", "--lr", LR["sgd"], "--init-weights", init_weights, "--steps", 2,
+                   env={"SMP_ADAPTER_COMM_LEDGER": str(ledger), "SMP_ADAPTER_SDP_ENGINE": engine})
+    _matches(results, "sgd", init_weights, steps=2)
+    for rank, r in enumerate(results):
+        steps = _ledger_steps(ledger, rank)
+        assert len(steps) == 2
+        for step in steps:
+            ops = {}
+            for op in step["ops"]:
+                key = (op["group"], op["op"])
+                ops[key] = [a + b for a, b in zip(ops.get(key, [0, 0]), [op["calls"], op["bytes"]])]
+            if engine == "mics":
+                assert {g for g, o in ops if o in ("all_gather", "reduce_scatter")} == {"sdp"}, ops
+                # FSDP2 pads each shard to the group's largest (torch.chunk rows): the first rank of a group's
+                crossing = ops[("sdp_replicas", "all_reduce")][1]
+                assert crossing == max(x["grad_bytes"] for x in results) >= r["grad_bytes"], (ops, r["grad_bytes"])
+                assert crossing == pytest.approx(r["total_param_bytes"] / 2, rel=0.05)
+                # across all replicas: only the script's own all-reduce of its 4-byte loss
+                assert {k: v for k, v in ops.items() if k[0] in ("rdp", "dp", "world")} == {("rdp", "all_reduce"): [1, 4]}
+            else:
+                assert ops[("rdp", "reduce_scatter")][1] > 0 and ("sdp_replicas", "all_reduce") not in ops, ops
+                assert {g for g, o in ops if o == "all_gather"} <= {"sdp", "rdp"}, ops
+
+
+def test_partial_checkpoint_resume_is_exact(tmp_path, init_weights):
+    """Save a partial checkpoint after step 2 of 4 (Adam: moments sharded), resume from it in a new job:
+    the resumed steps' losses equal the uninterrupted run's; the resume verifies the files' digests."""
+    options = {"sharded_data_parallel_degree": 2}
+    ckpt = tmp_path / "ckpt"
+    common = ["--optimizer", "adam", "--lr", LR["adam"], "--init-weights", init_weights, "--ckpt-dir", ckpt]
+    full = _run(tmp_path / "full", options, 4, *common, "--steps", 4, "--save-at", 2)
+    resumed = _run(tmp_path / "resumed", options, 4, *common, "--steps", 2, "--first-step", 2, "--resume")
+    assert (ckpt / "step2_partial" / "smp_manifest.json").exists()
+    assert resumed[0]["losses"] == full[0]["losses"][2:]
