@@ -22,8 +22,9 @@ wraps the model before it creates the optimizer and before any evaluation or sav
   and wrap the model in a second ``smp.DistributedModel`` (smp forbids it: "only one
   smp.DistributedModel per script"). Shim: ``_wrap_model`` returns the existing DistributedModel
   when given the model it wraps.
-* every release in the range whose Trainer wraps the optimizer in accelerate's ``AcceleratedOptimizer``
-  (4.38 and 5.24 do; 4.57 was reported): ``_save_optimizer_and_scheduler`` then calls
+* a release whose Trainer wraps smp's optimizer in accelerate's ``AcceleratedOptimizer`` on this path
+  (4.57, as reported in issue 53; 5.24 does not wrap it, and 4.38 with accelerate >= 1.0 cannot start a
+  Trainer at all: ``Accelerator(dispatch_batches=...)``; not run here): ``_save_optimizer_and_scheduler`` then calls
   ``self.optimizer.local_state_dict(gather_if_shard=False)``, an ``smp.DistributedOptimizer`` method,
   on accelerate's wrapper: ``'AcceleratedOptimizer' object has no attribute 'local_state_dict'`` at
   every checkpoint save (the end of training among them). Shim: ``AcceleratedOptimizer`` gets
