@@ -95,3 +95,21 @@ def test_the_recipes_run_as_is():
     for script in scripts:
         text = check_source(script.read_text(), str(script)).text()
         assert "verdict: runs as-is" in text, f"{script}:\n{text[-1500:]}"
+
+
+def test_a_module_the_installed_package_lacks_means_the_script_does_not_start(tmp_path):
+    """`from transformers.sagemaker import ...` (transformers 5 has no transformers.sagemaker): the package
+    resolves, its module does not, found without importing transformers; `os.path` and an existing
+    submodule resolve. In a helper module beside the script too."""
+    from smp_adapter.script_check_local import _resolves_dotted
+
+    assert _resolves_dotted("os.path") and _resolves_dotted("smp_adapter.runtime.model")
+    assert not _resolves_dotted("smp_adapter.no_such_module")
+    script = tmp_path / "train.py"
+    script.write_text("import os.path\nimport smp_adapter.runtime.model\nfrom smp_adapter.no_such_module import x\n"
+                      "import helper\n")
+    (tmp_path / "helper.py").write_text("import smp_adapter.nor_this_one\n")
+    report = check_source(script.read_text(), str(script))
+    missing = {u.name: u for u in report.uses if u.kind == "environment"}
+    assert set(missing) == {"smp_adapter.no_such_module", "smp_adapter.nor_this_one"}, missing
+    assert report.exit_status() == 1 and "does not start here: `smp_adapter.no_such_module` does not exist" in report.text()
