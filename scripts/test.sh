@@ -31,11 +31,14 @@ PYTEST_ARGS=(-m pytest -q -p no:cacheprovider --durations=15)
 # also runs the code that reads transformers' models and Megatron-core's layers at their floors (the
 # TP mapping of each Hugging Face family, TP x DP reload through from_pretrained, ZeRO-3 and delayed
 # init over each family's layers in the AWS-template style). The rest runs in the default stack only.
+# (test_hf_trainer_glue.py, transformers' Trainer, is not a floor test: the lowest point's transformers 4.38
+# cannot start a Trainer with accelerate >= 1.0, "Accelerator(dispatch_batches=...)"; docs/status.md.)
 D=tests/distributed
 TORCH_SURFACES=($D/test_pipeline.py::test_seed_manual_partition_simple_schedule
                 $D/test_pipeline.py::test_boolean_values_crossing_stages
                 $D/test_pipeline.py::test_gpt2_pp2_dp2_balanced_tied_embeddings
-                "$D/test_pipeline.py::test_unsplittable_models_fail_on_every_rank[untraceable-UnsupportedFeatureError-could not split Untraceable.*pipeline_parallel_degree: 1]"
+                "$D/test_pipeline.py::test_unsplittable_models_fail_on_every_rank[untraceable-UnsupportedFeatureError-profiling pass.*of Untraceable.*pipeline_parallel_degree: 1]"
+                "$D/test_pipeline.py::test_unsplittable_models_fail_on_every_rank[compiling-None-]"
                 "$D/test_pipeline.py::test_partial_checkpoint_resume_is_exact[gpt2-2-extra1-cli1]"
                 "$D/test_pipeline_schedules.py::test_six_layers_sgd_pp2[interleaved_1f1b]"
                 $D/test_pipeline_schedules.py::test_split_backward_schedules_or_their_refusal

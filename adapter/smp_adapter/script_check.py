@@ -39,6 +39,23 @@ SUPPORTED, PARTIAL, UNSUPPORTED, NEEDS_GPU, ERROR, UNKNOWN = (
     "supported", "partial", "unsupported", "needs-gpu", "error", "unknown")
 FAILING = (UNSUPPORTED, ERROR, UNKNOWN)  # a script using any of these does not run as-is
 MISSING = "environment"  # Use.kind of an import the environment cannot find
+LAUNCH_FLAG = "launch"  # Use.kind of what needs a flag of smp-adapter launch
+MP_PARAMETERS_NOTE = ("smp-adapter launch passes SageMaker's --mp_parameters argument, which HfArgumentParser refuses on "
+                      "transformers 5 (TrainingArguments has no mp_parameters field there): launch with --no-mp-parameters")
+
+
+def _refuses_mp_parameters(call: ast.Call) -> bool:
+    """``parser.parse_args_into_dataclasses()`` without ``return_remaining_strings=True``, with the installed
+    transformers' TrainingArguments lacking ``mp_parameters`` (5.0 removed it; read from the version, no import)."""
+    if any(k.arg == "return_remaining_strings" and not (isinstance(k.value, ast.Constant) and not k.value.value)
+           for k in call.keywords):
+        return False
+    try:
+        from importlib.metadata import version
+
+        return int(version("transformers").split(".")[0]) >= 5
+    except Exception:  # noqa: BLE001 - not installed, or an unreadable version: nothing to say
+        return False
 
 _TP = "Megatron-core tensor-parallel layers; see docs"
 # pp > 1 runs on torch.distributed.pipelining (smp_adapter.runtime.engines.pipeline)
@@ -153,6 +170,8 @@ class _Checker:
     def __init__(self, tree: ast.Module, options_only: bool = False, path: str | None = None):
         self.tree, self.uses, self.path = tree, [], path  # path: to read the script's own modules beside it
         self.options_only = options_only  # only what smp.init is given (launch): no check that reads the runtime
+        self.hf_parser = any(isinstance(n, ast.alias) and n.name.split(".")[-1] == "HfArgumentParser" or
+                             isinstance(n, ast.Attribute) and n.attr == "HfArgumentParser" for n in ast.walk(tree))
         self.parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
         self.bindings: dict[str, str] = {}  # local name -> full dotted path it was imported as
         self.wrapped: dict[str, str] = {}  # source text of a variable -> "DistributedModel" / "DistributedOptimizer"
@@ -292,6 +311,10 @@ class _Checker:
 
     def visit_call(self, node: ast.Call) -> None:
         path = self.full_path(node.func) or ""
+        if isinstance(node.func, ast.Attribute) and node.func.attr == "parse_args_into_dataclasses" \
+                and self.hf_parser and _refuses_mp_parameters(node):
+            self.add(node, ast.unparse(node), "HfArgumentParser.parse_args_into_dataclasses", LAUNCH_FLAG, PARTIAL,
+                     MP_PARAMETERS_NOTE)
         first = node.args[0] if node.args else None
         cuda_arg = isinstance(first, ast.Constant) and isinstance(first.value, str) and first.value.startswith("cuda")
         attr = node.func.attr if isinstance(node.func, ast.Attribute) else None
@@ -455,6 +478,9 @@ class Report:
             lines.append("verdict: does not start here: " + "; ".join(missing[name] for name in order))
         elif self.exit_status(cpu):
             lines.append("verdict: does not run as-is (fix the unsupported/unknown/error uses above)")
+        elif any(u.kind == LAUNCH_FLAG for u in self.uses):
+            lines.append("verdict: runs as-is through smp-adapter launch --no-mp-parameters (transformers 5's "
+                         "HfArgumentParser refuses the --mp_parameters argument launch passes otherwise)")
         elif c[NEEDS_GPU]:
             lines.append("verdict: runs as-is (on CPU ranks through smp-adapter launch, which runs the needs-gpu "
                          "lines on the CPU)")

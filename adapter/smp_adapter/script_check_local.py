@@ -11,12 +11,13 @@ a few levels of their own imports of each other.
 from __future__ import annotations
 
 import ast
+import importlib.machinery
 import importlib.util
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-APEX_ROOTS = ("apex", "amp_C", "apex_C")
+APEX_ROOTS = ("apex", "amp_C", "apex_C", "torch._six")  # what the apex fallback provides (reported by script_check_apex)
 _MAX_FILES = 50  # a helper package is small; a huge tree beside the script is not followed further
 
 
@@ -151,6 +152,19 @@ class MissingImport:
 
     def note(self) -> str:
         pip = GPU_ONLY_PACKAGES.get(self.module)
+        if "." in self.module:  # the package is installed, this module of it is not
+            root = self.module.split(".")[0]
+            try:
+                from importlib.metadata import version
+
+                installed = f"{root} {version(_PIP_NAMES.get(root, root))}"
+            except Exception:  # noqa: BLE001 - no distribution metadata (a source checkout)
+                installed = f"the installed {root}"
+            what = (f"`{self.module}` does not exist in {installed} (a module of another release, or a misspelled "
+                    f"name: install a {root} that has it, or change the import)")
+            if self.where:
+                what += f", imported by the script's own module at {self.where}"
+            return what + (": needed when that code runs" if self.conditional else "")
         what = (f"`{self.module}` is not installed (a CUDA-only package; on a GPU machine `pip install {pip}`)" if pip
                 else f"`{self.module}` is not installed (`pip install {_PIP_NAMES.get(self.module, self.module)}`, or put "
                      "it beside the script if it is one of the script's own modules)")
@@ -196,10 +210,45 @@ def missing_imports(script: str | Path, skip: tuple[str, ...] = APEX_ROOTS) -> l
                 for module, where, conditional in _missing_in_helpers(root, roots, local, skip, cache):
                     found.append(MissingImport(node.lineno, node.col_offset + 1, ast.unparse(node), module, where,
                                                conditional or _conditional(script_tree, node)))
-            elif not _resolves(name):
-                found.append(MissingImport(node.lineno, node.col_offset + 1, ast.unparse(node), name, "",
-                                           _conditional(script_tree, node)))
+            else:
+                missing = name if not _resolves(name) else next(
+                    (d for d in _dotted_modules(node, name, skip) if not _resolves_dotted(d)), None)
+                if missing:
+                    found.append(MissingImport(node.lineno, node.col_offset + 1, ast.unparse(node), missing, "",
+                                               _conditional(script_tree, node)))
     return found
+
+
+def _dotted_modules(node: ast.Import | ast.ImportFrom, root: str, skip: tuple[str, ...] = ()) -> list[str]:
+    """The dotted module names under ``root`` an absolute import statement names (``transformers.sagemaker``
+    of ``from transformers.sagemaker import X``; not X, which may be an attribute)."""
+    if isinstance(node, ast.ImportFrom):
+        names = [node.module] if node.module and not node.level else []
+    else:
+        names = [a.name for a in node.names]
+    return [n for n in names if "." in n and n.split(".")[0] == root
+            and not any(n == s or n.startswith(s + ".") for s in skip)]
+
+
+def _resolves_dotted(name: str) -> bool:
+    """Whether ``a.b.c`` exists, found through each package's search locations with importlib's path
+    finder: the packages are not imported (find_spec of a dotted name would import ``a`` and ``a.b``).
+    A parent that is a plain module (its attributes may be modules, as ``os.path``) counts as found."""
+    parts = name.split(".")
+    if parts[0] in sys.builtin_module_names or parts[0] in sys.stdlib_module_names:
+        return True
+    try:
+        spec = importlib.util.find_spec(parts[0])
+        for i in range(1, len(parts)):
+            if spec is None:
+                return False
+            locations = spec.submodule_search_locations
+            if locations is None:
+                return True
+            spec = importlib.machinery.PathFinder.find_spec(".".join(parts[:i + 1]), list(locations))
+        return spec is not None
+    except (ImportError, ValueError):
+        return True  # a finder that cannot answer without importing: not reported
 
 
 def _missing_in_helpers(root: Path, roots: list[Path], files: list[Path], skip,
@@ -217,7 +266,10 @@ def _missing_in_helpers(root: Path, roots: list[Path], files: list[Path], skip,
                 beside = module_files(path.parent, name) if level else local_module_files(roots, name)
                 if beside or level:
                     queue += beside
-                elif name not in skip and not cache.setdefault(name, _resolves(name)):
-                    where = path.relative_to(root) if path.is_relative_to(root) else path
-                    found.append((name, f"{where}:{node.lineno}", _conditional(tree, node)))
+                elif name not in skip:
+                    missing = name if not cache.setdefault(name, _resolves(name)) else next(
+                        (d for d in _dotted_modules(node, name, skip) if not cache.setdefault(d, _resolves_dotted(d))), None)
+                    if missing:
+                        where = path.relative_to(root) if path.is_relative_to(root) else path
+                        found.append((missing, f"{where}:{node.lineno}", _conditional(tree, node)))
     return found

@@ -140,9 +140,10 @@ def test_boolean_values_crossing_stages(tmp_path):
 
 
 @pytest.mark.parametrize("case,error,text", [
-    ("untraceable", "UnsupportedFeatureError", r"could not split Untraceable.*pipeline_parallel_degree: 1"),
+    ("untraceable", "UnsupportedFeatureError", r"profiling pass.*of Untraceable.*pipeline_parallel_degree: 1"),
     ("order", "SMPUsageError", r"module 'b' is placed on stage 0 but runs after 'a' on stage 1.*set_partition"),
     ("early_save", "SMPUsageError", r"partial checkpoint can be saved only after the first @smp.step call.*partial=False"),
+    ("compiling", None, ""),  # not an error: the profiling pass runs in torch.export's compiling state
 ])
 def test_unsplittable_models_fail_on_every_rank(tmp_path, case, error, text):
     import re

@@ -95,3 +95,38 @@ def test_the_recipes_run_as_is():
     for script in scripts:
         text = check_source(script.read_text(), str(script)).text()
         assert "verdict: runs as-is" in text, f"{script}:\n{text[-1500:]}"
+
+
+def test_a_module_the_installed_package_lacks_means_the_script_does_not_start(tmp_path):
+    """`from transformers.sagemaker import ...` (transformers 5 has no transformers.sagemaker): the package
+    resolves, its module does not, found without importing transformers; `os.path` and an existing
+    submodule resolve. In a helper module beside the script too."""
+    from smp_adapter.script_check_local import _resolves_dotted
+
+    assert _resolves_dotted("os.path") and _resolves_dotted("smp_adapter.runtime.model")
+    assert not _resolves_dotted("smp_adapter.no_such_module")
+    script = tmp_path / "train.py"
+    script.write_text("import os.path\nimport smp_adapter.runtime.model\nfrom smp_adapter.no_such_module import x\n"
+                      "import helper\n")
+    (tmp_path / "helper.py").write_text("import smp_adapter.nor_this_one\n")
+    report = check_source(script.read_text(), str(script))
+    missing = {u.name: u for u in report.uses if u.kind == "environment"}
+    assert set(missing) == {"smp_adapter.no_such_module", "smp_adapter.nor_this_one"}, missing
+    assert report.exit_status() == 1 and "does not start here: `smp_adapter.no_such_module` does not exist" in report.text()
+
+
+def test_hf_argument_parser_scripts_are_told_about_no_mp_parameters():
+    """A script parsing its arguments with HfArgumentParser into TrainingArguments, strictly: on
+    transformers 5 (no TrainingArguments.mp_parameters) check says to launch with --no-mp-parameters;
+    with return_remaining_strings=True, or on transformers 4, nothing is said."""
+    from importlib.metadata import version
+
+    strict = ("from transformers import HfArgumentParser, TrainingArguments\n"
+              "parser = HfArgumentParser((TrainingArguments,))\n(args,) = parser.parse_args_into_dataclasses()\n")
+    lenient = strict.replace("parse_args_into_dataclasses()", "parse_args_into_dataclasses(return_remaining_strings=True)")
+    told = int(version("transformers").split(".")[0]) >= 5
+    report = check_source(strict, "train.py")
+    assert report.exit_status() == 0
+    assert ("verdict: runs as-is through smp-adapter launch --no-mp-parameters" in report.text()) == told, report.text()
+    assert [u.status for u in report.uses if u.kind == "launch"] == (["partial"] if told else [])
+    assert not [u for u in check_source(lenient, "train.py").uses if u.kind == "launch"]

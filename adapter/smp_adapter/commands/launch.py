@@ -18,6 +18,7 @@ A --recipe YAML holds ``script`` (relative to the YAML), ``smp_options``, ``npro
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import re
@@ -78,6 +79,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         "inside Kubernetes' 30)")
     p.add_argument("--comm-ledger", metavar="DIR", help="every rank writes DIR/rank<r>.jsonl: its collective and "
                    "point-to-point traffic per training step (SMP_ADAPTER_COMM_LEDGER; smp-adapter report DIR)")
+    p.add_argument("--no-mp-parameters", dest="mp_parameters", action="store_false",
+                   help="do not pass --mp_parameters k=v,... to the script (SageMaker did; the options stay in "
+                        "SM_HP_MP_PARAMETERS): for scripts whose argument parser refuses unknown arguments, such as "
+                        "HfArgumentParser on transformers 5, whose TrainingArguments has no mp_parameters")
     p.add_argument("--dry-run", action="store_true", help="print the environment and command, run nothing")
     p.add_argument("script", nargs="?", metavar="SCRIPT",
                    help="training script (with a --recipe naming one, all positional arguments are the script's)")
@@ -218,8 +223,12 @@ def build(args: argparse.Namespace) -> dict[str, Any]:
     cfg = SMPConfig.from_dict({**_script_options(script), **job.options})
     hps = {**recipe.get("hyperparameters", {}), **{k: _json_or_text(v) for k, v in
                                                     parse_pairs(args.hyperparameter, "--hyperparameter", "KEY=VALUE").items()}}
-    if job.options:
+    if job.options and getattr(args, "mp_parameters", True):
         hps.setdefault("mp_parameters", dict(job.options))  # as the SageMaker toolkit passes it
+    if job.options and "partitions" not in job.options:
+        # transformers' Trainer takes its smp path only when SM_HP_MP_PARAMETERS holds "partitions"
+        # (is_sagemaker_mp_enabled): it is there whichever name of the pipeline degree the user wrote
+        job = dataclasses.replace(job, options={**job.options, "partitions": cfg.partitions})
     hp_args = [token for key in sorted(hps) for token in (f"--{key}", _arg(hps[key]))]
     port = args.master_port or (None if cfg.ddp_port or nnodes > 1 else free_port())
     plan = to_launch_plan(job, cfg, script, [*hp_args, *script_args], launcher=launcher, nprocs_per_node=nprocs,

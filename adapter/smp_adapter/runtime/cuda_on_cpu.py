@@ -136,6 +136,16 @@ def _load_to_cpu(load):
 
 
 def _wrap_device_arguments() -> None:
+    # ``with torch.device("meta"):`` (transformers 5 creates every model inside it for from_pretrained,
+    # accelerate's init_empty_weights too) gives a device to the factories in torch's set
+    # torch.utils._device._device_constructors(), built once, at its first call, from the names then in
+    # torch. The mode dispatches the torch function our wrapper calls, i.e. torch's own: built after the
+    # wrapping, the set would hold only our wrappers, no factory would go to meta, and transformers 5
+    # would load BERT's non-persistent buffers as uninitialised memory (it marks them initialised while
+    # still on the CPU, then replaces them with torch.empty_like). Built here, it holds torch's own.
+    import torch.utils._device
+
+    torch.utils._device._device_constructors()
     for name in _FACTORIES:
         setattr(torch, name, _device_to_cpu(getattr(torch, name)))
     for name in _TENSOR_FACTORIES:

@@ -9,6 +9,7 @@ method below delegates execution to that engine and never asks which one it is.
 from __future__ import annotations
 
 import os
+import warnings
 
 import torch
 from torch import nn
@@ -67,6 +68,15 @@ class DistributedModel(nn.Module):
         if s.dims.tp > 1:
             with _recording_if_delayed(module):  # the split of a delayed model is replayed with its creation
                 self._distributed_modules = _apply_tensor_parallelism(module, engine.gathered)
+            if not self._distributed_modules and s.rank == 0:
+                warnings.warn(
+                    f"tensor_parallel_degree is {s.dims.tp} but nothing in {type(module).__name__} was split: no module "
+                    "was marked for tensor parallelism, so every tensor-parallel rank holds the whole model and "
+                    "trains it as a data-parallel replica. Mark the model: create it inside "
+                    "smp.tensor_parallelism() or smp.model_creation(tensor_parallelism=True), or call "
+                    "smp.set_tensor_parallelism(module, True) on its layers before smp.DistributedModel "
+                    "(transformers' Trainer creates no module under those: create the model so before "
+                    "giving it to Trainer)")
         engine.materialize_kept(module, s.device)  # delayed init: what this rank keeps gets storage now
         #: the engine that executes this model (runtime/engines); chosen once, here
         self.runtime_engine = create_engine(self, s.dims, {n: before[n] for n in self._distributed_modules})
@@ -77,9 +87,9 @@ class DistributedModel(nn.Module):
         #: the per-step finiteness check (runtime/finiteness.py), its policy from SMP_ADAPTER_NON_FINITE
         self.step_guard = StepGuard(policy_from_env(os.environ), loss_scaling=bool(s.cfg.fp16))
         s.model = self
-        from smp_adapter.runtime.transformers_compat import restore_trainer_optimizer_creation
+        from smp_adapter.runtime.transformers_compat import patch_trainer
 
-        restore_trainer_optimizer_creation()  # a Hugging Face Trainer wrapping this model: its optimizer
+        patch_trainer()  # a Hugging Face Trainer wrapping this model: what its smp path gets wrong
 
     # -- engine ----------------------------------------------------------------------------------
     @property

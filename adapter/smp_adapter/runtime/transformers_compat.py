@@ -1,21 +1,34 @@
-"""transformers' own SageMaker model-parallel path (``Trainer`` with smp enabled) on transformers 5.x.
+"""transformers' own SageMaker model-parallel path (``Trainer`` with smp enabled), on every transformers of
+the supported range.
 
-smp v1 users ran unmodified Hugging Face ``Trainer`` scripts: with ``SM_HP_MP_PARAMETERS`` set,
-transformers detects smp and drives it itself (``smp.init``, ``smp.DistributedModel`` in
-``_wrap_model``, ``smp.DistributedOptimizer`` in ``create_optimizer``, ``@smp.step``). transformers
-4.x created the optimizer after wrapping the model. transformers 5.x's ``_prepare_for_training``
-still delays the creation on this path, but then, because the wrapped model is not ``self.model``,
-takes the branch that only calls ``accelerator.prepare(self.optimizer)`` with no optimizer: the
-optimizer is never created, and ``create_scheduler`` fails with ``'NoneType' object has no
-attribute 'param_groups'`` inside ``LambdaLR`` (transformers 5.23, read 2026-11-23).
+smp v1 users ran unmodified Hugging Face ``Trainer`` scripts: with ``SM_HP_MP_PARAMETERS`` holding
+``partitions`` (smp-adapter launch always puts it there) and ``sagemaker_mpi_enabled`` in
+``SM_FRAMEWORK_PARAMS``, transformers detects smp and drives it itself (``smp.init``,
+``smp.DistributedModel`` in ``_wrap_model``, ``smp.DistributedOptimizer`` in ``create_optimizer``,
+``@smp.step``, ``smp_gather`` in evaluation). That path rotted upstream; ``patch_trainer`` puts back
+what each range gets wrong, one shim each, and leaves everything else as transformers wrote it.
+It runs when ``smp.DistributedModel`` is created while ``transformers.trainer`` is loaded (Trainer
+wraps the model before it creates the optimizer and before any evaluation or save).
 
-``restore_trainer_optimizer_creation`` puts the missing step back: ``Trainer.create_scheduler``
-first calls ``Trainer.create_optimizer`` (which builds the configured optimizer over the model's
-parameters and wraps it in ``smp.DistributedOptimizer``, as transformers 4.x did) when smp is
-enabled and no optimizer exists yet. A Trainer that has its optimizer (any other path, a user's
-``optimizers=``, a transformers release that fixes this) is untouched. It is installed when
-``smp.DistributedModel`` is created while ``transformers.trainer`` is loaded: Trainer wraps the
-model before it creates the scheduler.
+* transformers 5.x (read at 5.23 and 5.24): ``_prepare_for_training`` delays the optimizer's creation
+  on this path, then, because the wrapped model is not ``self.model``, takes the branch that only
+  calls ``accelerator.prepare(self.optimizer)`` with no optimizer: it is never created, and
+  ``create_scheduler`` fails with ``'NoneType' object has no attribute 'param_groups'`` inside
+  ``LambdaLR``. Shim: ``create_scheduler`` first calls ``create_optimizer`` (which builds the
+  configured optimizer and wraps it in ``smp.DistributedOptimizer``, as 4.x did) when smp is enabled
+  and no optimizer exists yet.
+* transformers 5.x (5.24): ``evaluate`` / ``predict`` call ``_wrap_model(self.model)``, whose test for
+  "already wrapped" looks at its argument (the plain model), not at ``self.model_wrapped`` as 4.x did,
+  and wrap the model in a second ``smp.DistributedModel`` (smp forbids it: "only one
+  smp.DistributedModel per script"). Shim: ``_wrap_model`` returns the existing DistributedModel
+  when given the model it wraps.
+* a release whose Trainer wraps smp's optimizer in accelerate's ``AcceleratedOptimizer`` on this path
+  (4.57, as reported in issue 53; 5.24 does not wrap it, and 4.38 with accelerate >= 1.0 cannot start a
+  Trainer at all: ``Accelerator(dispatch_batches=...)``; not run here): ``_save_optimizer_and_scheduler`` then calls
+  ``self.optimizer.local_state_dict(gather_if_shard=False)``, an ``smp.DistributedOptimizer`` method,
+  on accelerate's wrapper: ``'AcceleratedOptimizer' object has no attribute 'local_state_dict'`` at
+  every checkpoint save (the end of training among them). Shim: ``AcceleratedOptimizer`` gets
+  ``local_state_dict``, answered by the optimizer it wraps when that is smp's.
 """
 
 from __future__ import annotations
@@ -24,6 +37,12 @@ import functools
 import sys
 
 _MARK = "_smp_adapter_creates_missing_optimizer"
+
+
+def patch_trainer() -> None:
+    restore_trainer_optimizer_creation()
+    wrap_model_once()
+    local_state_dict_through_accelerate()
 
 
 def restore_trainer_optimizer_creation() -> None:
@@ -41,3 +60,40 @@ def restore_trainer_optimizer_creation() -> None:
 
     setattr(create_scheduler, _MARK, True)
     trainer_cls.create_scheduler = create_scheduler
+
+
+def wrap_model_once() -> None:
+    trainer_module = sys.modules.get("transformers.trainer")
+    trainer_cls = getattr(trainer_module, "Trainer", None)
+    if trainer_cls is None or getattr(trainer_cls._wrap_model, _MARK, False):
+        return
+    original = trainer_cls._wrap_model
+
+    @functools.wraps(original)
+    def _wrap_model(self, model, *args, **kwargs):
+        from smp_adapter.runtime.model import DistributedModel
+
+        wrapped = self.model_wrapped
+        if isinstance(wrapped, DistributedModel) and model is wrapped.module and trainer_module.is_sagemaker_mp_enabled():
+            return wrapped
+        return original(self, model, *args, **kwargs)
+
+    setattr(_wrap_model, _MARK, True)
+    trainer_cls._wrap_model = _wrap_model
+
+
+def local_state_dict_through_accelerate() -> None:
+    accelerate_optimizer = sys.modules.get("accelerate.optimizer")
+    wrapper_cls = getattr(accelerate_optimizer, "AcceleratedOptimizer", None)
+    if wrapper_cls is None or hasattr(wrapper_cls, "local_state_dict"):
+        return
+
+    def local_state_dict(self, *args, **kwargs):
+        from smp_adapter.runtime.optimizer import DistributedOptimizer
+
+        if not isinstance(self.optimizer, DistributedOptimizer):
+            raise AttributeError(f"'{type(self).__name__}' object has no attribute 'local_state_dict' (it wraps "
+                                 f"{type(self.optimizer).__name__}, not smp.DistributedOptimizer)")
+        return self.optimizer.local_state_dict(*args, **kwargs)
+
+    wrapper_cls.local_state_dict = local_state_dict

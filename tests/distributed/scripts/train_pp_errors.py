@@ -3,6 +3,8 @@
 --case untraceable  data-dependent Python control flow in forward: torch.export cannot split it
 --case order        manual partition whose stages do not run in order 0 -> 1
 --case early_save   a partial checkpoint saved before the first step (the model has no stages yet)
+--case compiling    not an error: a forward that reads a value only when not compiling (transformers 4.x's SDPA
+                    mask check, ``torch.all(mask == 1)``) trains, its stages profiled in torch.export's state
 Each rank writes {"error": type, "message": text}.
 """
 
@@ -37,6 +39,22 @@ class Untraceable(nn.Module):
         return F.log_softmax(self.b(h), 1)
 
 
+class CompilingAware(nn.Module):
+    """transformers 4.x's _prepare_4d_attention_mask_for_sdpa: drops an all-ones mask, a data-dependent
+    test it skips while torch.compiler.is_compiling()."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 2)
+
+    def forward(self, x):
+        mask = torch.ones_like(x)
+        if not torch.compiler.is_compiling() and torch.all(mask == 1):
+            mask = None
+        h = self.a(x) if mask is None else self.a(x * mask)
+        return F.log_softmax(self.b(h), 1)
+
+
 class WrongOrder(nn.Module):
     def __init__(self):
         super().__init__()
@@ -50,7 +68,7 @@ class WrongOrder(nn.Module):
 
 
 torch.manual_seed(0)
-model = smp.DistributedModel(WrongOrder() if args.case == "order" else Untraceable())
+model = smp.DistributedModel({"order": WrongOrder, "compiling": CompilingAware}.get(args.case, Untraceable)())
 optimizer = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
 
 

@@ -32,6 +32,18 @@ def _untraceable(module, e: Exception) -> UnsupportedFeatureError:
         "with tensor_parallel_degree or sharded_data_parallel_degree")
 
 
+def _profiling_failed(module, e: Exception) -> UnsupportedFeatureError:
+    """Our own pass failed (the forward on fake tensors that measures modules and finds the output's
+    structure, before torch.export is tried): said as ours, not as the model's."""
+    return UnsupportedFeatureError(
+        f"pipeline parallelism: smp-adapter's profiling pass (one forward of {type(module).__name__} on fake "
+        f"tensors, in torch.export's compiling state, before the model is traced and split) failed: "
+        f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}. This is the adapter's pass, not a "
+        "verdict that the model cannot be split: a forward that reads tensor values in Python (.item(), "
+        "data-dependent if/while) fails there as under torch.export; otherwise report it to smp-adapter with "
+        "this traceback. Meanwhile run with pipeline_parallel_degree: 1 and fit the model with "
+        "tensor_parallel_degree or sharded_data_parallel_degree")
+
 
 class StageBuilder:
     """The first step's build of a ``PipelineRunner``'s stages (the module docstring)."""
@@ -51,14 +63,15 @@ class StageBuilder:
         args, kwargs = stand_ins.inputs((args, kwargs))
         with stand_ins, surgery.originals_swapped_in(module, self.tp_originals), activation_checkpoint.tracing_plain():
             try:
-                with stand_ins.mode:
+                # the model sees the state torch.export gives it (compiling), so it takes the same paths here
+                with stand_ins.mode, torch_compat.compiling_state():
                     prof = part.profile(module, args, kwargs)
                     with torch.no_grad():
                         example_out = module(*args, **kwargs)
             except Exception as e:  # noqa: BLE001 - a forward that needs values (data-dependent control flow)
                 if isinstance(e, (SMPUsageError, UnsupportedFeatureError)):
                     raise
-                raise _untraceable(module, e) from e
+                raise _profiling_failed(module, e) from e
             self.out_spec = torch.utils._pytree.tree_flatten(example_out)[1]
             if cfg.auto_partition:
                 marked = [n for n, m in module.named_modules() if partition_mark(m) is not None]

@@ -28,6 +28,7 @@ descendant of parent module", so no pipeline at all runs there):
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import types
@@ -105,3 +106,21 @@ def receive_integers(stage) -> None:
 def _without_gradient(info) -> bool:
     buffer = getattr(info, "buffer", None)
     return isinstance(buffer, torch.Tensor) and not (buffer.is_floating_point() or buffer.is_complex())
+
+
+@contextlib.contextmanager
+def compiling_state():
+    """Inside: the model sees what it sees under torch.export (``torch.compiler.is_compiling()`` and
+    ``is_exporting()`` true), for the engine's own passes over it (the profiling forward on fake
+    tensors). Models choose traceable paths by that state: transformers 4.x's SDPA mask preparation
+    skips its data-dependent ``torch.all(mask == 1)`` only while compiling, which a fake tensor cannot
+    answer (DataDependentOutputException). torch.export sets the same two flags
+    (torch._export.utils._compiling_state_context, 2.11-2.14)."""
+    import torch.compiler as compiler
+
+    saved = compiler._is_compiling_flag, compiler._is_exporting_flag
+    compiler._is_compiling_flag = compiler._is_exporting_flag = True
+    try:
+        yield
+    finally:
+        compiler._is_compiling_flag, compiler._is_exporting_flag = saved

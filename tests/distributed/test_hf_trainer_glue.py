@@ -1,0 +1,68 @@
+"""recipes/hf_trainer/run_glue.py: a GLUE-style fine-tune (HfArgumentParser, TrainingArguments, Trainer,
+CSV data, do_train / do_eval / do_predict) on transformers' own SageMaker model-parallel path, run
+with the environment and arguments `smp-adapter launch --cpu --no-mp-parameters` gives its ranks
+(launch_util.run_as_launched), on tiny BERT- and RoBERTa-style models made here (glue_inputs.py).
+
+pp 2 (2 microbatches, BERT, dropout off): the logged losses equal the same Trainer run without smp on
+one process within 1e-5 (gradient clipping off: on the smp path transformers clips each pipeline
+stage by its own norm, through accelerate), the checkpoint at the last step holds the optimizer
+saved through accelerate's wrapper, and evaluation and prediction complete. tp 2 and sdp 2
+(RoBERTa): finite, falling losses; at tp 2 rank 0 says nothing was split. Runs on the support
+matrix's lowest point too (scripts/test.sh)."""
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+from glue_inputs import make_inputs
+from launch_util import ROOT, run_as_launched
+
+SCRIPT = ROOT / "recipes" / "hf_trainer" / "run_glue.py"
+STEPS = 16
+
+
+def _args(inputs: dict, out) -> list[str]:
+    return ["--model_name_or_path", str(inputs["model"]), "--train_file", str(inputs["train"]),
+            "--validation_file", str(inputs["validation"]), "--test_file", str(inputs["test"]),
+            "--do_train", "--do_eval", "--do_predict", "--per_device_train_batch_size", "8",
+            "--per_device_eval_batch_size", "8", "--max_steps", str(STEPS), "--learning_rate", "2e-3",
+            "--logging_steps", "1", "--report_to", "none", "--save_strategy", "steps", "--save_steps", str(STEPS),
+            "--max_grad_norm", "0", "--seed", "1", "--output_dir", str(out)]
+
+
+def _launched(tmp_path, name: str, options: dict, inputs: dict) -> tuple[str, list[float]]:
+    out = tmp_path / name
+    output = run_as_launched("--cpu", "--no-mp-parameters", "--options", json.dumps(options), "--job-dir",
+                             str(tmp_path / f"job-{name}"), str(SCRIPT), *_args(inputs, out), cwd=tmp_path)
+    losses = json.loads((out / "train_losses.json").read_text())
+    assert len(losses) == STEPS and all(math.isfinite(x) for x in losses), losses
+    assert json.loads((out / "eval_results.json").read_text())["eval_loss"] > 0
+    assert len((out / "test_predictions.csv").read_text().splitlines()) == 9
+    return output, losses
+
+
+def test_pp2_equals_one_process_and_saves_through_accelerate(tmp_path):
+    inputs = make_inputs(tmp_path / "data", "bert")
+    single = tmp_path / "single"
+    proc = subprocess.run([sys.executable, str(SCRIPT), *_args(inputs, single), "--save_strategy", "no"],
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                          env={**__import__("os").environ, "CUDA_VISIBLE_DEVICES": ""})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    reference = json.loads((single / "train_losses.json").read_text())
+    _, losses = _launched(tmp_path, "pp2", {"pipeline_parallel_degree": 2, "microbatches": 2}, inputs)
+    assert max(abs(a - b) for a, b in zip(losses, reference)) < 1e-5, (losses, reference)
+    assert sum(losses[-4:]) < sum(losses[:4]), losses
+    saved = {p.name for p in (tmp_path / "pp2" / f"checkpoint-{STEPS}").iterdir()}
+    assert {"optimizer.pt_0_0", "optimizer.pt_1_0", "model.safetensors"} <= saved, saved
+
+
+@pytest.mark.parametrize("options", [{"tensor_parallel_degree": 2, "ddp": True},
+                                     {"sharded_data_parallel_degree": 2, "ddp": True}], ids=["tp2", "sdp2"])
+def test_tp2_and_sdp2_train(tmp_path, options):
+    inputs = make_inputs(tmp_path / "data", "roberta")
+    output, losses = _launched(tmp_path, "run", options, inputs)
+    assert sum(losses[-4:]) < sum(losses[:4]), losses
+    if "tensor_parallel_degree" in options:
+        assert output.count("nothing in RobertaForSequenceClassification was split") == 1, output[-3000:]
