@@ -162,6 +162,23 @@ def test_mics_keeps_parameters_below_the_persistence_threshold_whole():
     assert p.memory["gradients"] == 4 * N // 4 and p.memory["optimizer_state"] == 8 * N // 4
 
 
+def test_mics_groups_spanning_nodes_are_pointed_out():
+    """sdp 8 on nodes of 4 GPUs: MiCS's gathers and reduce-scatters cross the network (kept by --search,
+    unlike hpZ groups spanning nodes, since MiCS shards the model states only inside its groups)."""
+    from smp_adapter.plan.notices import group_notices
+
+    cluster = instance_cluster("ml.g4dn.12xlarge", 8)
+    spans = ParallelDims.from_config(SMPConfig.from_dict({"ddp": True, "sharded_data_parallel_degree": 8}), 32)
+    inside = ParallelDims.from_config(SMPConfig.from_dict({"ddp": True, "sharded_data_parallel_degree": 4}), 32)
+    assert group_notices(spans, cluster) == ["MiCS groups of 8 span nodes: every parameter gather and gradient "
+                                             "reduce-scatter crosses the network, not only the replicas' gradient "
+                                             "all-reduce; a sharded_data_parallel_degree that divides 4 keeps them "
+                                             "inside a node"]
+    assert group_notices(inside, cluster) == []
+    p = _seed_002(8)
+    assert {t.group for t in p.comm if not t.intra_node} == {"sdp", costs.REPLICATE_GROUP}
+
+
 def test_seed_002_prediction_and_why():
     """docs/plan.md "Seed 002": groups of 4 under hpZ 7 % faster than sdp 32; under MiCS the replicas'
     all-reduce (each rank's quarter of the gradients, 0.63 GB) is the step's only inter-node traffic, but
