@@ -2,12 +2,13 @@
 and group (the runs of tests/distributed/test_comm_ledger.py: a tiny GPT-2, Adam, batch 4 per rank),
 plan's memory against the peak of live tensor bytes those runs measured (the largest rank; with and
 without activation checkpointing, as the test checks them), and
-plan's output for seed 002's two layouts. Prints the tables benchmarks/RESULTS.md keeps.
+plan's output for seed 002's layouts (sdp 32; sdp 4 on MiCS and on hpZ). Prints the tables benchmarks/RESULTS.md keeps.
 
     PYTHONPATH=adapter .venv/bin/python benchmarks/plan_accuracy.py [--layouts ddp,zero3,...]
     PYTHONPATH=adapter .venv/bin/python benchmarks/plan_accuracy.py --published   # no runs: plan's
         time model against published training runs (docs/plan.md, "Calibration"), and the four jobs'
         --search recommendations
+    PYTHONPATH=adapter .venv/bin/python benchmarks/plan_accuracy.py --seed-002    # no runs: seed 002 only
 """
 
 import argparse
@@ -94,10 +95,44 @@ def four_jobs() -> None:
         for i, row in enumerate(result.ranked, 1):
             p, d = row.plan, row.dims
             print(f"{name if i == 1 else '':<14}{i} pp {d.pp} tp {d.tp}{' prescaled' if d.cfg.prescaled_batch else ''} "
-                  f"sdp {d.sdp} ZeRO {d.zero_stage}{f' hpZ {d.hpz_partition_size}' if d.hpz_partition_size > 1 else ''}"
+                  f"sdp {d.sdp} {'MiCS' if d.mics_group_size > 1 else f'ZeRO {d.zero_stage}'}"
+                  f"{f' hpZ {d.hpz_partition_size}' if d.hpz_partition_size > 1 else ''}"
                   f"{f' {d.cfg.pipeline}' if d.pp > 1 else ''}, AC {'on' if row.job.activation_checkpointing else 'off'}, "
                   f"B {row.job.batch} m {d.cfg.microbatches}: {p.step_time_s:.2f} s, {p.tokens_per_s_per_gpu:,.0f} tokens/s/GPU, "
                   f"MFU {p.mfu:.1%}, peak {p.peak_bytes / 2**30:.2f} GiB ({row.memory_left / 2**30:.2f} left)")
+
+
+def seed_002() -> None:
+    """Seed 002's job (ViT 632M, batch 4, every layer checkpointed, Adam, fp32, 8 x ml.g4dn.12xlarge) on
+    sdp 32 (ZeRO-3), sdp 4 on MiCS and sdp 4 on hpZ: bytes per rank and through a node's network link,
+    step time and its parts (benchmarks/RESULTS.md, docs/plan.md "Seed 002")."""
+    from smp_adapter.plan import timing
+
+    print("seed 002 (ViT 632M, batch 4, every layer checkpointed, Adam, fp32) on 8 x ml.g4dn.12xlarge:")
+    cluster = instance_cluster("ml.g4dn.12xlarge", 8)
+    times = {}
+    for label, sdp, engine in (("sdp 32, ZeRO-3", 32, "mics"), ("sdp 4, MiCS", 4, "mics"), ("sdp 4, hpZ", 4, "hpz")):
+        dims = ParallelDims.from_config(SMPConfig.from_dict({"ddp": True, "sharded_data_parallel_degree": sdp}), 32,
+                                        engine)
+        p = costs.plan(model_spec(VIT_002), dims, cluster, costs.Job(4, activation_checkpointing=True))
+        times[label] = p.step_time_s
+        inter = [t for t in p.comm if not t.intra_node]
+        # what crosses a node's link, as collective_seconds charges it: (n-1)/n of the bytes (2(n-1)/n for
+        # all_reduce) per ring, times the rings of the node's GPUs that share the link
+        link = sum(timing.collective_seconds(t, cluster) * cluster.inter_node_bandwidth * timing.COMM_EFFICIENCY
+                   for t in inter)
+        print(f"  {label:<15} [{dims.engine}] peak {p.peak_bytes / 2**30:.2f} GiB, inter-node "
+              f"{sum(t.bytes for t in inter) / 1e9:.2f} GB/rank ({link / 1e9:.2f} GB through a node's link), intra-node "
+              f"{sum(t.bytes for t in p.comm if t.intra_node) / 1e9:.2f} GB/rank; step {p.step_time_s:.3f} s = compute "
+              f"{p.compute_s:.3f} + exposed {p.exposed_comm_s:.3f} (of {p.comm_s:.3f} s of collectives)")
+        for t in p.comm:
+            print(f"      {t.group:<9} {t.op:<14} {t.bytes / 1e9:6.3f} GB  {'intra' if t.intra_node else 'inter'}  "
+                  f"{timing.collective_seconds(t, cluster):.3f} s  {t.overlap or 'exposed'}")
+    flat = times["sdp 32, ZeRO-3"]
+    for label in ("sdp 4, MiCS", "sdp 4, hpZ"):
+        gain = flat / times[label] - 1
+        print(f"  predicted: {label} is {abs(gain):.1%} {'faster' if gain >= 0 else 'slower'} than sdp 32 (step time "
+              f"ratio {flat / times[label]:.3f}); measured in the seed (smp v1's MiCS): ~14% faster")
 
 
 def main() -> None:
@@ -107,7 +142,11 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--layouts", default=",".join(LAYOUTS))
     parser.add_argument("--published", action="store_true", help="no runs: the time model against published runs")
+    parser.add_argument("--seed-002", action="store_true", help="no runs: seed 002's layouts only")
     args = parser.parse_args()
+    if args.seed_002:
+        seed_002()
+        return
     if args.published:
         published()
         print()
@@ -141,20 +180,8 @@ def main() -> None:
     for name, peak, predicted, bucket in memory_rows:
         print(f"{name:<16}{peak:17d}{predicted:14d}{(predicted - peak) / peak:+9.1%}"
               f"{(predicted - peak) / (peak - bucket):+33.1%}")
-    print("\nseed 002 (ViT 632M, batch 4, every layer checkpointed, Adam, fp32) on 8 x ml.g4dn.12xlarge:")
-    cluster = instance_cluster("ml.g4dn.12xlarge", 8)
-    times = {}
-    for sdp in (32, 4):
-        dims = ParallelDims.from_config(SMPConfig.from_dict({"ddp": True, "sharded_data_parallel_degree": sdp}), 32)
-        p = costs.plan(model_spec(VIT_002), dims, cluster, costs.Job(4, activation_checkpointing=True))
-        times[sdp] = p.step_time_s
-        inter = sum(t.bytes for t in p.comm if not t.intra_node) / 1e9
-        print(f"  sdp {sdp:>2}: peak {p.peak_bytes / 2**30:.2f} GiB (fits: {p.peak_bytes <= cluster.allocatable}), "
-              f"inter-node {inter:.2f} GB/step, step {p.step_time_s:.2f} s (compute {p.compute_s:.2f}, comm "
-              f"{p.comm_s:.2f} of which {p.exposed_comm_s:.2f} not hidden by compute)")
-    print(f"  predicted: sdp 4 is {times[32] / times[4] - 1:.0%} faster (step time ratio {times[32] / times[4]:.2f}); "
-          "measured in the seed: ~14%")
-
+    print()
+    seed_002()
 
 if __name__ == "__main__":
     main()

@@ -3,6 +3,7 @@ comparison, memory per pipeline stage, usable memory and headroom, the time mode
 every bad input's own message, and speed on a 70B config."""
 
 import json
+import math
 import subprocess
 import sys
 import time
@@ -71,19 +72,136 @@ def test_published_shapes_have_their_published_sizes():
         assert model_spec(str(JOBS / f"{name}.json")).total_params == pytest.approx(size, rel=0.005), name
 
 
-def _seed_002(sdp):
-    dims = dims_of({"ddp": True, "sharded_data_parallel_degree": sdp}, 32)
-    return costs.plan(model_spec(VIT_002), dims, instance_cluster("ml.g4dn.12xlarge", 8), costs.Job(4, True))
+def _seed_002(sdp, engine="mics", options=None, cluster=None, job=None):
+    dims = ParallelDims.from_config(SMPConfig.from_dict({"ddp": True, "sharded_data_parallel_degree": sdp,
+                                                         **(options or {})}), 32, engine)
+    return costs.plan(model_spec(VIT_002), dims, cluster or instance_cluster("ml.g4dn.12xlarge", 8),
+                      job or costs.Job(4, True))
 
 
-def test_seed_002_both_layouts_fit_and_groups_of_4_are_faster():
-    flat, grouped = _seed_002(32), _seed_002(4)
-    usable = instance_cluster("ml.g4dn.12xlarge", 8).allocatable
-    assert flat.peak_bytes < usable and grouped.peak_bytes < usable
-    assert grouped.step_time_s < flat.step_time_s  # the seed measured ~14% faster
-    # the backward and recompute gathers move inside the node: less inter-node traffic
-    inter = lambda p: sum(t.bytes for t in p.comm if not t.intra_node)  # noqa: E731
-    assert inter(grouped) < inter(flat)
+# Seed 002's ViT counted by hand from its config (h 1024, f 4096, 50 layers, 16 x 16 patches of 3 channels,
+# 257 positions, 1000 labels), not from model_spec: per layer q k v o (h x h, each 1,048,576 elements:
+# above the 1e6 persistence threshold) and the MLP's two h x f matrices are sharded; their biases and two
+# LayerNorms (4h + f + h + 2 x 2h) stay whole. Outside the layers only the classifier (h x 1000) is above
+# the threshold; the patch projection (768 x h), its bias, the class token, the positions (257 x h), the
+# final LayerNorm and the classifier's bias stay whole.
+H, F, LAYERS = 1024, 4096, 50
+LAYER = 4 * H * H + 2 * H * F + (4 * H + F + H + 4 * H)  # matrices + biases and LayerNorms
+OUTER = 768 * H + H + H + 257 * H + 2 * H + H * 1000 + 1000  # patches, class token, positions, norm, classifier
+SHARDED = LAYERS * (4 * H * H + 2 * H * F) + H * 1000
+KEPT = LAYERS * (4 * H + F + H + 4 * H) + (768 * H + H + H + 257 * H + 2 * H + 1000)
+N = SHARDED + KEPT
+
+
+def _inter(p):
+    return sum(t.bytes for t in p.comm if not t.intra_node)
+
+
+def _intra(p):
+    return sum(t.bytes for t in p.comm if t.intra_node)
+
+
+def test_seed_002_inter_node_bytes_of_mics_hpz_and_zero3_by_hand():
+    """Bytes per optimizer step as passed by one rank (the ledger's measure), fp32, batch 4, one
+    microbatch, every layer checkpointed. ZeRO-3 over 32 (sdp 32): the kept parameters gathered once,
+    the others by the forward and, for the share DeepSpeed released (1 - 1e9 / 2G of G gathered
+    elements), again by the backward: 4G - 2e9 bytes; the gradients reduce-scattered; all of it across
+    nodes. hpZ (sdp 4, SMP_ADAPTER_SDP_ENGINE=hpz): the same but the backward's gather reads the
+    node-local copy. MiCS (sdp 4): gathers and reduce-scatters inside the node's group of 4; across
+    nodes only the all-reduce of each rank's quarter of the gradients, 4 N / 4 = N bytes."""
+    assert N == LAYERS * LAYER + OUTER == model_spec(VIT_002).total_params == 631_889_896  # the hand count
+    zero3, hpz, mics = _seed_002(32), _seed_002(4, "hpz"), _seed_002(4, "mics")
+    regather = 4 * SHARDED - 2 * 10**9
+    assert 4 * KEPT + 4 * SHARDED + regather + 4 * N == 5_575_797_568
+    assert _inter(zero3) == pytest.approx(5_575_797_568, abs=1)  # the released share is a float
+    assert _intra(zero3) == 0
+    assert _inter(hpz) == 4 * KEPT + 4 * SHARDED + 4 * N == 5_055_119_168
+    assert _intra(hpz) == pytest.approx(regather, abs=1) and regather == 520_678_400
+    assert _inter(mics) == N == 631_889_896
+    # inside the group: the classifier gathered once (the root unit stays gathered through backward),
+    # each layer twice; every gradient reduce-scattered once
+    assert _intra(mics) == 4 * (H * 1000 + 2 * LAYERS * (4 * H * H + 2 * H * F)) + 4 * N
+    replicate = [t for t in mics.comm if not t.intra_node]
+    assert [(t.group, t.op, t.size, t.stride) for t in replicate] == [(costs.REPLICATE_GROUP, "all_reduce", 8, 4)]
+
+
+def test_mics_all_reduce_is_once_per_optimizer_step_and_the_gathers_per_microbatch():
+    """Microbatches and backward_passes_per_step multiply the group's gathers and reduce-scatters, not
+    the replicas' all-reduce (deferred to the last microbatch, as MiCS does)."""
+    one = _seed_002(4, job=costs.Job(4, True))
+    many = _seed_002(4, options={"microbatches": 2}, job=costs.Job(4, True, accumulation=3))
+    assert _inter(many) == _inter(one) == N
+    assert _intra(many) == 6 * _intra(one)
+
+
+@pytest.mark.parametrize("options, world, sdp", [({}, 32, 4), ({"bf16": True}, 32, 4), ({}, 4, 2),
+                                                 ({"bf16": True}, 8, 2)])
+def test_mics_holds_1_over_sdp_of_the_model_states(options, world, sdp):
+    """Parameters + gradients + optimizer state per rank under MiCS: 1/sdp of the model's, counted from
+    the model spec independently of plan's formulas: 16 B per parameter with Adam (fp32: 4 parameter +
+    4 gradient + 8 moments; bf16: 2 + 2 + 8 + 4 fp32 master), whatever the rdp (no DeepSpeed fp32 clone,
+    no 1/rdp). Persistence threshold 0: nothing kept whole."""
+    spec = model_spec(VIT_002)
+    dims = ParallelDims.from_config(SMPConfig.from_dict({"ddp": True, "sharded_data_parallel_degree": sdp,
+                                                         "sdp_param_persistence_threshold": 0, **options}), world)
+    assert dims.engine == "mics" and dims.rdp == world
+    p = costs.plan(spec, dims, instance_cluster("ml.p4d.24xlarge", 4), costs.Job(4, True))
+    states = p.memory["parameters"] + p.memory["gradients"] + p.memory["optimizer_state"]
+    assert states == 16 * math.ceil(spec.total_params / sdp)
+    assert "gradient_buckets" not in p.memory and "parameters_hpz_secondary" not in p.memory
+    # FSDP2's working set: the root unit (the classifier, the patch projection, positions, ...) and two
+    # layers, gathered, and as much again of unsharded gradients in backward
+    a = 2 if options else 4
+    working = a * (OUTER + 2 * LAYER)
+    assert p.memory["mics_gathered_parameters"] == p.memory["mics_unsharded_gradients"] == working
+
+
+def test_mics_keeps_parameters_below_the_persistence_threshold_whole():
+    p = _seed_002(4)  # threshold 1e6 (smp's default)
+    assert p.memory["parameters"] == 4 * (KEPT + SHARDED // 4)
+    assert p.memory["gradients"] == 4 * N // 4 and p.memory["optimizer_state"] == 8 * N // 4
+
+
+def test_mics_groups_spanning_nodes_are_pointed_out():
+    """sdp 8 on nodes of 4 GPUs: MiCS's gathers and reduce-scatters cross the network (kept by --search,
+    unlike hpZ groups spanning nodes, since MiCS shards the model states only inside its groups)."""
+    from smp_adapter.plan.notices import group_notices
+
+    cluster = instance_cluster("ml.g4dn.12xlarge", 8)
+    spans = ParallelDims.from_config(SMPConfig.from_dict({"ddp": True, "sharded_data_parallel_degree": 8}), 32)
+    inside = ParallelDims.from_config(SMPConfig.from_dict({"ddp": True, "sharded_data_parallel_degree": 4}), 32)
+    assert group_notices(spans, cluster) == ["MiCS groups of 8 span nodes: every parameter gather and gradient "
+                                             "reduce-scatter crosses the network, not only the replicas' gradient "
+                                             "all-reduce; a sharded_data_parallel_degree that divides 4 keeps them "
+                                             "inside a node"]
+    assert group_notices(inside, cluster) == []
+    p = _seed_002(8)
+    assert {t.group for t in p.comm if not t.intra_node} == {"sdp", costs.REPLICATE_GROUP}
+
+
+def test_seed_002_prediction_and_why():
+    """docs/plan.md "Seed 002": groups of 4 under hpZ 7 % faster than sdp 32; under MiCS the replicas'
+    all-reduce (each rank's quarter of the gradients, 0.63 GB) is the step's only inter-node traffic, but
+    the 4 GPUs of a node all-reduce their shards at once over the node's one 50 Gbit/s link (2 x 7/8 x
+    0.63 GB each: 4.4 GB through the node's link, against 5.4 GB for sdp 32's ring, which crosses it
+    once), and it hides only behind the last microbatch's backward, where ZeRO-3's traffic hides
+    behind the whole step: plan predicts MiCS sdp 4 slower than sdp 32, not the ~14 % faster the seed
+    measured with smp v1."""
+    cluster = instance_cluster("ml.g4dn.12xlarge", 8)
+    zero3, hpz, mics = _seed_002(32), _seed_002(4, "hpz"), _seed_002(4, "mics")
+    usable = cluster.allocatable
+    assert zero3.peak_bytes < usable and hpz.peak_bytes < usable and mics.peak_bytes < usable
+    assert mics.peak_bytes < zero3.peak_bytes  # no 2 GB reduce bucket, no DeepSpeed-kept gathered parameters
+    assert hpz.step_time_s < zero3.step_time_s
+    (all_reduce,) = [t for t in mics.comm if not t.intra_node]
+    seconds = timing.collective_seconds(all_reduce, cluster)
+    per_gpu = cluster.inter_node_bandwidth / 4 * timing.COMM_EFFICIENCY  # 4 rings share the node's link
+    assert seconds == pytest.approx(N * 2 * 7 / 8 / per_gpu)
+    window = mics.compute_s * 2 / 4  # the last (only) microbatch's backward: 2 of 4 passes when checkpointed
+    hidden_inside = sum(timing.collective_seconds(t, cluster) for t in mics.comm if t.intra_node)
+    assert hidden_inside < mics.compute_s
+    assert mics.exposed_comm_s == pytest.approx(seconds - window)
+    assert mics.step_time_s > zero3.step_time_s
 
 
 # -- memory ------------------------------------------------------------------------------------------
@@ -279,6 +397,30 @@ def test_predicted_mfu_of_the_llama_jobs_is_within_the_published_range(searches)
     assert 0.33 <= searches["llama3-70b"][2].ranked[0].plan.mfu <= 0.47
 
 
+def test_search_ranks_mics_and_hpz_side_by_side(searches):
+    """Every 1 < sdp < rdp layout is planned on both engines: seed 002's sdp 4 (and 2, 8, 16) of 32 appears
+    as MiCS and as hpZ, each planned as its engine runs it (MiCS: only the replicas' all-reduce of a
+    quarter of the gradients crosses nodes)."""
+    ranked = searches["seed-002"][2].ranked
+    engines = {(r.dims.sdp, r.dims.engine, r.dims.hpz_partition_size) for r in ranked if r.dims.tp == 1}
+    assert {(4, "mics", 1), (4, "deepspeed", 4), (2, "mics", 1), (2, "deepspeed", 2)} <= engines
+    assert all(r.dims.hpz_partition_size == 1 for r in ranked if r.dims.engine == "mics")
+    mics4 = [r for r in ranked if r.dims.engine == "mics" and r.dims.sdp == 4 and r.dims.tp == 1]
+    assert mics4 and all(_inter(r.plan) == N for r in mics4)
+    assert all(r.dims.mics_group_size == 1 for r in ranked if r.dims.sdp in (1, r.dims.rdp))  # ZeRO-3 at rdp
+
+
+def test_search_cli_names_each_rows_engine(tmp_path, capsys):
+    code, out = _plan_cli(tmp_path, capsys, "--instance-type", "ml.g4dn.12xlarge", "--instance-count", "8", "--search",
+                          "--top", "20", "--activation-checkpointing",
+                          options='{"ddp": true, "sharded_data_parallel_degree": 4}')
+    assert code == 0, out.err
+    rows = [line for line in out.out.splitlines() if line[:3].strip().isdigit() and "tp " in line]
+    assert any("tp 1, MiCS 4 x 8" in r and " mics " in r for r in rows)
+    assert any("tp 1, ZeRO-3/32 hpZ 4" in r and " deepspeed " in r for r in rows)
+    assert "SMP_ADAPTER_SDP_ENGINE=hpz" in out.out  # how to choose hpZ over the default
+
+
 def test_search_cli_holds_the_job_fixed_and_says_why(tmp_path, capsys):
     code, out = _plan_cli(tmp_path, capsys, "--instance-type", "ml.g4dn.12xlarge", "--instance-count", "8", "--search",
                           options='{"ddp": true, "sharded_data_parallel_degree": 32}')
@@ -375,17 +517,42 @@ def test_an_unknown_model_family_is_refused_at_once_without_importing_transforme
     assert "did you mean 'gpt_neox'" in proc.stderr
 
 
-def test_json_output_has_the_promised_fields(tmp_path, capsys):
+@pytest.mark.parametrize("setting, engine, groups", [(None, "mics", {"sdp", "replicate"}), ("mics", "mics", {"sdp", "replicate"}),
+                                                     ("hpz", "deepspeed", {"rdp", "sdp"})])
+def test_json_output_has_the_promised_fields(tmp_path, capsys, monkeypatch, setting, engine, groups):
+    """sdp 4 of 32 runs on MiCS unless SMP_ADAPTER_SDP_ENGINE=hpz: plan follows the setting as smp.init does."""
+    if setting is None:
+        monkeypatch.delenv("SMP_ADAPTER_SDP_ENGINE", raising=False)
+    else:
+        monkeypatch.setenv("SMP_ADAPTER_SDP_ENGINE", setting)
     code, out = _plan_cli(tmp_path, capsys, "--instance-type", "ml.g4dn.12xlarge", "--instance-count", "8", "--json",
                           "--activation-checkpointing", options='{"ddp": true, "sharded_data_parallel_degree": 4}')
     assert code == 0, out.err
     data = json.loads(out.out)
     for key in ("fits", "peak_memory_bytes", "usable_memory_bytes", "memory_left_bytes", "memory_breakdown",
                 "comm_bytes_per_step", "step_time_s", "tokens_per_s_per_gpu", "mfu", "host_memory_per_rank_bytes",
-                "notices"):
+                "notices", "layout"):
         assert key in data
-    assert data["fits"] is True and set(data["comm_bytes_per_step"]) == {"rdp", "sdp"}
+    assert data["layout"]["engine"] == engine
+    assert data["layout"]["sdp_engine_setting"] == {"SMP_ADAPTER_SDP_ENGINE": setting or "mics"}
+    assert data["fits"] is True and set(data["comm_bytes_per_step"]) == groups
     assert data["comm_bytes_per_step"]["sdp"]["inter_node_bytes"] == 0
+    if engine == "mics":  # the groups of 4 are a node each; only the replicas' all-reduce crosses nodes
+        assert data["comm_bytes_per_step"]["replicate"] == {
+            "intra_node_bytes": 0, "inter_node_bytes": N,
+            "ops": {"all_reduce": {"bytes": N, "calls": LAYERS + 1, "overlapped_bytes": N}}}
+
+
+def test_text_output_says_the_engine_and_how_to_choose_the_other(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("SMP_ADAPTER_SDP_ENGINE", raising=False)
+    args = ("--instance-type", "ml.g4dn.12xlarge", "--instance-count", "8")
+    code, out = _plan_cli(tmp_path, capsys, *args, options='{"ddp": true, "sharded_data_parallel_degree": 4}')
+    assert code == 0, out.err
+    assert "layout: pp 1 x tp 1 x rdp 32, sdp 4, MiCS: groups of 4 shard everything, 8 replicas" in out.out
+    assert "engine: mics (smp v1's MiCS on torch FSDP2)" in out.out and "SMP_ADAPTER_SDP_ENGINE=hpz" in out.out
+    monkeypatch.setenv("SMP_ADAPTER_SDP_ENGINE", "hpz")
+    code, out = _plan_cli(tmp_path, capsys, *args, options='{"ddp": true, "sharded_data_parallel_degree": 4}')
+    assert "engine: DeepSpeed ZeRO-3 + hpZ (SMP_ADAPTER_SDP_ENGINE=hpz)" in out.out
 
 
 def test_a_70b_config_plans_in_under_5_seconds(tmp_path, capsys):

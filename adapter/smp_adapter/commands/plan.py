@@ -204,7 +204,8 @@ def _notices(result, dims, cluster) -> list[str]:
 def _layout(dims, job=None) -> dict:
     cfg = dims.cfg
     out = {"pipeline_parallel_degree": dims.pp, "tensor_parallel_degree": dims.tp, "rdp": dims.rdp,
-           "sharded_data_parallel_degree": dims.sdp, "zero_stage": dims.zero_stage,
+           "sharded_data_parallel_degree": dims.sdp, "engine": dims.engine, "sdp_engine_setting": _setting(dims),
+           "zero_stage": dims.zero_stage, "mics_group_size": dims.mics_group_size,
            "hpz_partition_size": dims.hpz_partition_size, "prescaled_batch": cfg.prescaled_batch,
            "microbatches": cfg.microbatches}
     if dims.pp > 1:
@@ -213,6 +214,31 @@ def _layout(dims, job=None) -> dict:
         out.update(batch_per_rank=job.batch, microbatch_size=job.batch // cfg.microbatches,
                    accumulation=job.accumulation, activation_checkpointing=job.activation_checkpointing)
     return out
+
+
+def _setting(dims) -> dict:
+    """The adapter setting that selects this layout's engine: {SMP_ADAPTER_SDP_ENGINE: mics|hpz} for
+    1 < sdp < rdp at pp 1 (mics, the default, needs none), else {} (the layout decides)."""
+    from smp_adapter.config.dims import SDP_ENGINE_ENV
+
+    if dims.pp == 1 and 1 < dims.sdp < dims.rdp:
+        return {SDP_ENGINE_ENV: dims.sdp_engine}
+    return {}
+
+
+def _engine_line(dims) -> str:
+    """Which engine runs the layout, and for 1 < sdp < rdp how to choose the other one."""
+    from smp_adapter.config.dims import SDP_ENGINE_ENV
+
+    name = {"mics": "mics (smp v1's MiCS on torch FSDP2)", "deepspeed": "deepspeed (DeepSpeed ZeRO)",
+            "pipeline": "pipeline (torch.distributed.pipelining)"}.get(dims.engine, dims.engine)
+    if not _setting(dims):
+        return f"engine: {name}"
+    if dims.engine == "mics":
+        return (f"engine: {name}, the default for sharded_data_parallel_degree < rdp; {SDP_ENGINE_ENV}=hpz runs the "
+                "layout on DeepSpeed ZeRO-3 + hpZ instead")
+    return (f"engine: DeepSpeed ZeRO-3 + hpZ ({SDP_ENGINE_ENV}=hpz); unset it (or {SDP_ENGINE_ENV}=mics) for smp v1's "
+            "MiCS on torch FSDP2, the default")
 
 
 def _cluster_dict(c) -> dict:
@@ -271,7 +297,7 @@ def _text(spec, dims, cluster, job, result, headroom, notes) -> str:
              f"cluster: {cluster.nodes} x {cluster.name} ({cluster.gpus_per_node} GPUs of {cluster.gpu_memory / GiB:.0f} GiB, "
              f"{cluster.allocatable / GiB:.2f} GiB usable, per node), {cluster.world_size} ranks",
              f"layout: {dims.describe()}" + (f", pipeline {dims.cfg.pipeline}" if dims.pp > 1 else ""),
-             "", "memory of the largest rank (pipeline: its stage; activations of the stage holding the most):"]
+             _engine_line(dims), "", "memory of the largest rank (pipeline: its stage; activations of the stage holding the most):"]
     for name, value in result.memory.items():
         lines.append(f"  {name:<30}{_gib(value)}")
     verdict = "fits" if result.peak_bytes <= budget else "does NOT fit"
@@ -308,6 +334,7 @@ def _search(args, spec, job_spec, cluster, global_batch, checkpointing, delayed)
         print(json.dumps({"cluster": _cluster_dict(cluster), "model": _model_dict(spec), "global_batch": global_batch,
                           "layouts": result.layouts, "plans": result.planned, "fitting_shown": len(shown),
                           "recommended_options": _options(shown[0], notes) if shown else None,
+                          "recommended_environment": _setting(shown[0].dims) if shown else None,
                           "ranked": [dict(_layout(r.dims, r.job), **_summary(r.plan, cluster, args.headroom / 100))
                                      for r in shown], "notices": notes}, indent=1))
     else:
@@ -317,8 +344,12 @@ def _search(args, spec, job_spec, cluster, global_batch, checkpointing, delayed)
 
 def _name(dims) -> str:
     cfg = dims.cfg
-    zero = {0: "dp", 1: "ZeRO-1", 3: f"ZeRO-3/{dims.rdp}"}[dims.zero_stage]
-    parts = [f"tp {dims.tp}{'p' if cfg.prescaled_batch else ''}", zero + (f" hpZ {dims.sdp}" if dims.hpz_partition_size > 1 else "")]
+    if dims.mics_group_size > 1:
+        zero = f"MiCS {dims.sdp} x {dims.rdp // dims.sdp}"
+    else:
+        zero = {0: "dp", 1: "ZeRO-1", 3: f"ZeRO-3/{dims.rdp}"}[dims.zero_stage]
+        zero += f" hpZ {dims.sdp}" if dims.hpz_partition_size > 1 else ""
+    parts = [f"tp {dims.tp}{'p' if cfg.prescaled_batch else ''}", zero]
     if dims.pp > 1:
         schedule = {"interleaved": "1F1B", "interleaved_1f1b": f"i1F1B v{cfg.virtual_pipeline_degree}",
                     "zero_bubble": "ZB", "zbv": "ZBV", "dualpipev": "DualPipeV"}.get(cfg.pipeline, cfg.pipeline)
@@ -366,23 +397,28 @@ def _search_text(spec, cluster, result, headroom, notes) -> str:
 
     lines.append(f"ranked by step time (the same samples in every row); rows within {TIME_TIE:.0%} of each other rank "
                  "by memory left")
-    lines.append(f"{'#':<3}{'layout':<34}{'AC':<4}{'B':>5}{'mb':>5}{'k':>4}{'step s':>9}{'tok/s/GPU':>11}{'MFU':>7}"
+    lines.append(f"{'#':<3}{'layout':<34}{'engine':<11}{'AC':<4}{'B':>5}{'mb':>5}{'k':>4}{'step s':>9}{'tok/s/GPU':>11}{'MFU':>7}"
                  f"{'exposed comm':>14}{'bubble':>8}{'peak GiB':>10}{'left GiB':>10}{'inter GB':>10}")
     for i, row in enumerate(result.ranked, 1):
         p, dims = row.plan, row.dims
         inter = sum(t.bytes for t in p.comm if not t.intra_node) / GB
-        lines.append(f"{i:<3}{_name(dims):<34}{'on' if row.job.activation_checkpointing else 'off':<4}{row.job.batch:>5}"
+        lines.append(f"{i:<3}{_name(dims):<34}{dims.engine:<11}{'on' if row.job.activation_checkpointing else 'off':<4}{row.job.batch:>5}"
                      f"{dims.cfg.microbatches:>5}{row.job.accumulation:>4}{p.step_time_s:9.2f}{p.tokens_per_s_per_gpu:11,.0f}"
                      f"{p.mfu:7.1%}{p.exposed_comm_s:14.2f}{p.bubble_s + p.overhead_s:8.2f}{p.peak_bytes / GiB:10.2f}"
                      f"{row.memory_left / GiB:10.2f}{inter:10.1f}")
     lines += ["", "(B: samples per rank per smp.step call; mb: microbatches; k: smp.step calls per optimizer step, "
-              "DistributedModel(backward_passes_per_step=k); tp Np: prescaled_batch)", ""]
+              "DistributedModel(backward_passes_per_step=k); tp Np: prescaled_batch; MiCS N x R: smp v1's MiCS, groups "
+              "of N = sharded_data_parallel_degree ranks sharding everything, R replicas, on the mics engine (torch "
+              "FSDP2), the default below rdp; hpZ N: the same sdp on DeepSpeed ZeRO-3 + hpZ, chosen by "
+              "SMP_ADAPTER_SDP_ENGINE=hpz)", ""]
     for i, row in enumerate(result.ranked[:-1], 1):
         lines.append(f"{i}. {_why(row, result.ranked[i])}")
     best = result.ranked[0]
     lines += ["", f"recommended smp options: {json.dumps(_options(best, notes))} with a per-rank batch of {best.job.batch}"
               + (f" and DistributedModel(..., backward_passes_per_step={best.job.accumulation})"
-                 if best.job.accumulation > 1 else "")]
+                 if best.job.accumulation > 1 else "")
+              + "".join(f" and {k}={v} in the job's environment" for k, v in _setting(best.dims).items()
+                        if v != "mics")]
     lines += [f"note: {n}" for n in notes]
     return "\n".join(lines)
 

@@ -27,6 +27,9 @@ ZERO3_MAX_REUSE_DISTANCE = 10**9
 # reduce bucket (zero_optimization.reduce_bucket_size); ZeRO-3's is sdp_reduce_bucket_size
 ZERO0_ALLREDUCE_BUFFER = 500_000_000
 ZERO1_REDUCE_BUCKET = 500_000_000
+# MiCS: the group of the ranks that hold the same shard, one in each sdp group (FSDP2's mesh dimension
+# "replicate", rdp / sdp ranks), across which gradient shards are all-reduced
+REPLICATE_GROUP = "replicate"
 
 
 def zero3_released_fraction(gathered_numel: int, cfg) -> float:
@@ -141,6 +144,17 @@ def persistent(numel: int, cfg) -> bool:
     return numel < cfg.sdp_param_persistence_threshold
 
 
+def mics_units(spec, dims) -> tuple[int, int]:
+    """(root unit, one layer unit): the numel MiCS's FSDP2 units gather, parameters kept whole left out.
+    Each transformer layer is its own unit (auto-wrapped); the root unit holds every tensor outside
+    the layers (embeddings, final norm, head). Tensor-parallel tensors are 1/t."""
+    t, cfg = dims.tp, dims.cfg
+    size = lambda n, split: n // t if split and t > 1 else n  # noqa: E731
+    outer = sum(size(n, s) for n, s in spec.outer_tensors if not persistent(size(n, s), cfg))
+    layer = sum(size(n, s) for n, s in spec.layer_tensors if not persistent(size(n, s), cfg))
+    return outer, layer
+
+
 # -- activations ----------------------------------------------------------------------------------
 def layer_activation_bytes(spec, b: int, r: int, t: int, a: int) -> int:
     """Tensors one transformer layer keeps for backward, per microbatch (scaled-dot-product attention:
@@ -225,7 +239,22 @@ def plan(spec, dims, cluster: Cluster, job: Job) -> Plan:
     # optimizer steps a fp32 copy of the rank's partition (DeepSpeed clones it even from fp32 weights)
     opt_per_param = (8 if job.optimizer == "adam" else 0) + (4 if mixed or stage in (1, 3) else 0)
     mem = out.memory
-    if stage == 3:  # DeepSpeed partitions over its whole data-parallel group (rdp); hpZ adds a second,
+    g = dims.mics_group_size
+    if g > 1:  # MiCS (torch FSDP2 on a (replicate, shard) mesh): everything sharded over the group of g = sdp
+        # ranks only; parameters below sdp_param_persistence_threshold kept whole (that key's meaning there)
+        kept = sum(n for n in tensors if persistent(n, cfg))
+        mem["parameters"] = (kept + math.ceil((n_rank - kept) / g)) * pb
+        mem["gradients"] = math.ceil(n_rank / g) * pb
+        # Adam's moments, and the fp32 master only under fp16/bf16 (no DeepSpeed-style clone of fp32 weights)
+        mem["optimizer_state"] = math.ceil(n_rank / g) * ((8 if job.optimizer == "adam" else 0) + (4 if mixed else 0))
+        # FSDP2's working set: the root unit (everything outside the layers) stays gathered from its
+        # forward to the end of backward; each layer is gathered for its forward and again for its
+        # backward, one prefetched (two at a time), and their unsharded gradients live until reduced
+        outer, layer = mics_units(spec, dims)
+        working = (outer + min(2, stage_layers(spec, p)) * layer) * pb
+        mem["mics_gathered_parameters"] = working
+        mem["mics_unsharded_gradients"] = working
+    elif stage == 3:  # DeepSpeed partitions over its whole data-parallel group (rdp); hpZ adds a second,
         # node-local copy sharded over sdp ranks (smp v1's MiCS sharded over sdp only: docs/plan.md)
         kept = sum(n for n in tensors if persistent(n, cfg))
         sharded = n_rank - kept
@@ -301,7 +330,23 @@ def plan(spec, dims, cluster: Cluster, job: Job) -> Plan:
     # microbatch's backward when overlap_comm is on (the translation's setting with NCCL). The
     # pipeline engine reduces after its schedule.
     hooked = timing.LAST_BACKWARD if p == 1 and cluster.name != "cpu" else timing.EXPOSED
-    if stage == 0:
+    if g > 1:
+        # MiCS: every collective of the parameters and gradients stays inside the group of g ranks.
+        # Per microbatch (m per smp.step call, k calls per optimizer step), FSDP2 gathers the root
+        # unit once (kept through backward) and each layer twice (forward, then again for backward:
+        # reshard_after_forward; a checkpointed layer's recompute shares its backward gather), and
+        # reduce-scatters each unit's gradients (with parameters kept whole, counted with them). The
+        # replicas' all-reduce of each rank's 1/g gradient shard is deferred to the last microbatch
+        # (set_requires_all_reduce) and runs once per optimizer step from its backward hooks. Gathers
+        # and reduce-scatters are prefetched / run on side streams all through the step.
+        outer, layer = mics_units(spec, dims)
+        layers_held = stage_layers(spec, p)
+        step = timing.WHOLE_STEP
+        add("sdp", "all_gather", (outer + 2 * layers_held * layer) * pb * m, (1 + 2 * layers_held) * m, g, step)
+        add("sdp", "reduce_scatter", grads * m, (1 + layers_held) * m, g, step)
+        add(REPLICATE_GROUP, "all_reduce", math.ceil(n_rank / g) * pb, 1 + layers_held, rdp // g, hooked,
+            per_call=False)
+    elif stage == 0:
         add("rdp", "all_reduce", grads, 1, rdp, per_call=False)
     elif stage == 1:
         add("rdp", "all_reduce", grads, 1, rdp, hooked, per_call=False)
@@ -411,7 +456,11 @@ def plan(spec, dims, cluster: Cluster, job: Job) -> Plan:
 
 def rank0_groups(dims) -> dict:
     """Rank 0's group of each kind, from the config layer's placement (the groups smp.init makes);
-    groups of one kind are alike, so rank 0's stand for all. sdp: hpZ's node-local group, else rdp."""
+    groups of one kind are alike, so rank 0's stand for all. sdp: the group of sdp consecutive ranks
+    of the rdp group (MiCS's sharding group, hpZ's node-local group), else rdp. replicate (MiCS): the
+    ranks holding the same shard in every group, one per group (rank 0's: every sdp-th of its rdp group)."""
     grid = dims.grid
-    sdp = grid.sdp_groups(dims.sdp)[0] if 1 < dims.sdp < dims.rdp else grid.rdp_group(0)
-    return {"tp": grid.tp_group(0), "pp": grid.pp_group(0), "rdp": grid.rdp_group(0), "sdp": tuple(sdp)}
+    rdp = grid.rdp_group(0)
+    sdp = grid.sdp_groups(dims.sdp)[0] if 1 < dims.sdp < dims.rdp else rdp
+    return {"tp": grid.tp_group(0), "pp": grid.pp_group(0), "rdp": rdp, "sdp": tuple(sdp),
+            REPLICATE_GROUP: tuple(rdp[::dims.sdp])}

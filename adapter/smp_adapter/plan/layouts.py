@@ -1,7 +1,9 @@
 """Which layouts ``plan --search`` considers, and how each realises the job's global batch.
 
-A layout is every choice that changes how the job runs but not what it computes: (pp, tp, sdp,
-ZeRO-1, prescaled_batch, pipeline schedule) x activation checkpointing x the microbatch size.
+A layout is every choice that changes how the job runs but not what it computes: (pp, tp, sdp and
+the engine that runs it, ZeRO-1, prescaled_batch, pipeline schedule) x activation checkpointing x the
+microbatch size. 1 < sdp < rdp is planned twice: on MiCS (the default) and on DeepSpeed ZeRO-3 + hpZ
+(the adapter setting SMP_ADAPTER_SDP_ENGINE=hpz), so the two rank side by side.
 The config layer decides what is valid (ParallelDims, SMPConfig: nothing is re-implemented here);
 on top of it plan drops what smp would refuse for this model or no practitioner would run: a
 tensor-parallel degree that does not divide the attention (or key/value) heads, more pipeline
@@ -13,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from smp_adapter.config.dims import ParallelDims
+from smp_adapter.config.dims import SDP_ENGINES, ParallelDims
 from smp_adapter.config.options import SMPConfig
 from smp_adapter.config.problems import ConfigProblem
 from smp_adapter.errors import SMPConfigError
@@ -70,22 +72,26 @@ def layout_problem(dims: ParallelDims, spec, gpus_per_node: int) -> str | None:
 class Sharding:
     sdp: int
     shard_optimizer_state: bool
+    sdp_engine: str = "mics"  # ParallelDims.sdp_engine: what runs 1 < sdp < rdp (SDP_ENGINES)
 
 
 def shardings(rdp: int, pp: int) -> list[Sharding]:
-    """Plain data parallel (ZeRO-0), ZeRO-1, and ZeRO-3 over every divisor of rdp (hpZ below rdp);
-    sharded data parallel does not combine with pipelines (smp v1's rule)."""
+    """Plain data parallel (ZeRO-0), ZeRO-1, and sharded data parallel over every divisor of rdp:
+    ZeRO-3 at rdp, below it MiCS and ZeRO-3 + hpZ, one each; sharded data parallel does not combine
+    with pipelines (smp v1's rule)."""
     out = [Sharding(1, False)]
     if rdp > 1:
         out.append(Sharding(1, True))
         if pp == 1:
-            out += [Sharding(sdp, False) for sdp in divisors(rdp) if sdp > 1]
+            for sdp in divisors(rdp):
+                if sdp > 1:
+                    out += [Sharding(sdp, False, engine) for engine in (SDP_ENGINES if sdp < rdp else ("mics",))]
     return out
 
 
 def base_layouts(base: dict, world: int, spec, gpus_per_node: int, cross_node: bool = False):
-    """(ParallelDims with microbatches 1, why skipped or None) for every (pp, tp, sharding,
-    prescaled_batch, schedule) the config layer accepts; microbatches are set per microbatch size."""
+    """(smp options, sdp engine) for every (pp, tp, sharding, prescaled_batch, schedule) the config
+    layer accepts; microbatches are set per microbatch size (realisations)."""
     kept = {k: v for k, v in base.items() if k not in SEARCHED_KEYS}
     for pp in divisors(world):
         if pp > spec.layers:
@@ -103,30 +109,31 @@ def base_layouts(base: dict, world: int, spec, gpus_per_node: int, cross_node: b
                                    # the extension schedules need m >= pp: checked per microbatch count below
                                    "microbatches": max(pp, 2 * pp if schedule == "dualpipev" else pp)}
                         try:
-                            dims = ParallelDims.from_config(SMPConfig.from_dict(options), world)
+                            dims = ParallelDims.from_config(SMPConfig.from_dict(options), world, sharding.sdp_engine)
                         except SMPConfigError:
                             continue
                         problem = layout_problem(dims, spec, gpus_per_node)
                         if problem and not (cross_node and "span nodes" in problem):
                             continue
-                        yield options
+                        yield options, sharding.sdp_engine
 
 
-def with_microbatches(options: dict, world: int, microbatches: int) -> ParallelDims | None:
+def with_microbatches(options: dict, world: int, microbatches: int, sdp_engine: str = "mics") -> ParallelDims | None:
     """The layout with this microbatch count, or None when the config layer refuses it."""
     try:
-        return ParallelDims.from_config(SMPConfig.from_dict({**options, "microbatches": microbatches}), world)
+        return ParallelDims.from_config(SMPConfig.from_dict({**options, "microbatches": microbatches}), world,
+                                        sdp_engine)
     except SMPConfigError:
         return None
 
 
-def realisations(options: dict, world: int, global_batch: int):
+def realisations(options: dict, world: int, global_batch: int, sdp_engine: str = "mics"):
     """(dims, per-rank batch, accumulation) realising ``global_batch`` samples per optimizer step, one
     per microbatch size b dividing the samples of a replica: n = samples / b microbatches, as many as
     the schedule accepts in one smp.step call (m, the largest divisor of n it accepts, m >= pp), the
     rest as k = n / m calls per optimizer step (backward_passes_per_step)."""
     pp = options["pipeline_parallel_degree"]
-    probe = with_microbatches(options, world, options["microbatches"])
+    probe = with_microbatches(options, world, options["microbatches"], sdp_engine)
     if probe is None:
         return
     replicas = probe.global_batch_size(1)
@@ -138,7 +145,7 @@ def realisations(options: dict, world: int, global_batch: int):
         for m in sorted(divisors(n), reverse=True):
             if pp > 1 and m < pp:  # fewer microbatches than pipeline ranks never fill the pipeline
                 break
-            dims = probe if m == probe.cfg.microbatches else with_microbatches(options, world, m)
+            dims = probe if m == probe.cfg.microbatches else with_microbatches(options, world, m, sdp_engine)
             if dims is not None:
                 yield dims, b * m, n // m
                 break

@@ -50,6 +50,10 @@ def group_notices(dims, cluster) -> list[str]:
     if dims.hpz_partition_size > 1 and spans_nodes(dims.grid.sdp_groups(dims.sdp)[0], cluster.gpus_per_node):
         out.append(f"hpZ groups of {dims.sdp} span nodes: the secondary copy's gathers cross the network, which hpZ "
                    f"exists to avoid; use a sharded_data_parallel_degree that divides {cluster.gpus_per_node}")
+    if dims.mics_group_size > 1 and spans_nodes(dims.grid.sdp_groups(dims.sdp)[0], cluster.gpus_per_node):
+        out.append(f"MiCS groups of {dims.sdp} span nodes: every parameter gather and gradient reduce-scatter crosses "
+                   "the network, not only the replicas' gradient all-reduce; a sharded_data_parallel_degree that "
+                   f"divides {cluster.gpus_per_node} keeps them inside a node")
     return out
 
 

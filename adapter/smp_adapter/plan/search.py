@@ -53,10 +53,10 @@ def search(spec, base: dict, cluster, global_batch: int, optimizer: str = "adam"
     result = SearchResult(global_batch, budget)
     fitting = []
     world = cluster.world_size
-    for options in base_layouts(base, world, spec, cluster.gpus_per_node, cross_node):
+    for options, sdp_engine in base_layouts(base, world, spec, cluster.gpus_per_node, cross_node):
         for ac in checkpointing:
             best = smallest = None
-            for dims, batch, accumulation in realisations(options, world, global_batch):
+            for dims, batch, accumulation in realisations(options, world, global_batch, sdp_engine):
                 job = costs.Job(batch, ac, optimizer, accumulation, delayed_init)
                 planned = costs.plan(spec, dims, cluster, job)
                 result.planned += 1
