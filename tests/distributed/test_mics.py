@@ -69,7 +69,7 @@ def _ledger_steps(folder, rank):
 @pytest.mark.parametrize("engine", ["mics", "hpz"])
 def test_ledger_shows_where_each_engine_communicates(tmp_path, init_weights, engine):
     """sdp 2 of rdp 6, microbatches 2. MiCS: all-gathers and reduce-scatters only inside groups of 2
-    ("sdp"), and per optimizer step one all-reduce across the groups ("sdp_replicas") of each rank's
+    ("sdp"), and per optimizer step one all-reduce across the groups ("replicate") of each rank's
     gradient shard: its bytes are a shard's fp32 gradient bytes (1/sdp of the model's, padded to the
     largest shard of the group). hpZ: the
     gradients are reduce-scattered over all 6 replicas ("rdp") and nothing crosses as an all-reduce."""
@@ -90,13 +90,13 @@ def test_ledger_shows_where_each_engine_communicates(tmp_path, init_weights, eng
             if engine == "mics":
                 assert {g for g, o in ops if o in ("all_gather", "reduce_scatter")} == {"sdp"}, ops
                 # FSDP2 pads each shard to the group's largest (torch.chunk rows): the first rank of a group's
-                crossing = ops[("sdp_replicas", "all_reduce")][1]
+                crossing = ops[("replicate", "all_reduce")][1]
                 assert crossing == max(x["grad_bytes"] for x in results) >= r["grad_bytes"], (ops, r["grad_bytes"])
                 assert crossing == pytest.approx(r["total_param_bytes"] / 2, rel=0.05)
                 # across all replicas: only the script's own all-reduce of its 4-byte loss
                 assert {k: v for k, v in ops.items() if k[0] in ("rdp", "dp", "world")} == {("rdp", "all_reduce"): [1, 4]}
             else:
-                assert ops[("rdp", "reduce_scatter")][1] > 0 and ("sdp_replicas", "all_reduce") not in ops, ops
+                assert ops[("rdp", "reduce_scatter")][1] > 0 and ("replicate", "all_reduce") not in ops, ops
                 assert {g for g, o in ops if o == "all_gather"} <= {"sdp", "rdp"}, ops
 
 

@@ -39,9 +39,10 @@ def test_translate_explain_each_config(path, tmp_path, capsys, parse_ds):
     table = (out / "explain.txt").read_text()
     assert table.startswith("smp key") and table.rstrip() in captured.out
     # the layout line `plan` prints too (ParallelDims.describe), above the table
-    assert re.search(r"^Layout: pp \d+ x tp \d+ x rdp \d+, sdp \d+, ZeRO stage [013]", captured.out, re.M)
-    if path.name == "sdp2_bf16_hpz.yaml":  # 8 ranks, sdp 2: ZeRO-3 over rdp 8 with hpZ groups of 2
-        assert "Layout: pp 1 x tp 1 x rdp 8, sdp 2, ZeRO stage 3, hpZ groups of 2\n" in captured.out
+    assert re.search(r"^Layout: pp \d+ x tp \d+ x rdp \d+, sdp \d+, (ZeRO stage [013]|MiCS: groups of \d+ shard)",
+                     captured.out, re.M)
+    if path.name == "sdp2_bf16_hpz.yaml":  # 8 ranks, sdp 2: MiCS by default (hpZ with SMP_ADAPTER_SDP_ENGINE=hpz)
+        assert "Layout: pp 1 x tp 1 x rdp 8, sdp 2, MiCS: groups of 2 shard everything, 4 replicas" in captured.out
     ds = json.loads((out / "deepspeed_config.json").read_text())
     megatron = json.loads((out / "megatron.json").read_text())
     parsed = parse_ds(ds, megatron["data_parallel_size"])
@@ -193,7 +194,8 @@ def test_unwritable_out_dir(tmp_path, capsys):
 def test_subprocess_translate_explain(tmp_path):
     proc = run_cli("translate", "configs/sdp4_mics_vit.yaml", "--explain", "--out", str(tmp_path))
     assert proc.returncode == 0, proc.stderr
-    assert "zero_hpz_partition_size" in proc.stdout and "approximated" in proc.stdout
+    assert "MiCS engine: torch FSDP2" in proc.stdout and "approximated" in proc.stdout  # sdp 4 < rdp 32
+    assert "zero_hpz_partition_size" not in proc.stdout
     assert (tmp_path / "explain.txt").exists()
 
 

@@ -66,9 +66,9 @@ def test_a_translate_bundle_places_the_layout_once(monkeypatch):
     calls = []
     original = ParallelDims.from_config.__func__
 
-    def counting(cls, cfg, world_size):
+    def counting(cls, cfg, world_size, *rest):
         calls.append(world_size)
-        return original(cls, cfg, world_size)
+        return original(cls, cfg, world_size, *rest)
 
     monkeypatch.setattr(ParallelDims, "from_config", classmethod(counting))
     translation_bundle(JobSpec(options={"tensor_parallel_degree": 2, "ddp": True}), world_size=4)

@@ -51,5 +51,7 @@ def test_translate_launch_and_init_agree_on_generated_options(raw, world_size):
 ])
 def test_hpz_with_tensor_parallelism_is_accepted_by_every_front_door(world_size, raw):
     assert _outcomes(raw, world_size) == {"smp.init": "accepted", "translate": "accepted", "launch": "accepted"}
-    _, dims, _ = resolve_layout(raw, {"RANK": "0", "WORLD_SIZE": str(world_size)})
+    _, dims, _ = resolve_layout(raw, {"RANK": "0", "WORLD_SIZE": str(world_size), "SMP_ADAPTER_SDP_ENGINE": "hpz"})
     assert dims.hpz_partition_size == raw["sharded_data_parallel_degree"] < dims.rdp
+    _, dims, _ = resolve_layout(raw, {"RANK": "0", "WORLD_SIZE": str(world_size)})  # the default: MiCS
+    assert dims.mics_group_size == raw["sharded_data_parallel_degree"] and dims.engine == "mics"

@@ -233,7 +233,9 @@ def test_cross_key_rules(raw, match):
 def test_sdp_with_tp_and_prescaled_batch_is_accepted():
     cfg = SMPConfig.from_dict({"ddp": True, "sharded_data_parallel_degree": 2, "tensor_parallel_degree": 2,
                                "prescaled_batch": True})
-    assert ParallelDims.from_config(cfg, 8).hpz_partition_size == 2
+    assert ParallelDims.from_config(cfg, 8, "hpz").hpz_partition_size == 2
+    mics = ParallelDims.from_config(cfg, 8)  # the default engine for sdp < rdp: smp v1's MiCS
+    assert (mics.engine, mics.mics_group_size, mics.hpz_partition_size) == ("mics", 2, 1)
 
 
 # -- distribution dicts --------------------------------------------------------------------------
@@ -321,8 +323,24 @@ def test_parallel_dims_errors(raw, world, match):
     ({"ddp": True, "sharded_data_parallel_degree": 2, "tensor_parallel_degree": 2, "prescaled_batch": True}, 4, 3, 1),
 ])
 def test_zero_stage_and_hpz_selection(raw, world, stage, hpz):
-    dims = ParallelDims.from_config(SMPConfig.from_dict(raw), world)
+    dims = ParallelDims.from_config(SMPConfig.from_dict(raw), world, "hpz")  # SMP_ADAPTER_SDP_ENGINE=hpz
     assert (dims.zero_stage, dims.hpz_partition_size) == (stage, hpz)
+    mics = ParallelDims.from_config(SMPConfig.from_dict(raw), world)  # the default: MiCS where sdp < rdp
+    assert (mics.zero_stage, mics.mics_group_size, mics.hpz_partition_size) == (stage, hpz, 1)
+    assert mics.engine == ("mics" if hpz > 1 else "deepspeed")
+
+
+def test_sdp_engine_setting_is_read_and_checked():
+    from smp_adapter.config.dims import sdp_engine_from
+
+    assert [sdp_engine_from(e) for e in ({}, {"SMP_ADAPTER_SDP_ENGINE": "HPZ"}, {"SMP_ADAPTER_SDP_ENGINE": "mics"})] == \
+        ["mics", "hpz", "mics"]
+    with pytest.raises(SMPConfigError, match="SMP_ADAPTER_SDP_ENGINE=mics"):
+        sdp_engine_from({"SMP_ADAPTER_SDP_ENGINE": "zero3"})
+    fp16 = SMPConfig.from_dict({"ddp": True, "sharded_data_parallel_degree": 2, "fp16": True})
+    with pytest.raises(SMPConfigError, match="SMP_ADAPTER_SDP_ENGINE=hpz"):  # not yet on MiCS: says what to use
+        ParallelDims.from_config(fp16, 4)
+    assert ParallelDims.from_config(fp16, 4, "hpz").hpz_partition_size == 2
 
 
 def test_batch_arithmetic():

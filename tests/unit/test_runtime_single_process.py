@@ -399,9 +399,9 @@ def test_backward_without_a_distributed_optimizer_names_the_fix(fresh):
 def test_engine_registry_names_the_available_engines():
     from smp_adapter.runtime.engines import ENGINES, engine_class, engine_name_for
 
-    with pytest.raises(SMPUsageError, match=r"no engine named 'megatron': the available engines are deepspeed, pipeline"):
+    with pytest.raises(SMPUsageError, match=r"no engine named 'megatron': the available engines are deepspeed, mics, pipeline"):
         engine_class("megatron")
-    assert sorted(ENGINES) == ["deepspeed", "pipeline"]
+    assert sorted(ENGINES) == ["deepspeed", "mics", "pipeline"]
     from smp_adapter.config.dims import ParallelDims
     from smp_adapter.config.options import SMPConfig
 

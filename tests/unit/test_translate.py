@@ -325,10 +325,16 @@ def test_process_counts_and_ports():
 def test_explain_covers_given_keys_and_derived_settings():
     job = _job({"ddp": True, "sharded_data_parallel_degree": 2, "skip_tracing": True, "partitions": 1,
                 "sdp_hierarchical_allgather": False, "bf16": True}, ppn=8, custom="--mca btl_vader_single_copy_mechanism none")
-    dims = ParallelDims.from_config(job.config(), 8)
+    dims = ParallelDims.from_config(job.config(), 8, "hpz")  # SMP_ADAPTER_SDP_ENGINE=hpz (MiCS: below)
     ds, plan = to_deepspeed_config(dims), to_megatron_plan(dims)
     rows = explain(job, dims, ds, plan)
     by_key = {r.key: r for r in rows}
+    mics_dims = ParallelDims.from_config(job.config(), 8)
+    mics = {r.key: r for r in explain(job, mics_dims, to_deepspeed_config(mics_dims), to_megatron_plan(mics_dims))}
+    assert mics["sharded_data_parallel_degree"].status == "exact" and "MiCS" in mics["sharded_data_parallel_degree"].engine_key
+    assert mics["(derived) sdp engine"].value == "mics" and "(derived) hpZ partition" not in mics
+    assert mics["sdp_hierarchical_allgather"].status == "ignored" and "inside its group" in mics["sdp_hierarchical_allgather"].note
+    assert by_key["(derived) sdp engine"].value == "hpz"
     assert set(job.options) <= set(by_key)
     assert {r.status for r in rows} <= set(STATUSES)
     assert by_key["skip_tracing"].status == "ignored" and "does not trace" in by_key["skip_tracing"].note
@@ -369,7 +375,7 @@ def test_docs_mapping_table_names_the_deepspeed_entries_the_emitter_writes():
     # a job that turns every mapped option on: every listed entry is in the emitted config
     options = {"ddp": True, "sharded_data_parallel_degree": 2, "microbatches": 2, "bf16": True,
                "offload_activations": True}
-    ds = to_deepspeed_config(ParallelDims.from_config(SMPConfig.from_dict(options), 4))
+    ds = to_deepspeed_config(ParallelDims.from_config(SMPConfig.from_dict(options), 4, "hpz"))  # DeepSpeed runs it
     missing = [p for key, paths in DEEPSPEED_KEYS.items() for p in paths
                if deepspeed_value(ds, p) is None and key not in ("pipeline_parallel_degree", "fp16")]
     assert missing == []

@@ -73,7 +73,7 @@ PARAMETERS = {
 }
 P2P_OPS = ("send", "recv")
 # smp group kinds, most specific first: a process group is named after the first whose ranks it has
-KIND_ORDER = ("tp", "pp", "sdp", "sdp_replicas", "rdp", "dp", "mp", "world")
+KIND_ORDER = ("tp", "pp", "sdp", "replicate", "rdp", "dp", "mp", "world")
 # modules whose attributes may hold copies of torch.distributed's functions (bound at their import)
 PATCHED_PACKAGES = ("torch.distributed", "deepspeed", "megatron", "smp_adapter", "smdistributed")
 
@@ -297,7 +297,7 @@ def install_if_requested(dims, rank: int, local_size: int) -> None:
         if dims.hpz_partition_size > 1 or dims.mics_group_size > 1:
             kinds["sdp"] = next(g for g in dims.grid.sdp_groups(dims.sdp) if rank in g)
         if dims.mics_group_size > 1:  # MiCS's all-reduce across the groups
-            kinds["sdp_replicas"] = next(g for g in dims.grid.sdp_replica_groups(dims.sdp) if rank in g)
+            kinds["replicate"] = next(g for g in dims.grid.sdp_replica_groups(dims.sdp) if rank in g)
         ledger = Ledger(path, rank, kinds, node_size=local_size)
     except OSError as exc:
         raise SMPUsageError(f"{ENV}={directory}: cannot write the communication ledger there ({exc.strerror}): "
