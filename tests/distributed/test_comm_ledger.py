@@ -33,6 +33,7 @@ LAYOUTS = {  # name -> (smp options, processes)
     "zero3_ac": ({"ddp": True, "sharded_data_parallel_degree": 2, "sdp_param_persistence_threshold": 0}, 2),
     "hpz": ({"ddp": True, "sharded_data_parallel_degree": 2, "sdp_param_persistence_threshold": 0}, 4),
     "hpz_ac": ({"ddp": True, "sharded_data_parallel_degree": 2, "sdp_param_persistence_threshold": 0}, 4),
+    "mics": ({"ddp": True, "sharded_data_parallel_degree": 2, "sdp_param_persistence_threshold": 0}, 4),
     "tp2": ({"ddp": True, "tensor_parallel_degree": 2}, 2),
     "pp2": ({"ddp": True, "pipeline_parallel_degree": 2, "microbatches": 2}, 2),
     "pp2_ac": ({"ddp": True, "pipeline_parallel_degree": 2, "microbatches": 2}, 2),
@@ -85,13 +86,19 @@ def job_args(name: str) -> list:
 MEMORY_TOLERANCE = 0.10
 
 
+def sdp_engine(name: str) -> str:
+    """sdp 2 of 4 runs on MiCS (the default) or, for the hpz layouts, on DeepSpeed's ZeRO-3 + hpZ."""
+    return "hpz" if name.startswith("hpz") else "mics"
+
+
 def run_layout(tmp_path, name):
     options, nprocs = LAYOUTS[name]
     config = tmp_path / "gpt2.json"
     config.write_text(json.dumps(GPT2))
     ledger = tmp_path / "ledger"
     results = run_ranks(SCRIPT, nprocs, args=["--config", config, "--steps", STEPS, *job_args(name)], out_dir=tmp_path,
-                        env={"SM_HP_MP_PARAMETERS": json.dumps(options), "SMP_ADAPTER_COMM_LEDGER": str(ledger)})
+                        env={"SM_HP_MP_PARAMETERS": json.dumps(options), "SMP_ADAPTER_COMM_LEDGER": str(ledger),
+                             "SMP_ADAPTER_SDP_ENGINE": sdp_engine(name)})
     records = {r: [json.loads(line) for line in (ledger / f"rank{r}.jsonl").read_text().splitlines()]
                for r in range(nprocs)}
     return results, records
@@ -145,7 +152,7 @@ def check_plan(name, step, results, records):
     (pipeline stage 0, which plan's traffic describes) within 5%, memory within MEMORY_TOLERANCE."""
     options, nprocs = LAYOUTS[name]
     ac = checkpointed(name, step)
-    dims = ParallelDims.from_config(SMPConfig.from_dict(options), nprocs)
+    dims = ParallelDims.from_config(SMPConfig.from_dict(options), nprocs, sdp_engine(name))
     predicted = costs.plan(model_spec(dict(GPT2, model_type="gpt2")), dims, cpu_cluster(nprocs),
                            costs.Job(4, activation_checkpointing=ac))
     tag = f"{name} step {step}{' checkpointed' if ac else ''}"

@@ -26,9 +26,9 @@ def init_weights(tmp_path_factory):
     return str(path)
 
 
-def _run(tmp_path, options, nprocs, init_weights, *args):
+def _run(tmp_path, options, nprocs, init_weights, *args, env=None):
     return run_ranks(ROOT / SCRIPT, nprocs, args=["--init-weights", init_weights, *args],
-                     env={"SM_HP_MP_PARAMETERS": json.dumps(options)}, out_dir=tmp_path)
+                     env={"SM_HP_MP_PARAMETERS": json.dumps(options), **(env or {})}, out_dir=tmp_path)
 
 
 LR = {"sgd": 0.1, "adam": 1e-3}  # Adam at a large lr turns 1e-7 rounding into visible differences
@@ -78,7 +78,8 @@ def test_sharded_data_parallel_zero3_with_checkpointing_and_delayed_init(tmp_pat
 
 def test_hpz_sdp_two_of_four_processes(tmp_path, init_weights):
     options = {"ddp": True, "sharded_data_parallel_degree": 2, "microbatches": 2, **SDP_EXACT}
-    results = _run(tmp_path, options, 4, init_weights, "--checkpoint-activations")
+    results = _run(tmp_path, options, 4, init_weights, "--checkpoint-activations",
+                   env={"SMP_ADAPTER_SDP_ENGINE": "hpz"})  # MiCS (the default): test_mics.py
     assert results[0]["zero_stage"] == 3 and results[0]["hpz"] == 2
     _assert_matches_reference(results, init_weights)
 

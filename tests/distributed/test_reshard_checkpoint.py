@@ -21,10 +21,16 @@ LAYOUTS = {
     "dp 2": ({"ddp": True}, 2),
     "ZeRO-1 2": ({"ddp": True, "shard_optimizer_state": True}, 2),
     "ZeRO-3 2": ({"ddp": True, "sharded_data_parallel_degree": 2, **SDP_EXACT}, 2),
+    "ZeRO-3 4": ({"ddp": True, "sharded_data_parallel_degree": 4, **SDP_EXACT}, 4),
+    # sdp 2 < rdp 4: smp v1's MiCS (the default engine, FSDP2), or DeepSpeed's ZeRO-3 + hpZ
+    "MiCS 2 of 4": ({"ddp": True, "sharded_data_parallel_degree": 2, **SDP_EXACT}, 4),
     "hpZ 2 of 4": ({"ddp": True, "sharded_data_parallel_degree": 2, **SDP_EXACT}, 4),
 }
-# hpZ 2 of 4 -> ZeRO-3 2 (a shrink 4 -> 2) is the elastic-restart test below, through `smp-adapter launch`
-PAIRS = [("ZeRO-3 2", "dp 2"), ("ZeRO-1 2", "ZeRO-3 2"), ("ZeRO-3 2", "ZeRO-1 2"), ("1 process", "hpZ 2 of 4")]
+ENGINE_SETTING = {"hpZ 2 of 4": {"SMP_ADAPTER_SDP_ENGINE": "hpz"}}  # the other layouts' engine is their default
+# MiCS 2 of 4 -> ZeRO-3 2 (a shrink 4 -> 2) is the elastic-restart test below, through `smp-adapter launch`
+PAIRS = [("ZeRO-3 2", "dp 2"), ("ZeRO-1 2", "ZeRO-3 2"), ("ZeRO-3 2", "ZeRO-1 2"), ("1 process", "hpZ 2 of 4"),
+         ("MiCS 2 of 4", "ZeRO-3 4"), ("MiCS 2 of 4", "hpZ 2 of 4"), ("MiCS 2 of 4", "dp 2"),
+         ("hpZ 2 of 4", "MiCS 2 of 4"), ("ZeRO-3 2", "MiCS 2 of 4")]
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +49,8 @@ def cnn_init_weights(tmp_path_factory):
 
 def _run(layout, out, init_weights, *args, model="vit"):
     options, nprocs = LAYOUTS[layout]
-    return run_ranks(SCRIPT, nprocs, out_dir=out, env={"SM_HP_MP_PARAMETERS": json.dumps(options)},
+    return run_ranks(SCRIPT, nprocs, out_dir=out,
+                     env={"SM_HP_MP_PARAMETERS": json.dumps(options), **ENGINE_SETTING.get(layout, {})},
                      args=["--model", model, "--init-weights", init_weights, "--optimizer", "adam", "--lr", "1e-3",
                            "--per-rank-batch", 8 // nprocs, *args])
 
@@ -174,10 +181,10 @@ def test_export_of_every_tensor_parallel_layout_equals_its_state_dict(tmp_path, 
         assert torch.equal(exported[name], torch.tensor(values)), name
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("layout", [name for name in LAYOUTS if name != "ZeRO-3 4"])  # (a resume target only)
 def test_export_of_every_data_parallel_layout_equals_its_state_dict(tmp_path, saved, layout):
     """`checkpoint export --to hf` of the ViT checkpoints the pairs above resume (1 process, dp 2,
-    ZeRO-1 2, ZeRO-3 2, hpZ 2 of 4): bitwise the gathered model.state_dict() at the save."""
+    ZeRO-1 2, ZeRO-3 2, MiCS 2 of 4, hpZ 2 of 4): bitwise the gathered model.state_dict() at the save."""
     from transformers import ViTForImageClassification
 
     from smp_adapter.cli import main
@@ -268,11 +275,11 @@ def _launch(nprocs: int, options: dict, out, *script_args) -> tuple[int, str]:
 
 
 def test_elastic_restart_on_fewer_ranks_after_a_rank_dies(tmp_path, saved, init_weights):
-    """docs/checkpoints.md "Elastic restart": a 4-rank hpZ job (sdp 2) checkpoints after step 4 and loses
+    """docs/checkpoints.md "Elastic restart": a 4-rank MiCS job (sdp 2) checkpoints after step 4 and loses
     rank 3 at step 6; the same launch command on 2 ranks (now plain ZeRO-3 2) with the script's own
     resume continues it: steps 5-8 equal the 4-rank job run uninterrupted."""
-    _, uninterrupted, _ = saved("hpZ 2 of 4")
-    options, ckpt = LAYOUTS["hpZ 2 of 4"][0], tmp_path / "ckpt"
+    _, uninterrupted, _ = saved("MiCS 2 of 4")
+    options, ckpt = LAYOUTS["MiCS 2 of 4"][0], tmp_path / "ckpt"
     script = ["--init-weights", init_weights, "--optimizer", "adam", "--lr", "1e-3", "--ckpt-dir", ckpt]
     code, output = _launch(4, options, tmp_path / "died", *script, "--per-rank-batch", 2, "--steps", 8,
                            "--save-at", 4, "--raise-at-step", 6, "--raise-rank", 3)

@@ -56,23 +56,29 @@ def test_gpt2_tp2_dp2_matches_and_reloads_with_from_pretrained(tmp_path, prescal
         torch.testing.assert_close(reloaded(ids).logits, expected(ids).logits, rtol=1e-5, atol=1e-5)
 
 
-def test_hpz_with_tensor_parallelism_tp2_sdp2_of_rdp4(tmp_path):
-    """smp v1.15's layout (tp 4, sdp 4 of rdp 8) in small: tp 2 x rdp 4 on 8 processes, sdp 2 < rdp 4,
-    i.e. ZeRO-3 with hpZ groups of 2. DeepSpeed's hpZ group must be smp's sharding group, a chunk of
+@pytest.mark.parametrize("engine", ["hpz", "mics"])
+def test_sdp_with_tensor_parallelism_tp2_sdp2_of_rdp4(tmp_path, engine):
+    """smp v1.15's layout (tp 4, sdp 4 of rdp 8) in small: tp 2 x rdp 4 on 8 processes, sdp 2 < rdp 4.
+    hpz: ZeRO-3 with hpZ groups of 2. DeepSpeed's hpZ group must be smp's sharding group, a chunk of
     the rank's RDP group: DeepSpeed's own choice (consecutive global ranks) pairs the two TP ranks,
-    which hold different shards. Trained with SGD against the unsplit model on the global batch
-    (prescaled_batch, which sdp with tp requires: the 4 RDP ranks read 4 batches)."""
+    which hold different shards. mics (the default): FSDP2 groups of 2 inside each TP rank's RDP group,
+    the TP-split Megatron weights sharded again inside them. Trained with SGD against the unsplit model
+    on the global batch (prescaled_batch, which sdp with tp requires: the 4 RDP ranks read 4 batches);
+    the final state is gathered over both (model.state_dict())."""
     from smp_adapter.config.dims import ParallelDims
     from smp_adapter.config.options import SMPConfig
 
     options = {"tensor_parallel_degree": 2, "ddp": True, "sharded_data_parallel_degree": 2, "prescaled_batch": True,
                "sdp_param_persistence_threshold": 0, "sdp_gradient_clipping": 0.0}
-    results = run_ranks(SCRIPT, 8, args=["--model", "gpt2", "--steps", 2],
-                        env={"SM_HP_MP_PARAMETERS": json.dumps(options)}, out_dir=tmp_path)
-    grid = ParallelDims.from_config(SMPConfig.from_dict(options), 8).grid
+    results = run_ranks(SCRIPT, 8, args=["--model", "gpt2", "--steps", 2], out_dir=tmp_path,
+                        env={"SM_HP_MP_PARAMETERS": json.dumps(options), "SMP_ADAPTER_SDP_ENGINE": engine})
+    grid = ParallelDims.from_config(SMPConfig.from_dict(options), 8, engine).grid
     for r in results:
-        assert r["hpz_group"] == next(list(g) for g in grid.sdp_groups(2) if r["rank"] in g)
-        assert set(r["hpz_group"]) <= set(grid.rdp_group(r["rank"]))
+        if engine == "hpz":
+            assert r["hpz_group"] == next(list(g) for g in grid.sdp_groups(2) if r["rank"] in g)
+            assert set(r["hpz_group"]) <= set(grid.rdp_group(r["rank"]))
+        else:
+            assert r["hpz_group"] is None
     _check(results, "gpt2", steps=2)
 
 

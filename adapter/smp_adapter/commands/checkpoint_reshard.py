@@ -18,6 +18,7 @@ tensors at a time (about the model / target tp).
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
@@ -34,10 +35,10 @@ def add_parser(sub) -> None:
 
 
 def target_dims(options: str, world_size: int):
-    from smp_adapter.config.dims import ParallelDims
+    from smp_adapter.config.dims import ParallelDims, sdp_engine_from
     from smp_adapter.config.distribution import load_job
 
-    return ParallelDims.from_config(load_job(options).config(), world_size)  # the same checks as launch
+    return ParallelDims.from_config(load_job(options).config(), world_size, sdp_engine_from(os.environ))  # as launch
 
 
 def reshard(folder: Path, manifest: dict, dims, out: Path) -> Path:

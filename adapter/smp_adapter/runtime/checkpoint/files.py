@@ -35,7 +35,7 @@ def layout_record(d) -> dict:
     stages is read from its layout-independent pieces, as one saved under another pp."""
     from smp_adapter.config.pipeline_schedule import stage_order
 
-    return {"pp": d.pp, "tp": d.tp, "rdp": d.rdp, "sdp": d.sdp, "zero_stage": d.zero_stage,
+    return {"pp": d.pp, "tp": d.tp, "rdp": d.rdp, "sdp": d.sdp, "zero_stage": d.zero_stage, "engine": d.engine,
             "placement": d.grid.order, "world_size": d.world_size, "stages": stage_order(d.cfg, d.pp)}
 
 
@@ -47,8 +47,11 @@ def layout_difference(saved: dict) -> str | None:
     """'tp: saved 2 vs now 1, ...' when ``saved`` is another parallel layout than this job's, else None."""
     now = current_layout()
     # checkpoints written before "stages" was recorded had one stage per pipeline rank
-    saved = {"stages": list(range(saved.get("pp") or 1)), **saved}
-    keys = ("pp", "tp", "rdp", "sdp", "zero_stage", "placement", "stages")
+    # ... and were written by DeepSpeed at pp = 1 (sdp < rdp too: hpZ, before the MiCS engine), whose
+    # files another engine (MiCS on the same degrees) cannot read: that is another layout
+    saved = {"stages": list(range(saved.get("pp") or 1)),
+             "engine": "pipeline" if (saved.get("pp") or 1) > 1 else "deepspeed", **saved}
+    keys = ("pp", "tp", "rdp", "sdp", "zero_stage", "engine", "placement", "stages")
     diff = {k: (saved.get(k), now[k]) for k in keys if saved.get(k) != now[k]}
     return ", ".join(f"{k}: saved {a} vs now {b}" for k, (a, b) in diff.items()) if diff else None
 

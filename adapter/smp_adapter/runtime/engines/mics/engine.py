@@ -30,13 +30,10 @@ from pathlib import Path
 
 import torch
 
-from smp_adapter.errors import SMPCheckpointError, SMPUsageError
+from smp_adapter.errors import SMPUsageError
 from smp_adapter.runtime.engines.base import Engine, model_dtype
 from smp_adapter.runtime.engines.mics import shards
 from smp_adapter.runtime.state import state
-
-FILE = "mics_rank{rank:05d}.pt"
-
 
 class MicsEngine(Engine):
     name = "mics"
@@ -174,21 +171,23 @@ class MicsEngine(Engine):
     def load_optimizer_state_dict(self, optimizer, sd: dict) -> None:
         shards.load_optimizer_local(self._optimizer, sd)
 
-    # -- partial checkpoints: one file per rank, its shards of the model and the optimizer state --------
+    # -- partial checkpoints: per-rank files and layout-independent pieces (checkpoint.py) ------------
+    @property
+    def torch_optimizer(self):
+        """The torch optimizer smp.DistributedOptimizer wraps (it steps the shards), or None."""
+        return self._optimizer
+
     def save_partial(self, io, optimizer) -> dict:
-        path = Path(io.folder) / FILE.format(rank=state.rank)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        io.torch_save({"model": self.local_tensors(), "optimizer": self.optimizer_local_state_dict(optimizer),
-                       "sdp": state.dims.sdp, "rdp": state.dims.rdp}, path)
-        return {}
+        from smp_adapter.runtime.engines.mics import checkpoint
+
+        return checkpoint.save(io, self, optimizer)
 
     def load_partial(self, io, optimizer, strict: bool, load_optimizer: bool) -> None:
-        path = Path(io.folder) / FILE.format(rank=state.rank)
-        if not path.exists():
-            raise SMPCheckpointError(
-                f"{io.folder} has no {path.name} for rank {state.rank}: it was not saved by a MiCS run with this "
-                "layout; resume with the saving run's options, or load a full checkpoint (partial=False)")
-        blob = io.torch_load(path)
-        self.load_local_state_dict(blob["model"], strict)
-        if load_optimizer and optimizer is not None:
-            self.load_optimizer_state_dict(optimizer, blob["optimizer"])
+        from smp_adapter.runtime.engines.mics import checkpoint
+
+        checkpoint.load(io, self, optimizer, strict, load_optimizer)
+
+    def load_universal(self, folder, universal: dict) -> None:
+        from smp_adapter.runtime.engines.mics import checkpoint
+
+        checkpoint.load_universal(self, Path(folder), universal)

@@ -14,6 +14,7 @@ import torch.distributed as dist
 from torch import nn
 
 from smp_adapter.errors import SMPCheckpointError
+from smp_adapter.parallel.layers import LAYOUT_ATTR
 
 
 def is_shard(tensor) -> bool:
@@ -22,7 +23,7 @@ def is_shard(tensor) -> bool:
     return isinstance(tensor, DTensor)
 
 
-def _shard_rows(full: torch.Tensor, dtensor) -> torch.Tensor:
+def shard_rows(full: torch.Tensor, dtensor) -> torch.Tensor:
     """This rank's rows of ``full`` as FSDP2 cuts them (Shard(0) on the mesh's last dimension)."""
     mesh = dtensor.device_mesh
     index = mesh.get_local_rank(mesh.ndim - 1)
@@ -61,6 +62,9 @@ def gathered(params, modifier_rank=None):
     with torch.no_grad():
         for m, name, p in owners:
             whole = nn.Parameter(p.full_tensor(), requires_grad=p.requires_grad)
+            for key, value in vars(p).items():  # tensor parallelism's marks (split flag, layout), not DTensor's
+                if (key == LAYOUT_ATTR or not key.startswith("_")) and not hasattr(whole, key):
+                    setattr(whole, key, value)
             m._parameters[name] = whole
             swapped.append((m, name, p, whole))
     try:
@@ -69,7 +73,7 @@ def gathered(params, modifier_rank=None):
         with torch.no_grad():
             for m, name, p, whole in swapped:
                 if modifier_rank is not None:
-                    p.to_local().copy_(_shard_rows(whole.data, p))
+                    p.to_local().copy_(shard_rows(whole.data, p))
                 m._parameters[name] = p
 
 
@@ -106,7 +110,7 @@ def load_whole(module: nn.Module, sd: dict, strict: bool):
     for name, target in module.state_dict().items():
         if is_shard(target) and name in sd and not is_shard(sd[name]):
             local = target.to_local()
-            rows = _shard_rows(sd[name].to(device=local.device, dtype=local.dtype), target)
+            rows = shard_rows(sd[name].to(device=local.device, dtype=local.dtype), target)
             sd[name] = DTensor.from_local(rows, target.device_mesh, target.placements, shape=target.shape,
                                           stride=target.stride(), run_check=False)
     return module.load_state_dict(sd, strict=strict)
