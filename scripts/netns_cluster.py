@@ -159,6 +159,7 @@ class Cluster:
         self.quiet = quiet
         self.strays: list[str] = []  # processes down() found in a namespace that this tool did not start directly
         self._made: list[str] = []  # namespaces created, in order
+        self.inodes: set[int] = set()  # their inodes: a process inside one is found even after the names are gone
         self._up = False
         atexit.register(self.down)
 
@@ -171,6 +172,7 @@ class Cluster:
             for ns in [self.switch, *(n.ns for n in self.nodes)]:
                 _run("ip", "netns", "add", ns)
                 self._made.append(ns)
+                self.inodes.add(os.stat(f"/run/netns/{ns}").st_ino)
             sw = self.switch
             _run("ip", "-n", sw, "link", "add", "br0", "type", "bridge")
             _run("ip", "-n", sw, "link", "set", "br0", "up")
@@ -256,6 +258,8 @@ class Cluster:
         """One ``smp-adapter launch --launcher torchrun --cpu --nnodes N --node-rank i --master-addr <node 0>
         --master-port PORT LAUNCH_ARGS`` per node, in its namespace; output kept (and written to out_dir)."""
         runs = []
+        if out_dir is not None:
+            Path(out_dir).mkdir(parents=True, exist_ok=True)
         for n in self.nodes:
             argv = [sys.executable, "-c", LAUNCH, "launch", "--launcher", "torchrun", "--cpu", "--nnodes",
                     len(self.nodes), "--node-rank", n.index, "--master-addr", self.nodes[0].addr, "--master-port", port]
@@ -294,6 +298,25 @@ class Cluster:
         """Processes running in ``node``'s namespace now."""
         proc = _run("ip", "netns", "pids", self.nodes[node].ns, check=False)
         return [int(p) for p in proc.stdout.split() if p.isdigit()]
+
+    def members(self) -> list[str]:
+        """Every process whose network namespace is one of this cluster's ("pid command"), whatever started it:
+        empty once the job and the tool's own processes are gone (checked after down() by the tests)."""
+        found = []
+        for entry in os.scandir("/proc"):
+            if not entry.name.isdigit():
+                continue
+            try:
+                inode = os.stat(f"/proc/{entry.name}/ns/net").st_ino
+            except OSError:
+                continue
+            if inode in self.inodes:
+                found.append(_describe(int(entry.name)))
+        return found
+
+    def namespaces(self) -> list[str]:
+        """This run's namespaces that ``ip netns list`` still shows."""
+        return [ns for ns in _netns_list() if ns.startswith(self.run_id)]
 
     def throughput(self, src: int = 1, dst: int = 0, seconds: float = 2.0) -> float:
         """TCP throughput from ``src`` to ``dst`` in Mbit/s, measured by the receiver over a bounded transfer."""
