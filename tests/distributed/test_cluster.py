@@ -92,8 +92,9 @@ def test_zero3_on_two_namespaced_nodes_matches_one_process_and_crosses_the_link(
 
 
 def test_a_failing_job_ends_both_nodes_and_leaves_nothing(tmp_path, monkeypatch):
-    """Rank 1 (node 1) raises at step 1: both launches exit non-zero, node 1 naming the rank and its error;
-    nothing is left running, no namespace, no interface (the cluster() check)."""
+    """Rank 1 (node 1) raises at step 1: both launches exit non-zero, node 1 naming the rank and its error,
+    node 0 too (node 1's launch tells it); nothing is left running, no namespace, no interface (the cluster()
+    check)."""
     monkeypatch.setenv("SMP_TEST_OUT", str(tmp_path))
     with cluster(nodes=2, rate="1gbit") as c:
         runs = c.launch(["--nproc-per-node", 1, "--grace", 3, JOB, "--steps", 20, "--step-sleep", 0.2,
@@ -105,4 +106,109 @@ def test_a_failing_job_ends_both_nodes_and_leaves_nothing(tmp_path, monkeypatch)
     assert "smp-adapter launch: rank 1 failed (exit code 1): RuntimeError: injected failure in rank 1 at step 1" \
         in node1.err
     assert node0.proc.returncode != 0, node0.err[-3000:]
+    # node 0's ranks only lost their peer; node 1's launch told node 0's (the heartbeat channel) what failed
+    assert "smp-adapter launch: node 1 (10.213.54.2)'s job failed first: rank 1 failed (exit code 1): RuntimeError: " \
+           "injected failure in rank 1 at step 1" in node0.err, node0.err[-3000:]
     assert during == [[], []], f"processes still running in the nodes after their launches ended: {during}"
+
+
+# -- failure drills: the nodes' launch processes heartbeat each other (smp_adapter/node_heartbeat.py) ---------
+NODE_TIMEOUT = 10  # --node-timeout for the drills (default 120 s)
+GRACE = 3
+
+
+def _forever(c, tmp_path, *extra):
+    """A job of one rank per node that runs until stopped; returns its runs once both ranks trained a step."""
+    runs = c.launch(["--nproc-per-node", 1, "--grace", GRACE, "--node-timeout", NODE_TIMEOUT, *extra, JOB,
+                     "--steps", 0, "--step-sleep", 0.2, "--ready-file", tmp_path / "ready"],
+                    port=PORT, out_dir=tmp_path / "nodes")
+    deadline = time.monotonic() + 120
+    while not all((tmp_path / f"ready.{r}").exists() for r in range(2)):
+        assert time.monotonic() < deadline, "the job did not start in 120 s:\n" + "\n".join(r.err[-2000:] for r in runs)
+        assert all(r.proc.poll() is None for r in runs), "\n".join(r.err[-2000:] for r in runs)
+        time.sleep(0.2)
+    return runs
+
+
+def _ended_within(c, runs, seconds: float) -> float:
+    """Every node's launch has ended within ``seconds``; how long it took. Nothing of theirs runs afterwards
+    (checked before the cluster's teardown, which would kill leftovers)."""
+    start = time.monotonic()
+    assert c.wait(runs, timeout=seconds), f"still running {seconds:.0f} s later:\n" + \
+        "\n".join(f"node {r.node.index}: {r.err[-2000:]}" for r in runs)
+    took = time.monotonic() - start
+    for run in runs:
+        left = c.pids(run.node.index)
+        assert left == [], f"node {run.node.index}: processes left after its launch ended: {left}"
+    return took
+
+
+def test_a_killed_node_ends_the_other_naming_it(tmp_path):
+    """(a) Every process of node 1 is SIGKILLed (the machine died): node 0's launch ends within seconds,
+    exit 125, naming node 1 and its address."""
+    with cluster(nodes=2, rate="1gbit") as c:
+        runs = _forever(c, tmp_path)
+        for pid in c.pids(1):
+            subprocess.run(["kill", "-9", str(pid)], timeout=10)
+        took = _ended_within(c, runs[:1], 30)
+    node0 = runs[0]
+    assert node0.proc.returncode == 125, node0.err[-3000:]
+    assert "smp-adapter launch: node 1 (10.213.54.2) is unreachable" in node0.err, node0.err[-3000:]
+    assert took < 15, f"node 0 ended {took:.1f} s after node 1 died"
+
+
+def test_a_cut_link_ends_both_nodes_within_the_node_timeout(tmp_path):
+    """(b) Node 1's link goes down, both nodes alive (a partition): the ranks would wait in their all-reduce for
+    the whole collective timeout (SMP_ADAPTER_TIMEOUT, 600 s); the launches' heartbeats end both nodes after
+    --node-timeout (10 s here), each naming the other, nothing left running on either side."""
+    with cluster(nodes=2, rate="1gbit") as c:
+        runs = _forever(c, tmp_path)
+        c.link(1, up=False)
+        took = _ended_within(c, runs, NODE_TIMEOUT + GRACE + 30)
+    node0, node1 = runs
+    assert (node0.proc.returncode, node1.proc.returncode) == (125, 125), node0.err[-2000:] + node1.err[-2000:]
+    assert "smp-adapter launch: node 1 (10.213.54.2) is unreachable: no heartbeat from its launch process for" \
+        in node0.err, node0.err[-3000:]
+    assert "smp-adapter launch: node 0 (10.213.54.1) is unreachable: no heartbeat from its launch process for" \
+        in node1.err, node1.err[-3000:]
+    assert NODE_TIMEOUT - 1 < took < NODE_TIMEOUT + GRACE + 15, f"both nodes ended {took:.1f} s after the cut"
+
+
+def test_a_killed_launch_process_leaves_no_rank_behind(tmp_path):
+    """(c) Node 1's launch process alone is SIGKILLed (the OOM killer's way): its torchrun (PR_SET_PDEATHSIG)
+    and its rank (watching the launch process) end within seconds; node 0 ends naming node 1."""
+    with cluster(nodes=2, rate="1gbit") as c:
+        runs = _forever(c, tmp_path)
+        runs[1].proc.kill()
+        deadline = time.monotonic() + 10
+        while c.pids(1) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert c.pids(1) == [], f"node 1's processes still run 10 s after its launch was killed: " \
+            f"{[netns_cluster._describe(p) for p in c.pids(1)]}"
+        _ended_within(c, runs[:1], 30)
+    node0 = runs[0]
+    assert node0.proc.returncode == 125, node0.err[-3000:]
+    assert "smp-adapter launch: node 1 (10.213.54.2) is unreachable: its launch process closed the heartbeat " \
+           "connection before its job ended" in node0.err, node0.err[-3000:]
+
+
+def test_a_slow_link_and_a_long_save_do_not_end_the_job(tmp_path, monkeypatch):
+    """(d) The link slows from 1 Gbit/s to 2 Mbit/s mid-job and back, and rank 0 spends 3 node timeouts
+    without any collective (a long checkpoint save) while rank 1 waits in its all-reduce: the job goes on
+    and both nodes exit 0. The heartbeats are the launch processes', not the ranks'."""
+    monkeypatch.setenv("SMP_TEST_OUT", str(tmp_path))
+    with cluster(nodes=2, rate="1gbit") as c:
+        runs = c.launch(["--nproc-per-node", 1, "--grace", GRACE, "--node-timeout", 5, JOB, "--steps", 12,
+                         "--numel", 1 << 14, "--step-sleep", 0.2, "--busy-rank", 0, "--busy-at-step", 2,
+                         "--busy-s", 15, "--ready-file", tmp_path / "ready"], port=PORT, out_dir=tmp_path / "nodes")
+        deadline = time.monotonic() + 120
+        while not (tmp_path / "ready.1").exists() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        c.set_rate(1, "2mbit")
+        c.set_rate(0, "2mbit")
+        time.sleep(20)
+        c.set_rate(0, "1gbit")
+        c.set_rate(1, "1gbit")
+        assert c.wait(runs, timeout=120), "\n".join(r.err[-2000:] for r in runs)
+    _ok(runs)
+    assert [len(r["sums"]) for r in _results(tmp_path, 2)] == [12, 12]
