@@ -290,7 +290,8 @@ class Supervisor:
         self.stop_delay = None if failed_at is None else time.monotonic() - failed_at  # failure seen -> all gone
         code = self._outcome(timed_out)
         if self.heartbeat is not None:
-            self.heartbeat.finish(code, self.summary)  # the other nodes learn this node's end (and its cause)
+            # the other nodes learn this node's end (and its cause)
+            self.heartbeat.finish(code, self.summary, interrupted=self.signalled is not None)
         return code
 
     def _outcome(self, timed_out: bool) -> int:

@@ -13,7 +13,8 @@ exit code and summary). Node 0 tells the other nodes what it learns (a node lost
 
 A node is lost when nothing came from it for ``timeout`` seconds, or when its connection closed before it
 said ``done`` (its launch process died: the kernel closes the socket). A node whose job failed (``done`` with
-a non-zero code) is reported with its summary line, so every node names the first failure. Standard library
+a non-zero code) is reported with its summary line, so every node names the first failure; one stopped by a
+signal to its launch (a preemption: every node gets its own, and its ranks may still be saving) is not. Standard library
 only (the launch process does not import torch)."""
 
 from __future__ import annotations
@@ -85,12 +86,14 @@ class NodeHeartbeat:
         self._thread = threading.Thread(target=self._loop, name="smp-node-heartbeat", daemon=True)
         self._thread.start()
 
-    def finish(self, code: int, summary: str = "") -> None:
-        """Tell the other nodes this node's job ended (flushed for at most 2 s), then stop."""
+    def finish(self, code: int, summary: str = "", interrupted: bool = False) -> None:
+        """Tell the other nodes this node's job ended (flushed for at most 2 s), then stop. ``interrupted``: it
+        was stopped by a signal to its launch (a preemption, which every node gets): not a failure to report."""
         with self._lock:
             self._finished = (code, summary)
             for peer in self._peers:
-                peer.outbox += _line({"t": "done", "node": self.node_rank, "code": code, "summary": summary[:2000]})
+                peer.outbox += _line({"t": "done", "node": self.node_rank, "code": code, "summary": summary[:2000],
+                                      "interrupted": interrupted})
         deadline = time.monotonic() + 2.0
         while time.monotonic() < deadline and self._thread is not None and self._thread.is_alive():
             with self._lock:
@@ -199,7 +202,7 @@ class NodeHeartbeat:
             peer.done = True
             node = int(msg.get("node", peer.node if peer.node is not None else -1))
             self._done_nodes.add(node)
-            if int(msg.get("code", 0)) != 0:
+            if int(msg.get("code", 0)) != 0 and not msg.get("interrupted"):
                 self._record("failed", node, peer.address if node == peer.node else "",
                              msg.get("summary") or f"its launch exited with code {msg.get('code')}")
         elif kind in ("lost", "failed") and self.node_rank != 0:  # node 0 relays what it learnt

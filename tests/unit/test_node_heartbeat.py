@@ -94,6 +94,18 @@ def test_a_failed_node_is_named_everywhere_and_a_finished_one_is_not_reported():
             node.close()
 
 
+def test_a_preempted_node_is_not_reported_as_failed():
+    node0, node1 = _nodes(2, timeout=30)
+    try:
+        assert _wait(lambda: _connected(node0, 1), 5)
+        node1.finish(143, "interrupted (SIGTERM)", interrupted=True)  # its ranks saved and exited on SIGTERM
+        time.sleep(0.5)
+        assert node0.event is None
+    finally:
+        node0.close()
+        node1.close()
+
+
 def test_node_0_relays_what_it_learnt():
     node0, node1, node2 = _nodes(3, timeout=30)
     try:
