@@ -47,8 +47,10 @@ def run_job(cluster, options: dict, out: Path, args) -> dict:
     sync = out / "sync"
     sync.mkdir()
     env = {"BENCH_OUT": str(out), "BENCH_SYNC": str(sync)}
-    runs = cluster.launch(["--nproc-per-node", args.per_node, "--grace", 5, "--options", json.dumps(options), SCRIPT,
-                           "--steps", args.steps, "--warmup", args.warmup], port=29400, out_dir=out / "nodes", env=env)
+    ledger = ["--comm-ledger", out / "ledger"] if args.ledger else []
+    runs = cluster.launch(["--nproc-per-node", args.per_node, "--grace", 5, "--options", json.dumps(options), *ledger,
+                           SCRIPT, "--steps", args.steps, "--warmup", args.warmup], port=29400, out_dir=out / "nodes",
+                          env=env)
     nodes = range(len(cluster.nodes))
 
     def await_file(name: str, seconds: float) -> None:
@@ -69,8 +71,16 @@ def run_job(cluster, options: dict, out: Path, args) -> dict:
         raise RuntimeError("the job failed:\n" + "\n".join(r.err[-3000:] for r in runs))
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(len(cluster.nodes) * args.per_node)]
     sent = [a - b for a, b in zip(after, before)]
-    return {"step_s": statistics.median(ranks[0]["step_s"]), "steps": ranks[0]["step_s"], "params": ranks[0]["params"],
-            "link_bytes_per_step": sum(sent) / args.steps, "sent_per_node": sent}
+    result = {"step_s": statistics.median(ranks[0]["step_s"]), "steps": ranks[0]["step_s"], "params": ranks[0]["params"],
+              "link_bytes_per_step": sum(sent) / args.steps, "sent_per_node": sent}
+    if args.ledger:  # what smp-adapter's ledger books as inter-node per step (all ranks summed), beside the wire
+        sys.path.insert(0, str(ROOT / "adapter"))
+        from smp_adapter.ledger_report import read_ledger, summarise
+
+        per_step = summarise(read_ledger(out / "ledger"))["per_step"]
+        result["ledger_inter_node_bytes_per_step"] = sum(b for (_, link, _), (_, b) in per_step.items()
+                                                         if link == "inter-node")
+    return result
 
 
 def main(argv=None) -> int:
@@ -82,6 +92,8 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--layouts", default=",".join(LAYOUTS), help=f"comma-separated, of {', '.join(LAYOUTS)}")
     p.add_argument("--layout", action="append", default=[], metavar="NAME=JSON", help="another layout: its smp options")
+    p.add_argument("--ledger", action="store_true", help="also run the communication ledger (--comm-ledger) and "
+                   "print its inter-node bytes per step beside the link's")
     p.add_argument("--timeout", type=float, default=600, help="seconds a job may take to reach each handover")
     p.add_argument("--out", default="/tmp/cluster_comm", help="job folders and results.json")
     args = p.parse_args(argv)
@@ -105,8 +117,10 @@ def main(argv=None) -> int:
             for name, (options, _) in layouts.items():
                 res = run_job(cluster, options, out / f"r{rnd}" / name, args)
                 results[name].append(res)
+                booked = (f"  ledger inter-node {res['ledger_inter_node_bytes_per_step'] / 1e6:.2f} MB/step"
+                          if args.ledger else "")
                 print(f"round {rnd} {name:8s} step {res['step_s']:.3f} s  link {res['link_bytes_per_step'] / 1e6:.2f} MB/step"
-                      f"  steps {[round(s, 3) for s in res['steps']]}", flush=True)
+                      f"{booked}  steps {[round(s, 3) for s in res['steps']]}", flush=True)
     print(f"\n| layout | options | step time (median of {args.rounds} rounds) | / {REFERENCE} (paired, median) | "
           "link bytes per step (both nodes' veth tx) | per rank |")
     print("| --- | --- | --- | --- | --- | --- |")
