@@ -23,6 +23,7 @@ import json
 import os
 import select
 import socket
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -116,6 +117,13 @@ class NodeHeartbeat:
 
     # -- the thread ------------------------------------------------------------------------------------
     def _loop(self) -> None:
+        try:
+            self._beat()
+        except Exception as exc:  # noqa: BLE001 - said, not silent: without the thread no node loss is noticed
+            print(f"smp-adapter launch: the heartbeats with the other nodes stopped ({type(exc).__name__}: {exc}); "
+                  "a lost node now ends the job only through the collective timeout", file=sys.stderr, flush=True)
+
+    def _beat(self) -> None:
         next_beat = 0.0
         next_connect = 0.0
         connected_once = False
@@ -253,9 +261,14 @@ def _line(obj: dict) -> bytes:
 
 
 def _listen(port: int) -> socket.socket:
+    """Every address, IPv4 and IPv6 where the machine has both (IPv4 alone where IPv6 is off)."""
+    sock = None
     if socket.has_dualstack_ipv6():
-        sock = socket.create_server(("", port), family=socket.AF_INET6, dualstack_ipv6=True, reuse_port=False)
-    else:
+        try:
+            sock = socket.create_server(("", port), family=socket.AF_INET6, dualstack_ipv6=True)
+        except OSError:
+            sock = None
+    if sock is None:
         sock = socket.create_server(("", port))
     sock.setblocking(False)
     return sock
