@@ -20,8 +20,13 @@ stop the whole job when a rank fails, and never hang.
 * Which rank failed: the zombie status above; else torchrun's "Root Cause" block or mpirun's
   message; else the first rank whose output holds a traceback that is not a communication error
   (a peer's death shows up on healthy ranks as "Connection closed by peer" and the like).
+* Other nodes (multi-node torchrun: ``heartbeat``, node_heartbeat.py): a node found unreachable, or one whose job
+  failed first, is treated as a failure seen here (the launcher's HEAD_START, then SIGTERM, SIGKILL after
+  ``grace``); the report names that node. The launcher is started with PR_SET_PDEATHSIG (SIGKILL), and the
+  ranks watch this process (launch_watch.py): a SIGKILL of this process leaves no rank running.
 * Exit status: the failing rank's code (128 + N for a rank killed by signal N), 124 on
-  ``timeout``, 128 + N when the supervisor itself got SIGINT/SIGTERM (forwarded to the group).
+  ``timeout``, 125 when another node became unreachable, 128 + N when the supervisor itself got SIGINT/SIGTERM
+  (forwarded to the group).
 """
 
 from __future__ import annotations
@@ -37,6 +42,9 @@ import time
 from pathlib import Path
 
 EXIT_TIMEOUT = 124
+EXIT_NODE_LOST = 125
+PR_SET_PDEATHSIG = 1
+PEER_REPORT_WAIT = 3.0  # seconds a node whose ranks only lost a peer waits for the other nodes' reports
 POLL_S = 0.1
 HEAD_START = 2.0  # seconds the launcher gets to stop the other ranks itself after a rank failed
 TAIL_LINES = 30
@@ -55,6 +63,20 @@ _TORCH_RANK_PREFIX = re.compile(r"^\[rank\d+\]:")
 _TIMEOUT = re.compile(r"timed out|timeout|Timeout", re.I)
 
 
+def _dies_with_parent():
+    """preexec_fn: the launcher gets SIGKILL when this process dies, even by SIGKILL (Linux; elsewhere None)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
+
+    prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up here, not in the child between fork and exec
+
+    def set_it():
+        prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+
+    return set_it
+
+
 def describe(code: int) -> str:
     return f"killed by signal {signal.Signals(-code).name}" if code < 0 and -code in signal.valid_signals() \
         else f"exit code {code}"
@@ -62,7 +84,7 @@ def describe(code: int) -> str:
 
 class Supervisor:
     def __init__(self, command, env, launcher: str, rank_offset: int = 0, rank_log_dir: Path | None = None,
-                 timeout: float | None = None, grace: float = 20.0, out=None):
+                 timeout: float | None = None, grace: float = 20.0, out=None, heartbeat=None):
         self.command, self.env, self.launcher = list(command), dict(env), launcher
         self.rank_offset, self.rank_log_dir, self.timeout, self.grace = rank_offset, rank_log_dir, timeout, grace
         self.out = out or sys.stdout
@@ -79,6 +101,10 @@ class Supervisor:
         self.proc: subprocess.Popen | None = None
         self.signalled: int | None = None
         self.signalled_at = 0.0
+        self.heartbeat = heartbeat  # node_heartbeat.NodeHeartbeat of a multi-node torchrun job, or None
+        self.node_event = None  # what the heartbeat reported (another node lost or failed), once acted on
+        self.summary = ""  # the report's first line (told to the other nodes)
+        self.failure_at: float | None = None  # when a rank of this node was first seen failing
 
     # -- output ------------------------------------------------------------------------------------
     def emit(self, text: str, rank: int | None, shown: str | None = None) -> None:
@@ -201,9 +227,11 @@ class Supervisor:
             self.old_logs = set(self.rank_log_dir.glob("*_rank*.log"))
         start = time.monotonic()
         self.proc = subprocess.Popen(self.command, env=self.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, start_new_session=True)
+                                     stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=_dies_with_parent())
         reader = threading.Thread(target=self._read_pipe, daemon=True)
         reader.start()
+        if self.heartbeat is not None:
+            self.heartbeat.start()
         previous = {}
         if threading.current_thread() is threading.main_thread():
             previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
@@ -222,6 +250,15 @@ class Supervisor:
                           "stopping all ranks", file=sys.stderr, flush=True)
                 if self.failure and failed_at is None:
                     failed_at = now
+                if self.failure and self.failure_at is None:
+                    self.failure_at = now
+                event = self.heartbeat.event if self.heartbeat is not None else None
+                if event is not None and self.node_event is None:
+                    self.node_event = event
+                    print(f"smp-adapter launch: {event.message()}; stopping this node's ranks", file=sys.stderr,
+                          flush=True)
+                    if failed_at is None:  # a lost node: nothing to wait for (its ranks cannot answer), stop now
+                        failed_at = now - HEAD_START if event.kind == "lost" else now
                 # the launcher gets HEAD_START s to stop the job itself (and say so), then the group is stopped
                 if kill_at is None and (failed_at is not None and now - failed_at > HEAD_START or timed_out
                                         or self.signalled is not None):
@@ -241,18 +278,55 @@ class Supervisor:
             self._tail_rank_logs(final=True)
             for _, handle, _ in self.files.values():
                 handle.close()
-        self.elapsed = time.monotonic() - start
+        if self.heartbeat is not None and self.node_event is None and self.failure is not None \
+                and self.signalled is None and not self._failed_here_first(float("inf")):
+            # this node's ranks only lost a peer: the node whose rank failed first says so once its job ended
+            deadline = time.monotonic() + PEER_REPORT_WAIT
+            while self.heartbeat.event is None and time.monotonic() < deadline:
+                time.sleep(0.05)
+            self.node_event = self.heartbeat.event
+        self.ended_at = time.monotonic()
+        self.elapsed = self.ended_at - start
         self.stop_delay = None if failed_at is None else time.monotonic() - failed_at  # failure seen -> all gone
+        code = self._outcome(timed_out)
+        if self.heartbeat is not None:
+            # the other nodes learn this node's end (and its cause)
+            self.heartbeat.finish(code, self.summary, interrupted=self.signalled is not None)
+        return code
+
+    def _outcome(self, timed_out: bool) -> int:
         if timed_out:
+            self.summary = f"the job ran longer than --timeout {self.timeout:g} s"
             return EXIT_TIMEOUT
         if self.signalled is not None:
             waited = time.monotonic() - self.signalled_at
             how = (f"every process ended by itself {waited:.1f} s later" if waited < self.grace else
                    f"what still ran {self.grace:g} s later (--grace) was killed")
+            self.summary = f"interrupted ({signal.Signals(self.signalled).name})"
             print(f"smp-adapter launch: interrupted ({signal.Signals(self.signalled).name}, forwarded to every "
                   f"process of the job); {how}", file=sys.stderr)
             return 128 + self.signalled
-        return self.report(self.proc.returncode)
+        event = self.node_event
+        if event is None or self._failed_here_first(event.at):
+            return self.report(self.proc.returncode)
+        self.summary = event.message()
+        if event.kind == "failed":  # this node's ranks lost their connection to the failed node's (said first)
+            code = self.report(self.proc.returncode)
+            print(f"smp-adapter launch: {event.message()}", file=sys.stderr)
+            return code or 1
+        print(f"smp-adapter launch: {event.message()}; all ranks were stopped {self.ended_at - event.at:.1f} s later",
+              file=sys.stderr)
+        print("smp-adapter launch: once the node is reachable again, start every node's launch again and resume from "
+              "the last good checkpoint", file=sys.stderr)
+        return EXIT_NODE_LOST
+
+    def _failed_here_first(self, at: float) -> bool:
+        """A rank of this node failed by itself (not as a consequence of another's) before the other node's event."""
+        if self.failure_at is None or self.failure_at > at:
+            return False
+        codes = {**self._reported_codes(), **self.exits}
+        rank = self._blamed_rank(codes)
+        return rank is not None and not self._secondary(rank, codes)
 
     def report(self, launcher_code: int) -> int:
         if launcher_code == 0 and self.failure is None:
@@ -274,8 +348,8 @@ class Supervisor:
             # with a syntax error fails alike; the first exited before it was watched): the launcher's status
             # is the first exit's code when it says one, else Python's for an uncaught exception
             code = launcher_code if 0 < launcher_code < 128 else 1
-        print(f"smp-adapter launch: {who} failed ({describe(code)}){f': {cause}' if cause else ''}; all ranks were "
-              f"stopped{when}", file=err)
+        self.summary = f"{who} failed ({describe(code)}){f': {cause}' if cause else ''}"
+        print(f"smp-adapter launch: {self.summary}; all ranks were stopped{when}", file=err)
         if rank is not None and any(_TRACEBACK in t for t in lines):
             lines = lines[max(i for i, t in enumerate(lines) if _TRACEBACK in t):]
         if lines:

@@ -11,6 +11,12 @@ from smp_adapter.env_bundle import unpack_into as _unpack_job_environment  # noq
 
 _unpack_job_environment()
 
+# a rank launched by `smp-adapter launch` ends when that process dies, even by SIGKILL (the OOM killer's way):
+# no orphaned rank (smp_adapter/launch_watch.py)
+from smp_adapter.launch_watch import watch_if_launched as _watch_the_launch_process  # noqa: E402
+
+_watch_the_launch_process()
+
 # NVIDIA apex's names in plain PyTorch where apex is not installed (smp_adapter/apex_fallback): here for
 # bare mpirun/torchrun runs of scripts that import smp before apex (smp-adapter launch installs it
 # before the script starts); SMP_ADAPTER_APEX_FALLBACK=0 turns it off

@@ -36,7 +36,7 @@ from smp_adapter.commands.launch_inputs import cuda_available, launcher_program,
 from smp_adapter.env_bundle import deepspeed_env_file
 from smp_adapter.errors import SMPAdapterError
 from smp_adapter.free_port import free_port
-from smp_adapter.translate.launch import LAUNCHERS, to_launch_plan
+from smp_adapter.translate.launch import DEFAULT_MASTER_PORT, LAUNCHERS, to_launch_plan
 
 NAME = "launch"
 CUDA_ON_CPU = "SMP_ADAPTER_CUDA_ON_CPU"
@@ -77,6 +77,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="seconds between SIGTERM and SIGKILL, once a rank failed or when this command gets "
                         "SIGTERM/SIGINT (forwarded to every rank: a script can save its last checkpoint; default 20, "
                         "inside Kubernetes' 30)")
+    p.add_argument("--node-timeout", type=float, metavar="S",
+                   help="several nodes (torchrun): a node whose launch sends no heartbeat for S seconds is unreachable; "
+                        "every node then stops its ranks and exits 125 naming it (default: SMP_ADAPTER_NODE_TIMEOUT, "
+                        "else 120)")
+    p.add_argument("--node-heartbeat-port", type=int, metavar="P",
+                   help="several nodes (torchrun): node 0's port for the heartbeats (default: the master port + 1)")
     p.add_argument("--comm-ledger", metavar="DIR", help="every rank writes DIR/rank<r>.jsonl: its collective and "
                    "point-to-point traffic per training step (SMP_ADAPTER_COMM_LEDGER; smp-adapter report DIR)")
     p.add_argument("--no-mp-parameters", dest="mp_parameters", action="store_false",
@@ -293,9 +299,21 @@ def build(args: argparse.Namespace) -> dict[str, Any]:
         head = [launcher_program("mpirun", required=not args.dry_run), *head[1:-1], *extra, head[-1]]
     else:  # srun: --export=ALL hands the ranks this environment
         head = [launcher_program("srun", required=not args.dry_run), *head[1:]]
+    heartbeat = None
+    if launcher == "torchrun" and plan.nnodes > 1:  # every node has its own launch: they watch each other
+        from smp_adapter.node_heartbeat import timeout_from
+
+        master_port = port if port is not None else (cfg.ddp_port or DEFAULT_MASTER_PORT)
+        hb_port = args.node_heartbeat_port or master_port + 1
+        node_timeout = timeout_from(args.node_timeout)
+        if not (0 < hb_port < 65536 and node_timeout > 0):
+            raise SMPAdapterError(f"--node-heartbeat-port {hb_port} / --node-timeout {node_timeout:g}: give a TCP port "
+                                  "(1-65535) and a positive number of seconds")
+        heartbeat = {"node_rank": node_rank, "nnodes": plan.nnodes, "master_addr": args.master_addr, "port": hb_port,
+                     "timeout": node_timeout, "job_key": f"{plan.nnodes}:{master_port}"}
     return {"command": [*head, *rest], "set": sm, "plan": plan, "dirs": dirs, "launcher": launcher, "cpu": cpu,
             "rank_offset": node_rank * plan.nprocs_per_node, "channels": channels, "deepspeed_env": deepspeed_env,
-            "notes": [options_source, *notes, *plan.notes]}
+            "heartbeat": heartbeat, "notes": [options_source, *notes, *plan.notes]}
 
 
 def _sdp_engine_note(cfg, world_size: int) -> str | None:
@@ -367,9 +385,26 @@ def run(args: argparse.Namespace) -> int:
               f"one simulated GPU per rank (docs/launch.md; {CUDA_ON_CPU}=0 turns it off)", file=sys.stderr, flush=True)
     env = {k: v for k, v in os.environ.items() if k not in SCRUB and not k.startswith("OMPI_COMM_WORLD")}
     env.update(b["set"])
+    from smp_adapter.launch_watch import ENV as LAUNCH_PROCESS, identity
     from smp_adapter.launcher import Supervisor
 
+    me = identity()  # the ranks end when this process dies, even by SIGKILL (launch_watch.py); not in --dry-run's
+    if me:           # exports: it names this process
+        env[LAUNCH_PROCESS] = me
+    heartbeat = None
+    if b["heartbeat"]:
+        from smp_adapter.node_heartbeat import NodeHeartbeat
+
+        heartbeat = NodeHeartbeat(**b["heartbeat"])
+        try:
+            heartbeat.listen()
+        except OSError as exc:
+            raise SMPAdapterError(f"node 0 cannot listen for the other nodes' heartbeats on port {heartbeat.port} "
+                                  f"({exc.strerror or exc}): give a free port with --node-heartbeat-port") from None
+        print(f"smp-adapter launch: node {heartbeat.node_rank}: heartbeats with the other nodes' launch processes "
+              f"(port {heartbeat.port} on node 0); a node silent for {heartbeat.timeout:g} s ends the job "
+              "(--node-timeout)", file=sys.stderr, flush=True)
     sup = Supervisor(b["command"], env, b["launcher"], rank_offset=b["rank_offset"],
                      rank_log_dir=b["dirs"]["logs"] if b["launcher"] == "deepspeed" else None,
-                     timeout=args.timeout, grace=args.grace)
+                     timeout=args.timeout, grace=args.grace, heartbeat=heartbeat)
     return sup.run()

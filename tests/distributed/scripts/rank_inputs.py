@@ -9,7 +9,8 @@ import os
 import sys
 
 # what launch sets (its --dry-run's exports) and the launcher's rank coordinates; not the rendezvous
-# port (each start picks its own) nor launcher-private variables (TORCHELASTIC_*, CROSS_RANK, ...)
+# port (each start picks its own), the launch process's identity (SMP_ADAPTER_LAUNCH_PROCESS, which a forked
+# rank has no launch process to name) nor launcher-private variables (TORCHELASTIC_*, CROSS_RANK, ...)
 KEPT = ("PYTHONPATH", "DS_ACCELERATOR", "OMP_NUM_THREADS", "PYTHONUNBUFFERED", "RANK", "WORLD_SIZE", "LOCAL_RANK",
         "MASTER_ADDR")
 # variables the numerical libraries under torch read (threads, instruction sets, reproducibility);
@@ -45,7 +46,8 @@ def numerics() -> dict:
 
 out = sys.argv[sys.argv.index("--out") + 1]
 seen = {"argv": sys.argv[1:], "cwd": os.getcwd(),
-        "env": {k: v for k, v in os.environ.items() if k.startswith(("SM_", "SMP_ADAPTER_")) or k in KEPT}}
+        "env": {k: v for k, v in os.environ.items()
+                if (k.startswith(("SM_", "SMP_ADAPTER_")) or k in KEPT) and k != "SMP_ADAPTER_LAUNCH_PROCESS"}}
 if "--numerics" in sys.argv:
     seen["numerics"] = numerics()
 with open(os.path.join(out, f"rank{os.environ['RANK']}.json"), "w") as f:
