@@ -1,6 +1,6 @@
 """The recipes run at a tiny size as `smp-adapter launch --recipe` runs them (the deepspeed launcher,
 CPU), and produce what they promise. Every recipe *script* runs here; recipes that differ from a
-run one only in smp options and hyperparameters (vit_ddp and vit_sdp beside vit_hpz, llama_sdp beside
+run one only in smp options and hyperparameters (vit_ddp and vit_sdp beside vit_mics, llama_sdp beside
 gpt2_sdp) are resolved through `launch --dry-run` in tests/unit/test_recipe_files.py, and their
 options are trained against references in the data-parallel and delayed-init tests: each run here
 costs 15-40 s of the two CI cores.
@@ -22,7 +22,7 @@ from launch_util import MAIN, ROOT, base_env, run_as_launched
 RECIPES = {
     "causal_lm/gpt2_sdp.yaml": {"steps": 6, "checkpoint_every": 3},
     "classification/bert_zero1.yaml": {"steps": 4},
-    "classic/vit_hpz.yaml": {"steps": 2},
+    "classic/vit_mics.yaml": {"steps": 2},
     "classic/convnet_tp.yaml": {"samples": 64},
     "classic/convnet_tp_pp.yaml": {"samples": 64},
     "classic/manual_partition.yaml": {"samples": 64},
