@@ -110,3 +110,55 @@ def test_partial_checkpoint_resume_is_exact(tmp_path, init_weights):
     resumed = _run(tmp_path / "resumed", options, 4, *common, "--steps", 2, "--first-step", 2, "--resume")
     assert (ckpt / "step2_partial" / "smp_manifest.json").exists()
     assert resumed[0]["losses"] == full[0]["losses"][2:]
+
+
+def bf16_reference(init_weights, nprocs: int, steps: int, lr: float, microbatches=1, per_rank_batch=4):
+    """The MiCS bf16 recipe written out in one process: fp32 master weights; each data-parallel rank's
+    forward and backward in bf16 on each microbatch of its rows (inputs cast, as FSDP2's policy casts
+    them; the loss divided by the microbatches); each microbatch's gradients to fp32, summed and averaged
+    over the ranks; SGD on the fp32 masters. The loss: each rank's mean over its microbatches in bf16
+    (StepOutput.reduce_mean), averaged over the ranks.
+    ``init_weights`` None: tiny_vit()'s own initial weights (what delayed initialisation must give)."""
+    from common import global_batch
+
+    master = tiny_vit()
+    if init_weights:
+        master.load_state_dict(torch.load(init_weights, weights_only=True))
+    loss_fn, losses = torch.nn.CrossEntropyLoss(), []
+    for step in range(steps):
+        images, labels = global_batch(step, per_rank_batch * nprocs)
+        grads = [torch.zeros_like(p) for p in master.parameters()]
+        step_losses = []
+        size = per_rank_batch // microbatches
+        for rank in range(nprocs):
+            rank_losses = []
+            for mb in range(microbatches):
+                model = tiny_vit()
+                model.load_state_dict(master.state_dict())
+                model.to(torch.bfloat16)
+                rows = slice(rank * per_rank_batch + mb * size, rank * per_rank_batch + (mb + 1) * size)
+                loss = loss_fn(model(images[rows].bfloat16())["logits"], labels[rows])
+                (loss / microbatches).backward()
+                rank_losses.append(loss.detach())
+                for g, p in zip(grads, model.parameters()):
+                    g += p.grad.float()
+            step_losses.append(torch.stack(rank_losses).mean().item())  # reduce_mean(): in bf16, as smp's
+        with torch.no_grad():
+            for p, g in zip(master.parameters(), grads):
+                p -= lr * (g / nprocs)
+        losses.append(sum(step_losses) / len(step_losses))
+    return losses
+
+
+@pytest.mark.parametrize("microbatches, delayed", [(1, False), (2, True)], ids=["mb1", "mb2_delayed"])
+def test_mics_bf16_matches_the_recipe_in_one_process(tmp_path, init_weights, microbatches, delayed):
+    """bf16 on MiCS (sdp 2 of rdp 4, SGD): FSDP2's mixed precision against the same recipe in one process
+    (bf16_reference). Tolerance 1e-5 relative, as fp32: the recipe's bf16 arithmetic is the same on both
+    sides; only the fp32 order in which the ranks' gradients are summed differs."""
+    weights = None if delayed else init_weights
+    results = _run(tmp_path, {"sharded_data_parallel_degree": 2, "bf16": True, "microbatches": microbatches}, 4,
+                   "--optimizer", "sgd", "--lr", LR["sgd"], *([] if delayed else ["--init-weights", init_weights]))
+    ref = bf16_reference(weights, 4, 4, LR["sgd"], microbatches)
+    torch.testing.assert_close(torch.tensor(results[0]["losses"]), torch.tensor(ref), rtol=1e-5, atol=1e-6)
+    fp32, _ = reference_losses(4, 16, LR["sgd"], "sgd", weights)
+    assert torch.tensor(results[0]["losses"]).sub(torch.tensor(fp32)).abs().max() > 1e-5  # it did run in bf16
