@@ -12,8 +12,9 @@ nothing else runs on the machine.
     sudo .venv/bin/python benchmarks/cluster_comm.py --rounds 1 --steps 2 --layouts zero3,ddp
     sudo .venv/bin/python benchmarks/cluster_comm.py --layout 'mics={"ddp": true, "sharded_data_parallel_degree": 2}'
 
-A layout is a name and the smp options that select it (``LAYOUTS``); ``--layout NAME=JSON`` adds one from the
-command line (e.g. MiCS, once an engine runs it for 1 < sdp < rdp: its options are its selection)."""
+A layout is a name, the smp options that select it and, for 1 < sdp < rdp, the engine that runs it (``LAYOUTS``:
+MiCS on FSDP2, the default, or ZeRO-3 + hpZ); ``--layout NAME=JSON`` adds one from the command line (its engine:
+this shell's SMP_ADAPTER_SDP_ENGINE)."""
 
 from __future__ import annotations
 
@@ -33,20 +34,21 @@ SCRIPT = ROOT / "benchmarks" / "_cluster_mlp.py"
 # every matrix sharded (smp's default threshold, 1e6 elements, would keep this model's matrices whole: ZeRO-3
 # would gather nothing); as benchmarks/_common.py's SDP
 SDP = {"sdp_param_persistence_threshold": 10_000}
-LAYOUTS = {
-    "zero3": ({"ddp": True, "sharded_data_parallel_degree": 4, **SDP}, "ZeRO-3, sdp 4 = rdp"),
-    "hpz": ({"ddp": True, "sharded_data_parallel_degree": 2, **SDP}, "sdp 2 of rdp 4 (hpZ today)"),
-    "ddp": ({"ddp": True}, "plain ddp (ZeRO 0)"),
+LAYOUTS = {  # name -> (smp options, what it is, the adapter's SMP_ADAPTER_SDP_ENGINE for sdp < rdp)
+    "zero3": ({"ddp": True, "sharded_data_parallel_degree": 4, **SDP}, "ZeRO-3, sdp 4 = rdp", "mics"),
+    "mics": ({"ddp": True, "sharded_data_parallel_degree": 2, **SDP}, "sdp 2 of rdp 4, MiCS on FSDP2", "mics"),
+    "hpz": ({"ddp": True, "sharded_data_parallel_degree": 2, **SDP}, "sdp 2 of rdp 4, ZeRO-3 + hpZ", "hpz"),
+    "ddp": ({"ddp": True}, "plain ddp (ZeRO 0)", "mics"),
 }
 REFERENCE = "zero3"  # ratios are to this layout's step time in the same round
 
 
-def run_job(cluster, options: dict, out: Path, args) -> dict:
+def run_job(cluster, options: dict, out: Path, args, sdp_engine: str = "mics") -> dict:
     """One job; its step times and the link bytes of its timed steps."""
     out.mkdir(parents=True, exist_ok=True)
     sync = out / "sync"
     sync.mkdir()
-    env = {"BENCH_OUT": str(out), "BENCH_SYNC": str(sync)}
+    env = {"BENCH_OUT": str(out), "BENCH_SYNC": str(sync), "SMP_ADAPTER_SDP_ENGINE": sdp_engine}
     ledger = ["--comm-ledger", out / "ledger"] if args.ledger else []
     runs = cluster.launch(["--nproc-per-node", args.per_node, "--grace", 5, "--options", json.dumps(options), *ledger,
                            SCRIPT, "--steps", args.steps, "--warmup", args.warmup], port=29400, out_dir=out / "nodes",
@@ -104,7 +106,7 @@ def main(argv=None) -> int:
     layouts = {name: LAYOUTS[name] for name in args.layouts.split(",") if name}
     for item in args.layout:
         name, _, options = item.partition("=")
-        layouts[name] = (json.loads(options), name)
+        layouts[name] = (json.loads(options), name, os.environ.get("SMP_ADAPTER_SDP_ENGINE", "mics"))
     out = Path(args.out)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     results: dict[str, list[dict]] = {name: [] for name in layouts}
@@ -114,8 +116,8 @@ def main(argv=None) -> int:
               f"{cluster.latency}): measured TCP throughput node 1 -> node 0 {mbit:.1f} Mbit/s; load average "
               f"{os.getloadavg()[0]:.2f}", flush=True)
         for rnd in range(args.rounds):
-            for name, (options, _) in layouts.items():
-                res = run_job(cluster, options, out / f"r{rnd}" / name, args)
+            for name, (options, _, engine) in layouts.items():
+                res = run_job(cluster, options, out / f"r{rnd}" / name, args, engine)
                 results[name].append(res)
                 booked = (f"  ledger inter-node {res['ledger_inter_node_bytes_per_step'] / 1e6:.2f} MB/step"
                           if args.ledger else "")
@@ -125,7 +127,7 @@ def main(argv=None) -> int:
           "link bytes per step (both nodes' veth tx) | per rank |")
     print("| --- | --- | --- | --- | --- | --- |")
     world = 2 * args.per_node
-    for name, (options, what) in layouts.items():
+    for name, (options, what, _) in layouts.items():
         runs = results[name]
         ratio = ""
         if REFERENCE in results and name != REFERENCE:

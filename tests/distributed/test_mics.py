@@ -162,3 +162,25 @@ def test_mics_bf16_matches_the_recipe_in_one_process(tmp_path, init_weights, mic
     torch.testing.assert_close(torch.tensor(results[0]["losses"]), torch.tensor(ref), rtol=1e-5, atol=1e-6)
     fp32, _ = reference_losses(4, 16, LR["sgd"], "sgd", weights)
     assert torch.tensor(results[0]["losses"]).sub(torch.tensor(fp32)).abs().max() > 1e-5  # it did run in bf16
+
+
+def test_sdp_gradient_clipping_clips_by_the_global_norm(tmp_path, init_weights):
+    """sdp_gradient_clipping 0.05 (smp's default is 1.0): the MiCS job against one process that clips with
+    torch.nn.utils.clip_grad_norm_ before each SGD step (the gradients' norm here is ~1: every step clips)."""
+    from common import global_batch
+
+    results = _run(tmp_path, {"sharded_data_parallel_degree": 2, "sdp_gradient_clipping": 0.05}, 4,
+                   "--optimizer", "sgd", "--lr", LR["sgd"], "--init-weights", init_weights)
+    model = tiny_vit()
+    model.load_state_dict(torch.load(init_weights, weights_only=True))
+    opt, losses, norms = torch.optim.SGD(model.parameters(), lr=LR["sgd"]), [], []
+    for step in range(4):
+        images, labels = global_batch(step, 16)
+        opt.zero_grad()
+        loss = torch.nn.CrossEntropyLoss()(model(images)["logits"], labels)
+        loss.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)))
+        opt.step()
+        losses.append(loss.item())
+    assert min(norms) > 0.05  # the reference did clip
+    torch.testing.assert_close(torch.tensor(results[0]["losses"]), torch.tensor(losses), rtol=1e-5, atol=1e-6)

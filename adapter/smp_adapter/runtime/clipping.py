@@ -1,5 +1,6 @@
 """Global-norm gradient clipping (``optimizer.clip_master_grads``) where smp-adapter clips itself:
-pp > 1 (no DeepSpeed engine) and ZeRO-0 fp32 at pp = 1 (DeepSpeed's plain optimizer has no clip).
+pp > 1 (no DeepSpeed engine), ZeRO-0 fp32 at pp = 1 (DeepSpeed's plain optimizer has no clip) and the
+MiCS engine (gradient shards: squares summed over the sharding group).
 
 With tensor parallelism a rank holds 1/tp of each split weight and a full copy of every replicated
 parameter, so
@@ -20,9 +21,11 @@ import torch.distributed as dist
 
 
 def clip_by_global_norm(grads: list[tuple[torch.Tensor, bool, bool]], max_norm: float, tp_group=None,
-                        pp_group=None) -> float:
+                        pp_group=None, shard_group=None) -> float:
     """grads: (gradient, is_split, counted) for every local gradient; ``counted`` False leaves a
-    gradient out of the norm (a tied copy counted elsewhere) but still scales it. Returns the norm."""
+    gradient out of the norm (a tied copy counted elsewhere) but still scales it. ``shard_group``: the
+    gradients are shards, each group of ranks holding one copy of the whole (MiCS): their squares are
+    summed over it first. Returns the norm."""
     split = torch.zeros((), dtype=torch.float64)
     replicated = torch.zeros((), dtype=torch.float64)
     for g, is_split, counted in grads:
@@ -32,6 +35,10 @@ def clip_by_global_norm(grads: list[tuple[torch.Tensor, bool, bool]], max_norm: 
                 split += sq
             else:
                 replicated += sq
+    if shard_group is not None:
+        both = torch.stack([split, replicated])
+        dist.all_reduce(both, group=shard_group)
+        split, replicated = both[0], both[1]
     if tp_group is not None:
         dist.all_reduce(split, group=tp_group)
     total = split + replicated

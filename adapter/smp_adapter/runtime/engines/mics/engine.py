@@ -150,6 +150,9 @@ class MicsEngine(Engine):
     def optimizer_step(self, optimizer, clip_norm) -> None:
         if self._tp_average:
             shards.average_replicated_over_tp(self.model)
+        # optimizer.clip_master_grads(n) for this step, else sdp_gradient_clipping (smp's default 1.0; 0 = off)
+        if clip_norm is None and state.cfg.sdp_gradient_clipping > 0:
+            clip_norm = state.cfg.sdp_gradient_clipping
         if clip_norm is not None:
             shards.clip(self.model, clip_norm)
         optimizer.step()

@@ -168,27 +168,11 @@ def average_replicated_over_tp(model) -> None:
 
 
 def clip(model, max_norm: float) -> float:
-    """Scale every gradient shard by max_norm / global norm when that is < 1: the squares of the
-    shards summed inside the sharding group, split parameters also over the TP group."""
+    """Scale every gradient shard by max_norm / global norm when that is < 1 (runtime/clipping.py: the
+    squares of the shards summed inside the sharding group, split parameters also over the TP group)."""
+    from smp_adapter.runtime.clipping import clip_by_global_norm
     from smp_adapter.runtime.state import state
 
-    split = torch.zeros((), dtype=torch.float64)
-    replicated = torch.zeros((), dtype=torch.float64)
-    grads = _local_grads(model)
-    for g, is_split in grads:
-        sq = g.detach().double().pow(2).sum()
-        if is_split:
-            split += sq
-        else:
-            replicated += sq
-    both = torch.stack([split, replicated])
-    dist.all_reduce(both, group=state.groups.sdp)  # each group holds one copy of every gradient
-    split, replicated = both[0], both[1]
-    if state.dims.tp > 1:
-        dist.all_reduce(split, group=state.groups.tp)
-    norm = float((split + replicated).sqrt())
-    coef = max_norm / (norm + 1e-6)
-    if coef < 1:
-        for g, _ in grads:
-            g.detach().mul_(coef)
-    return norm
+    grads = [(g, split, True) for g, split in _local_grads(model)]
+    return clip_by_global_norm(grads, max_norm, tp_group=state.groups.tp if state.dims.tp > 1 else None,
+                               shard_group=state.groups.sdp)
