@@ -53,6 +53,19 @@ def test_gpt2_sharded_data_parallel_hf_layers(tmp_path):
     assert output.count("CUDA on CPU ranks") == 1
 
 
+def test_gpt2_mics_sdp2_of_rdp4_reads_the_zero_names(tmp_path):
+    """sdp 2 of 4 ranks: smp v1's MiCS (the MiCS engine on FSDP2), the template unchanged: its ZeRO-3 reads
+    (p.ds_shape to count the model, p.ds_tensor norms summed over optimizer.ds_param_shard_group,
+    optimizer.fp32_partitioned_groups_flat, fp16_groups' shapes) answered from the FSDP2 shards."""
+    args = {"sharded_data_parallel_degree": 2, "use_distributed_transformer": 0}
+    results, output, data = _run(tmp_path, 4, args)
+    _assert_matches(results["losses"], gpt_reference(args, data, data_ranks=4))
+    # each rank's shards: half the model, up to a row per tensor whose first dimension is odd
+    assert results["sharded_params"] == results["zero_flat"]
+    assert abs(results["sharded_params"] - results["num_params"] / 2) <= 0.05 * results["num_params"] / 2
+    assert abs(results["shard_norm"] - gpt_reference.initial_norm) <= 1e-5 * gpt_reference.initial_norm
+
+
 def test_falcon_sharded_data_parallel(tmp_path):
     """The Falcon sibling's setup: sdp 2 (ZeRO-3) over Hugging Face's Falcon layers (which have no
     tensor-parallel mapping), against the single-process reference. (Under delayed initialisation the

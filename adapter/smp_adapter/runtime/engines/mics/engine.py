@@ -26,6 +26,7 @@ v1 documents it ("SDP is AWS's MiCS implementation"), on torch FSDP2 (``fully_sh
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import torch
@@ -79,8 +80,11 @@ class MicsEngine(Engine):
             for key, value in marks.get(name, {}).items():
                 if not hasattr(p, key):
                     setattr(p, key, value)
-        self._plain_backward_pending = False
+        from smp_adapter.runtime.engines.mics.zero_names import name_shards
+
+        name_shards(module)  # the ZeRO-3 names scripts read (p.ds_tensor, p.ds_shape)
         self._optimizer = None
+        self.last_grad_norm = 0.0  # the global gradient norm of the last optimizer step, before clipping
         # without prescaled_batch each TP rank had its own samples: replicated parameters also
         # average over the TP group (as runtime/engines/deepspeed does)
         self._tp_average = state.dims.tp > 1 and not cfg.prescaled_batch
@@ -130,7 +134,11 @@ class MicsEngine(Engine):
         return shards.load_local(self.model.module, sd, strict)
 
     def load_whole_state_dict(self, sd: dict, strict: bool):
-        return shards.load_whole(self.model.module, sd, strict)
+        from smp_adapter.runtime.engines.mics.zero_names import name_shards
+
+        result = shards.load_whole(self.model.module, sd, strict)
+        name_shards(self.model.module)  # FSDP2's load hook may have given a parameter a new local shard
+        return result
 
     # -- optimizer -------------------------------------------------------------------------------
     def attach_optimizer(self, optimizer, loss_scale) -> None:
@@ -147,14 +155,21 @@ class MicsEngine(Engine):
     def ready_for_checkpoint(self) -> bool:
         return self._optimizer is not None
 
+    @property
+    def optimizer_internals(self):
+        """DeepSpeed's ZeRO-3 names scripts read through smp's optimizer (zero_names.py)."""
+        from smp_adapter.runtime.engines.mics.zero_names import ZeroNames
+
+        return ZeroNames(self._optimizer, self) if self._optimizer is not None else None
+
     def optimizer_step(self, optimizer, clip_norm) -> None:
         if self._tp_average:
             shards.average_replicated_over_tp(self.model)
         # optimizer.clip_master_grads(n) for this step, else sdp_gradient_clipping (smp's default 1.0; 0 = off)
         if clip_norm is None and state.cfg.sdp_gradient_clipping > 0:
             clip_norm = state.cfg.sdp_gradient_clipping
-        if clip_norm is not None:
-            shards.clip(self.model, clip_norm)
+        # the norm every step, as DeepSpeed's ZeRO-3 keeps it (scripts log optimizer._global_grad_norm)
+        self.last_grad_norm = shards.clip(self.model, clip_norm if clip_norm is not None else math.inf)
         optimizer.step()
 
     def zero_grad(self, optimizer, set_to_none: bool) -> None:
