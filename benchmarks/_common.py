@@ -71,6 +71,9 @@ def run_ranks(script: Path, nprocs: int, args, out_dir: Path, env: dict | None =
     base.update({"PYTHONUNBUFFERED": "1", "PYTHONPATH": os.pathsep.join([str(ROOT / "adapter"), base.get("PYTHONPATH", "")]),
                  "BENCH_OUT": str(out_dir)})
     base.setdefault("OMP_NUM_THREADS", "1")
+    # the "hpz" mode (sdp 2 of 4) is DeepSpeed's ZeRO-3 + hpZ, measured against hand-written DeepSpeed doing
+    # the same; the MiCS engine (the adapter's default for sdp < rdp) is measured by cluster_comm.py
+    base.setdefault("SMP_ADAPTER_SDP_ENGINE", "hpz")
     import torch
 
     if not torch.cuda.is_available():

@@ -48,8 +48,11 @@ def test_mics_matches_one_process(tmp_path, init_weights, sdp, nprocs, microbatc
     """Losses equal one process; each rank holds 1/sdp of the parameters, gradients and Adam moments
     (within 5 %: the shards of tensors whose first dimension does not divide by sdp differ by a row).
     delayed: no weights loaded after wrapping, so the run starts from what smp.model_creation's
-    delayed initialisation made, which must be tiny_vit()'s eager weights."""
+    delayed initialisation made, which must be tiny_vit()'s eager weights. Microbatches 2: with
+    activation checkpointing on every encoder layer."""
     args = ["--optimizer", optimizer, "--lr", LR[optimizer]] + ([] if delayed else ["--init-weights", init_weights])
+    if microbatches == 2:  # smp.set_activation_checkpointing on each encoder layer (a unit of its own)
+        args.append("--checkpoint-activations")
     results = _run(tmp_path, {"sharded_data_parallel_degree": sdp, "microbatches": microbatches}, nprocs, *args)
     assert results[0]["zero_stage"] == "mics"  # DeepSpeed's engine is not there: model.engine is None
     _matches(results, optimizer, None if delayed else init_weights)
