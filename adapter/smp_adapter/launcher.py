@@ -44,7 +44,8 @@ from pathlib import Path
 EXIT_TIMEOUT = 124
 EXIT_NODE_LOST = 125
 PR_SET_PDEATHSIG = 1
-PEER_REPORT_WAIT = 3.0  # seconds a node whose ranks only lost a peer waits for the other nodes' reports
+PEER_REPORT_WAIT = 10.0  # seconds a node whose ranks only lost a peer waits for the other nodes' reports (ends at the
+# first report; a node whose rank failed first reports once its ranks stopped: --grace, longer on a busy machine)
 POLL_S = 0.1
 HEAD_START = 2.0  # seconds the launcher gets to stop the other ranks itself after a rank failed
 TAIL_LINES = 30

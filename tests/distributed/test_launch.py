@@ -48,7 +48,8 @@ def test_dry_run_prints_environment_and_command(launcher, job):
     env, cmd, _ = dry_run(job, "--launcher", launcher, "--nproc-per-node", 2, "--cpu", "--options", '{"ddp": true}',
                           "--channel", "train=train", "--hyperparameter", "epochs=3", "--hp", "name=run 1",
                           "--model-dir", "m", SCRIPT, "--extra", "x")
-    assert json.loads(env["SM_HP_MP_PARAMETERS"]) == {"ddp": True}
+    # with transformers' name of the pipeline degree, which its Trainer looks for (docs/launch.md)
+    assert json.loads(env["SM_HP_MP_PARAMETERS"]) == {"ddp": True, "partitions": 1}
     assert json.loads(env["SM_FRAMEWORK_PARAMS"])["sagemaker_mpi_enabled"] is True
     assert env["SM_CHANNEL_TRAIN"] == str(job / "train") and json.loads(env["SM_CHANNELS"]) == ["train"]
     assert env["SM_MODEL_DIR"] == str(job / "m") and env["SM_OUTPUT_DATA_DIR"] == str(job / "smp-job/output/data")
@@ -91,10 +92,10 @@ def test_a_python_in_front_of_the_script_is_dropped_and_said(front, job):
 def test_inherited_sm_hp_mp_parameters_are_used_and_the_source_said(job):
     inherited = {"SM_HP_MP_PARAMETERS": '{"ddp": true, "microbatches": 2}'}
     env, _, out = dry_run(job, "--cpu", "--nproc-per-node", 2, SCRIPT, env=inherited)
-    assert json.loads(env["SM_HP_MP_PARAMETERS"]) == {"ddp": True, "microbatches": 2}
+    assert json.loads(env["SM_HP_MP_PARAMETERS"]) == {"ddp": True, "microbatches": 2, "partitions": 1}
     assert "# note: smp options from SM_HP_MP_PARAMETERS in the environment (--options overrides it)" in out
     env, _, out = dry_run(job, "--cpu", "--nproc-per-node", 2, "--options", '{"ddp": true}', SCRIPT, env=inherited)
-    assert json.loads(env["SM_HP_MP_PARAMETERS"]) == {"ddp": True}
+    assert json.loads(env["SM_HP_MP_PARAMETERS"]) == {"ddp": True, "partitions": 1}
     assert ("# note: smp options from --options {\"ddp\": true} (overriding SM_HP_MP_PARAMETERS found in the "
             "environment)") in out
 
@@ -112,7 +113,7 @@ def test_dry_run_of_a_recipe_and_torchrun_on_several_nodes(job):
                          "--master_port", "29999"]
     assert cmd[-6:] == [str(job / "code/train.py"), "--lr", "0.5", "--mp_parameters",
                         "ddp=True,tensor_parallel_degree=2", "--tail"]
-    assert json.loads(env["SM_HP_MP_PARAMETERS"]) == {"ddp": True, "tensor_parallel_degree": 2}
+    assert json.loads(env["SM_HP_MP_PARAMETERS"]) == {"ddp": True, "tensor_parallel_degree": 2, "partitions": 1}
     assert json.loads(env["SM_HOSTS"]) == ["algo-1", "algo-2"] and env["SM_CURRENT_HOST"] == "algo-2"
 
 
@@ -143,7 +144,7 @@ def test_two_rank_data_parallel_job_on_cpu(launcher, job):
         assert res["args"]["steps"] == 3 and res["args"]["lr"] == 0.05 and len(res["losses"]) == 3
         assert res["unknown_args"] == ["--mp_parameters", "ddp=True", "--extra", "1"]
         assert res["launcher_env"]["DS_ACCELERATOR"] == "cpu" and res["num_gpus"] == "0"
-        assert json.loads(res["mp_parameters"]) == {"ddp": True}
+        assert json.loads(res["mp_parameters"]) == {"ddp": True, "partitions": 1}
     assert results[0]["weights_sum"] == results[1]["weights_sum"]
     assert results[0]["losses"] != results[1]["losses"]  # each rank saw its own half of the batch
     prefix = "[rank 1] " if launcher == "deepspeed" else "[default1]:"
