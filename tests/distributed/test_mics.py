@@ -153,17 +153,18 @@ def bf16_reference(init_weights, nprocs: int, steps: int, lr: float, microbatche
     return losses
 
 
-@pytest.mark.parametrize("microbatches, delayed", [(1, False), (2, True)], ids=["mb1", "mb2_delayed"])
-def test_mics_bf16_matches_the_recipe_in_one_process(tmp_path, init_weights, microbatches, delayed):
-    """bf16 on MiCS (sdp 2 of rdp 4, SGD): FSDP2's mixed precision against the same recipe in one process
+@pytest.mark.parametrize("nprocs, microbatches, delayed", [(4, 1, False), (6, 2, True)],
+                         ids=["rdp4_mb1", "rdp6_mb2_delayed"])
+def test_mics_bf16_matches_the_recipe_in_one_process(tmp_path, init_weights, nprocs, microbatches, delayed):
+    """bf16 on MiCS (sdp 2 of rdp 4 or 6, SGD): FSDP2's mixed precision against the same recipe in one process
     (bf16_reference). Tolerance 1e-5 relative, as fp32: the recipe's bf16 arithmetic is the same on both
     sides; only the fp32 order in which the ranks' gradients are summed differs."""
     weights = None if delayed else init_weights
-    results = _run(tmp_path, {"sharded_data_parallel_degree": 2, "bf16": True, "microbatches": microbatches}, 4,
+    results = _run(tmp_path, {"sharded_data_parallel_degree": 2, "bf16": True, "microbatches": microbatches}, nprocs,
                    "--optimizer", "sgd", "--lr", LR["sgd"], *([] if delayed else ["--init-weights", init_weights]))
-    ref = bf16_reference(weights, 4, 4, LR["sgd"], microbatches)
+    ref = bf16_reference(weights, nprocs, 4, LR["sgd"], microbatches)
     torch.testing.assert_close(torch.tensor(results[0]["losses"]), torch.tensor(ref), rtol=1e-5, atol=1e-6)
-    fp32, _ = reference_losses(4, 16, LR["sgd"], "sgd", weights)
+    fp32, _ = reference_losses(4, 4 * nprocs, LR["sgd"], "sgd", weights)
     assert torch.tensor(results[0]["losses"]).sub(torch.tensor(fp32)).abs().max() > 1e-5  # it did run in bf16
 
 
