@@ -45,41 +45,45 @@ def patch_trainer() -> None:
     local_state_dict_through_accelerate()
 
 
-def restore_trainer_optimizer_creation() -> None:
+def _patch_trainer(name: str, make) -> None:
+    """Replace ``transformers.trainer.Trainer.<name>`` once by ``make(original, trainer_module)`` (when
+    transformers' Trainer is imported; a second call finds the mark and does nothing)."""
     trainer_module = sys.modules.get("transformers.trainer")
     trainer_cls = getattr(trainer_module, "Trainer", None)
-    if trainer_cls is None or getattr(trainer_cls.create_scheduler, _MARK, False):
+    if trainer_cls is None or getattr(getattr(trainer_cls, name), _MARK, False):
         return
-    original = trainer_cls.create_scheduler
+    original = getattr(trainer_cls, name)
+    patched = functools.wraps(original)(make(original, trainer_module))
+    setattr(patched, _MARK, True)
+    setattr(trainer_cls, name, patched)
 
-    @functools.wraps(original)
-    def create_scheduler(self, num_training_steps, optimizer=None):
-        if optimizer is None and self.optimizer is None and trainer_module.is_sagemaker_mp_enabled():
-            self.create_optimizer()
-        return original(self, num_training_steps, optimizer)
 
-    setattr(create_scheduler, _MARK, True)
-    trainer_cls.create_scheduler = create_scheduler
+def restore_trainer_optimizer_creation() -> None:
+    def make(original, trainer_module):
+        def create_scheduler(self, num_training_steps, optimizer=None):
+            if optimizer is None and self.optimizer is None and trainer_module.is_sagemaker_mp_enabled():
+                self.create_optimizer()
+            return original(self, num_training_steps, optimizer)
+
+        return create_scheduler
+
+    _patch_trainer("create_scheduler", make)
 
 
 def wrap_model_once() -> None:
-    trainer_module = sys.modules.get("transformers.trainer")
-    trainer_cls = getattr(trainer_module, "Trainer", None)
-    if trainer_cls is None or getattr(trainer_cls._wrap_model, _MARK, False):
-        return
-    original = trainer_cls._wrap_model
+    def make(original, trainer_module):
+        def _wrap_model(self, model, *args, **kwargs):
+            from smp_adapter.runtime.model import DistributedModel
 
-    @functools.wraps(original)
-    def _wrap_model(self, model, *args, **kwargs):
-        from smp_adapter.runtime.model import DistributedModel
+            wrapped = self.model_wrapped
+            if (isinstance(wrapped, DistributedModel) and model is wrapped.module
+                    and trainer_module.is_sagemaker_mp_enabled()):
+                return wrapped
+            return original(self, model, *args, **kwargs)
 
-        wrapped = self.model_wrapped
-        if isinstance(wrapped, DistributedModel) and model is wrapped.module and trainer_module.is_sagemaker_mp_enabled():
-            return wrapped
-        return original(self, model, *args, **kwargs)
+        return _wrap_model
 
-    setattr(_wrap_model, _MARK, True)
-    trainer_cls._wrap_model = _wrap_model
+    _patch_trainer("_wrap_model", make)
 
 
 def local_state_dict_through_accelerate() -> None:
