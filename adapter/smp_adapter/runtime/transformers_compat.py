@@ -23,12 +23,18 @@ wraps the model before it creates the optimizer and before any evaluation or sav
   smp.DistributedModel per script"). Shim: ``_wrap_model`` returns the existing DistributedModel
   when given the model it wraps.
 * a release whose Trainer wraps smp's optimizer in accelerate's ``AcceleratedOptimizer`` on this path
-  (4.57, as reported in issue 53; 5.24 does not wrap it, and 4.38 with accelerate >= 1.0 cannot start a
-  Trainer at all: ``Accelerator(dispatch_batches=...)``; not run here): ``_save_optimizer_and_scheduler`` then calls
+  (4.57, CI's transformers-4.57 point; 5.24 does not wrap it, and 4.38 with accelerate >= 1.0 cannot start a
+  Trainer at all, smp or not: ``Accelerator(dispatch_batches=...)``): ``_save_optimizer_and_scheduler`` then calls
   ``self.optimizer.local_state_dict(gather_if_shard=False)``, an ``smp.DistributedOptimizer`` method,
   on accelerate's wrapper: ``'AcceleratedOptimizer' object has no attribute 'local_state_dict'`` at
   every checkpoint save (the end of training among them). Shim: ``AcceleratedOptimizer`` gets
   ``local_state_dict``, answered by the optimizer it wraps when that is smp's.
+* the same releases (4.57 with accelerate 1.15): ``AcceleratedOptimizer.__init__`` moves the optimizer's
+  state to accelerate's device through a full ``state_dict()`` / ``load_state_dict()`` round trip. Under
+  optimizer-state sharding (tp or sdp with ``ddp``) a full optimizer state_dict is refused, as in smp v1,
+  and the Trainer dies before its first step; without sharding the round trip would only copy state smp
+  already placed. Shim: accelerate's wrapper of an ``smp.DistributedOptimizer`` is made with
+  ``device_placement=False`` (smp's engines place the optimizer state on the rank's device themselves).
 """
 
 from __future__ import annotations
@@ -43,6 +49,7 @@ def patch_trainer() -> None:
     restore_trainer_optimizer_creation()
     wrap_model_once()
     local_state_dict_through_accelerate()
+    no_device_placement_round_trip()
 
 
 def _patch_trainer(name: str, make) -> None:
@@ -101,3 +108,23 @@ def local_state_dict_through_accelerate() -> None:
         return self.optimizer.local_state_dict(*args, **kwargs)
 
     wrapper_cls.local_state_dict = local_state_dict
+
+
+def no_device_placement_round_trip() -> None:
+    accelerate_optimizer = sys.modules.get("accelerate.optimizer")
+    wrapper_cls = getattr(accelerate_optimizer, "AcceleratedOptimizer", None)
+    if wrapper_cls is None or getattr(wrapper_cls.__init__, _MARK, False):
+        return
+    original = wrapper_cls.__init__
+
+    @functools.wraps(original)
+    def __init__(self, optimizer, *args, **kwargs):
+        from smp_adapter.runtime.optimizer import DistributedOptimizer
+
+        if isinstance(optimizer, DistributedOptimizer):
+            args, kwargs = (), {**kwargs, "device_placement": False,
+                                **({"scaler": args[1]} if len(args) > 1 else {})}
+        original(self, optimizer, *args, **kwargs)
+
+    setattr(__init__, _MARK, True)
+    wrapper_cls.__init__ = __init__
