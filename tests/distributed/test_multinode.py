@@ -204,6 +204,8 @@ def test_srun_environment_two_nodes_of_two_tasks(tmp_path, one_node):
 FAKE_REMOTE = ROOT / "tests/fixtures/fake_remote"
 
 
+@pytest.mark.skipif(cluster_unavailable() is None,
+                    reason="namespaced nodes can run here: test_cluster.py runs this job with the nodes' own addresses")
 def test_deepspeed_multinode_through_pdsh_with_a_stand_in_for_ssh(tmp_path):
     """The deepspeed launcher on two hosts of a hostfile: DeepSpeed's runner checks ssh, then starts
     `deepspeed.launcher.launch` on every host through pdsh with `export K=V; ...` in front. ssh and
