@@ -44,6 +44,11 @@ class Cluster:
     collectives: str = "nccl"
 
     @property
+    def cpu_ranks(self) -> bool:
+        """Ranks on CPUs (gloo): no CUDA context, no side streams to overlap communication on."""
+        return self.collectives == "gloo"
+
+    @property
     def world_size(self) -> int:
         return self.gpus_per_node * self.nodes
 

@@ -145,7 +145,7 @@ def exposed_seconds(terms, cluster, compute_s: float, microbatches: int, passes:
     for term in terms:
         seconds = collective_seconds(term, cluster)
         total += seconds
-        if cluster.collectives == "gloo":
+        if cluster.cpu_ranks:
             exposed += seconds
         elif term.overlap == WHOLE_STEP:
             step += seconds
