@@ -1,7 +1,7 @@
 """``smp.init``: read the options, start torch.distributed under any launcher, build the groups.
 
 Which launcher started this process (torchrun, deepspeed, mpirun, srun or none) and where the ranks
-meet are read by ``runtime/launch_env.py``. We export RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and
+meet are read by ``launch/rank_env.py``. We export RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and
 MASTER_PORT so libraries that read them (DeepSpeed, HF) agree with us.
 Collective timeout: ``SMP_ADAPTER_TIMEOUT`` seconds (default 600).
 """
@@ -15,10 +15,10 @@ from typing import Any, Mapping
 from smp_adapter.config.dims import ParallelDims, sdp_engine_from
 from smp_adapter.config.options import SMPConfig
 from smp_adapter.errors import SMPUsageError
-from smp_adapter.free_port import free_port
-from smp_adapter.runtime import comm_ledger
+from smp_adapter.launch.free_port import free_port
+from smp_adapter.ledger import record as comm_ledger
 from smp_adapter.runtime import process_exit
-from smp_adapter.runtime.launch_env import LaunchEnv, rendezvous
+from smp_adapter.launch.rank_env import LaunchEnv, rendezvous
 from smp_adapter.runtime.state import state
 
 DEFAULT_TIMEOUT_S = 600.0

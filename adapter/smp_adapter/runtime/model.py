@@ -87,7 +87,7 @@ class DistributedModel(nn.Module):
         #: the per-step finiteness check (runtime/finiteness.py), its policy from SMP_ADAPTER_NON_FINITE
         self.step_guard = StepGuard(policy_from_env(os.environ), loss_scaling=bool(s.cfg.fp16))
         s.model = self
-        from smp_adapter.runtime.transformers_compat import patch_trainer
+        from smp_adapter.compat.hf_transformers import patch_trainer
 
         patch_trainer()  # a Hugging Face Trainer wrapping this model: what its smp path gets wrong
 

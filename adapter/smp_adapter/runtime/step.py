@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from smp_adapter.errors import SMPUsageError
-from smp_adapter.runtime import comm_ledger
+from smp_adapter.ledger import record as comm_ledger
 from smp_adapter.runtime.state import require_initialized, state
 
 

@@ -20,7 +20,7 @@ from smp_adapter.runtime.checkpoint import files as ckpt
 from smp_adapter.runtime.checkpoint.io import CheckpointIO
 from smp_adapter.runtime.checkpoint.integrity import sidecars
 from smp_adapter.runtime.checkpoint import storage
-from smp_adapter.runtime import comm_ledger
+from smp_adapter.ledger import record as comm_ledger
 from smp_adapter.runtime.finiteness import refuse_non_finite_checkpoint
 from smp_adapter.runtime.state import require_initialized, state
 
