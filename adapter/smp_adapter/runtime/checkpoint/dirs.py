@@ -225,7 +225,7 @@ def resume_from_checkpoint(path, tag=None, partial: bool = True, strict: bool = 
         except SMPCheckpointError as exc:
             if fallback is None:
                 raise
-            reason = str(exc).splitlines()[0]
+            reason = "; ".join([str(exc).splitlines()[0], *getattr(exc, "damaged", ())])
             warnings.warn(f"rank {s.rank}: checkpoint {candidate!r} in {path} cannot be resumed from ({reason}); "
                           f"resuming from the next newest one, {fallback!r}, instead. Delete or repair {candidate!r} "
                           "(smp-adapter checkpoint verify names its damaged files)", stacklevel=3)

@@ -174,15 +174,22 @@ def _warn_once(message: str, rank: int) -> None:
             warnings.warn(message, stacklevel=3)
 
 
+def problem_lines(folder: Path, problems, most: int = 20) -> list[str]:
+    """Each problem as ``<file>: <what>`` (at most ``most`` of them, then how many more)."""
+    lines = [f"{folder / p.file}: {p.what}" for p in problems[:most]]
+    return lines + ([f"... and {len(problems) - most} more"] if len(problems) > most else [])
+
+
 def refusal(folder: Path, problems, action: str) -> SMPCheckpointError:
-    lines = "\n".join(f"  {folder / p.file}: {p.what}" for p in problems[:20])
-    more = f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else ""
-    return SMPCheckpointError(
+    lines = "\n".join(f"  {line}" for line in problem_lines(folder, problems))
+    error = SMPCheckpointError(
         f"{folder} is damaged; refusing to {action} ({len(problems)} problem{'s' if len(problems) > 1 else ''}):\n"
-        f"{lines}{more}\n"
+        f"{lines}\n"
         f"Use an older complete checkpoint (another <tag>_partial beside it; pass its tag, or write it into the "
         f"'newest' file), or copy this one again from its source and run `smp-adapter checkpoint verify "
         f"{folder}`; to use it anyway, accepting wrong values, set {SKIP_ENV}=1")
+    error.damaged = problem_lines(folder, problems, most=5)  # what a fallback to an older checkpoint names
+    return error
 
 
 def _unchecked(folder: Path, manifest: dict, problems: list, rank: int) -> bool:
