@@ -88,8 +88,10 @@ class DistributedModel(nn.Module):
         self.step_guard = StepGuard(policy_from_env(os.environ), loss_scaling=bool(s.cfg.fp16))
         s.model = self
         from smp_adapter.compat.hf_transformers import patch_trainer
+        from smp_adapter.runtime.optimizer import DistributedOptimizer
 
-        patch_trainer()  # a Hugging Face Trainer wrapping this model: what its smp path gets wrong
+        # a Hugging Face Trainer wrapping this model: what its smp path gets wrong
+        patch_trainer(DistributedModel, DistributedOptimizer)
 
     # -- engine ----------------------------------------------------------------------------------
     @property
