@@ -49,17 +49,8 @@ def _checkpoint_phase(func):
 
 
 def _write_newest(path: Path, tag: str) -> None:
-    tmp = path / f".newest.tmp.{os.getpid()}"
-    try:
-        with open(tmp, "w") as f:
-            f.write(tag + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path / "newest")
-        storage.fsync_dir(path)
-    except OSError:
-        storage.remove_quietly(tmp)
-        raise
+    storage.atomic_write(path / "newest", lambda tmp: tmp.write_text(tag + "\n"))
+    storage.fsync_dir(path)
 
 
 def _agree(error: str | None, world_size: int) -> list[str]:
