@@ -69,9 +69,9 @@ def init(config: Mapping[str, Any] | None = None) -> None:
     _export_rendezvous(launch, cfg)
     import torch.distributed as dist
 
-    from smp_adapter.runtime.engines import engine_class
+    from smp_adapter.runtime.engines import engine_for
 
-    engine = engine_class(dims.engine)  # the engine of this job, chosen before any model exists
+    engine = engine_for(dims)  # the engine of this job, chosen before any model exists
     engine.load_code()
     state.owns_process_group = not dist.is_initialized()
     if state.owns_process_group:

@@ -15,6 +15,7 @@ import inspect
 from collections.abc import Mapping
 from typing import Any
 
+from smp_adapter.config.dims import per_microbatch
 from smp_adapter.errors import SMPUsageError
 from smp_adapter.ledger import record as comm_ledger
 from smp_adapter.runtime.state import require_initialized, state
@@ -152,12 +153,13 @@ def _split(value: Any, m: int, axis: int, name: str) -> list:
         if value.dim() == 0:
             return [value] * m
         n = value.shape[axis]
-        if n % m:
+        size = per_microbatch(n, m)
+        if size is None:
             raise SMPUsageError(
                 f"smp.step: argument '{name}' has {n} samples on axis {axis}, which does not divide into "
                 f"microbatches={m}: use a batch size that is a multiple of {m} (DataLoader(..., drop_last=True)), "
                 f"or pass it whole with @smp.step(non_split_inputs=['{name}'])")
-        return list(torch.split(value, n // m, dim=axis))
+        return list(torch.split(value, size, dim=axis))
     if hasattr(value, "smp_slice"):
         return [value.smp_slice(m, mb, axis) for mb in range(m)]
     if isinstance(value, (list, tuple)) and not _is_namedtuple(value):
