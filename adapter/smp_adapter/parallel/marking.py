@@ -27,6 +27,7 @@ from typing import Any, Callable, Optional
 
 import torch.nn as nn
 
+from smp_adapter import on_shutdown
 from smp_adapter.errors import SMPUsageError
 from smp_adapter.module_init_hooks import on_module_created
 from smp_adapter.parallel.hf_hooks import SPLIT_IN_PLACE  # smp v1's own Hugging Face hooks: keep the in-place split
@@ -79,6 +80,7 @@ def marking_context(enabled: bool = True, **kwargs):
     return tensor_parallelism(enabled, **kwargs)
 
 
+@on_shutdown
 def reset() -> None:
     """Forget open contexts (smp.shutdown); registrations stay (they belong to classes)."""
     _stack.clear()

@@ -16,6 +16,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from smp_adapter import on_shutdown
 from smp_adapter.errors import SMPUsageError, UnsupportedFeatureError
 from smp_adapter.parallel import comm, marking
 from smp_adapter.parallel.layers import ShardLayout, mark_distributed, row_parallel_forward
@@ -32,6 +33,7 @@ from smp_adapter.parallel.transformer import (
 _skip_init = False  # True only inside from_linear (the weights are copied in, not drawn)
 
 
+@on_shutdown
 def reset() -> None:
     """smp.shutdown: back to drawing initial weights (in case a from_linear was interrupted)."""
     global _skip_init

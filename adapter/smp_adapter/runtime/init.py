@@ -12,6 +12,7 @@ import os
 from datetime import timedelta
 from typing import Any, Mapping
 
+from smp_adapter import run_shutdown_resets
 from smp_adapter.config.dims import ParallelDims, sdp_engine_from
 from smp_adapter.config.options import SMPConfig
 from smp_adapter.errors import SMPUsageError
@@ -19,7 +20,7 @@ from smp_adapter.launch.free_port import free_port
 from smp_adapter.ledger import record as comm_ledger
 from smp_adapter.runtime import process_exit
 from smp_adapter.launch.rank_env import LaunchEnv, rendezvous
-from smp_adapter.runtime.state import state
+from smp_adapter.runtime.state import state, warn_once
 
 DEFAULT_TIMEOUT_S = 600.0
 
@@ -162,20 +163,6 @@ def _set_tp_context() -> None:
                                      prescaled_batch=state.cfg.prescaled_batch))
 
 
-_warned: set[str] = set()
-
-
-def warn_once(messages, rank: int) -> None:
-    """Each message once per smp.init .. shutdown, from rank 0 only (the job's log is not N copies)."""
-    import warnings
-
-    for message in messages:
-        if message not in _warned:
-            _warned.add(message)
-            if rank == 0:
-                warnings.warn(message, stacklevel=3)
-
-
 def shutdown() -> None:
     """Tear down what smp.init set up (tests and long-running notebooks)."""
     import torch.distributed as dist
@@ -190,20 +177,5 @@ def shutdown() -> None:
             os.environ.pop(name, None)
         else:
             os.environ[name] = value
-    state.reset()
-    _reset_module_globals()
-
-
-def _reset_module_globals() -> None:
-    """Process-wide values outside ``state``: the TP context, open marking contexts (and the
-    nn.Module.__init__ wrapper), smp.nn's weight-copy flag, the warnings already given."""
-    import sys
-
-    from smp_adapter import module_init_hooks
-
-    module_init_hooks.reset()
-    _warned.clear()
-    for name in ("smp_adapter.parallel.context", "smp_adapter.parallel.marking", "smp_adapter.parallel.nn"):
-        module = sys.modules.get(name)  # not imported: nothing to reset
-        if module is not None:
-            module.reset()
+    state.reset()  # also what warn_once has said
+    run_shutdown_resets()  # the TP context, open marking contexts, the nn.Module.__init__ wrapper, smp.nn's flag

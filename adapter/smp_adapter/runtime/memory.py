@@ -64,7 +64,7 @@ MODEL_CREATION_NOT_CARRIED_OUT = {
 
 def _say_not_carried_out(config: dict) -> None:
     """Warn once (rank 0) for each smp-transformer keyword asked for with a non-default value."""
-    from smp_adapter.runtime.init import warn_once
+    from smp_adapter.runtime.state import warn_once
 
     warn_once([f"smp.model_creation({key}={config[key]!r}) is not carried out: {MODEL_CREATION_NOT_CARRIED_OUT[key]}"
                for key in sorted(config) if key in MODEL_CREATION_NOT_CARRIED_OUT and config[key]], state.rank)

@@ -23,11 +23,11 @@ from __future__ import annotations
 
 import json
 import os
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 from smp_adapter.errors import SMPCheckpointError
+from smp_adapter.runtime.state import warn_once, warned as _warned  # noqa: F401  (_warned: tests clear it)
 from smp_adapter.runtime.checkpoint.integrity.records import (CHUNK_ENV, SKIP_ENV, default_algorithm, digest_file, hasher, unit_bytes,  # noqa: F401
                                                 damaged_units, unit_range, units)
 
@@ -164,16 +164,6 @@ def shares(files: dict, world_size: int) -> list[list[tuple]]:
     return out
 
 
-_warned: set = set()
-
-
-def _warn_once(message: str, rank: int) -> None:
-    if message not in _warned:
-        _warned.add(message)
-        if rank == 0:
-            warnings.warn(message, stacklevel=3)
-
-
 def problem_lines(folder: Path, problems, most: int = 20) -> list[str]:
     """Each problem as ``<file>: <what>`` (at most ``most`` of them, then how many more)."""
     lines = [f"{folder / p.file}: {p.what}" for p in problems[:most]]
@@ -196,11 +186,11 @@ def used_unchecked(folder: Path, manifest: dict, problems: list, rank: int) -> b
     """Whether the files are used without checking: the user's opt-out, or a checkpoint saved before
     digests existed (an intact manifest without them); one warning each."""
     if skipped():
-        _warn_once(f"{SKIP_ENV}=1: checkpoint files are used without checking their digests", rank)
+        warn_once([f"{SKIP_ENV}=1: checkpoint files are used without checking their digests"], rank)
         return True
     if not problems and not has_digests(manifest):
-        _warn_once(f"{folder} records no file digests (saved by an smp-adapter before they were added): it is "
-                   "used unchecked; a new save records them", rank)
+        warn_once([f"{folder} records no file digests (saved by an smp-adapter before they were added): it is "
+                   "used unchecked; a new save records them"], rank)
         return True
     return False
 
