@@ -96,8 +96,11 @@ class DistributedModel(nn.Module):
     # -- engine ----------------------------------------------------------------------------------
     @property
     def engine(self):
-        """DeepSpeed's engine at pp = 1 (built on first use), None at pp > 1."""
-        return self.runtime_engine.deepspeed_engine
+        """DeepSpeed's engine when the job runs on it (built on first use), else None (pipeline, MiCS):
+        only the DeepSpeed engine class has ``deepspeed_engine``, the Engine base names no engine."""
+        engine = self.runtime_engine
+        # the class is asked, not the instance: an AttributeError while DeepSpeed's engine is built must surface
+        return engine.deepspeed_engine if hasattr(type(engine), "deepspeed_engine") else None
 
     def mark_partitioned(self) -> None:
         """Called by the engine once the model has its final placement (runs post-partition hooks)."""
