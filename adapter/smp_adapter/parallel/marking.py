@@ -1,4 +1,4 @@
-"""Marking modules for tensor parallelism (spec section 2.9): pure bookkeeping, no process group.
+"""Marking modules for tensor parallelism (smp.tensor_parallelism, smp.set_tensor_parallelism): pure bookkeeping, no process group.
 
 A mark is stored on the module instance as ``module._smp_tp_mark = TPMark(enabled, kwargs)``.
 
@@ -225,7 +225,7 @@ def unregister(module_cls: type) -> None:
 
 
 def filter_init_kwargs(cls: type, kwargs: dict[str, Any]) -> dict[str, Any]:
-    """The subset of mark kwargs that ``cls.__init__`` accepts (spec: kwargs override *matching*
+    """The subset of mark kwargs that ``cls.__init__`` accepts (smp v1: kwargs override *matching*
     ``__init__`` arguments; the others, e.g. ``fused_softmax`` for a linear layer, do not apply)."""
     try:
         params = inspect.signature(cls.__init__).parameters

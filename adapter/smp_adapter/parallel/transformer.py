@@ -1,4 +1,4 @@
-"""``smp.nn`` transformer modules (spec section 2.10), built from the shard layers.
+"""``smp.nn`` transformer modules, built from the shard layers.
 
 Choices where the spec leaves room (section 5.17/5.18), checked against Hugging Face BERT (post-LN)
 and GPT-2 (pre-LN, causal) layers in the tests:
@@ -214,9 +214,9 @@ class DistributedTransformer(DistributedModule):
 
 
 class DistributedTransformerLMHead(DistributedModule):
-    """Embeddings + ``DistributedTransformer`` + LM head tied to the word embedding (spec 2.10).
+    """Embeddings + ``DistributedTransformer`` + LM head tied to the word embedding.
 
-    Where the smp docs are silent (spec 5.18), smp-adapter's choices:
+    Where smp v1's documentation is silent, smp-adapter's choices:
 
     * parameters: ``word_embedding`` (vocabulary split over TP ranks, so ``vocab_size`` must divide
       by the TP degree), ``position_embedding`` and ``token_type_embedding`` (whole on every rank),

@@ -71,7 +71,7 @@ class StepOutput:
 
 def step(non_split_inputs=None, input_split_axes=None, detach_outputs: bool = True):
     """Decorator, bare (``@smp.step``) or called: ``@smp.step()``, ``@smp.step(["mask"])`` / ``@smp.step(
-    non_split_inputs, input_split_axes)`` (the documented positional form, spec 2.5) or with keywords.
+    non_split_inputs, input_split_axes)`` (the positional form smp v1's documentation gives) or with keywords.
     ``non_split_inputs``: argument names passed whole to every microbatch; ``input_split_axes``: argument
     name -> the axis it is split along (0 otherwise)."""
     if callable(non_split_inputs) and input_split_axes is None:  # bare @smp.step: the decorated function itself
