@@ -88,7 +88,7 @@ def run_job(cluster, options: dict, out: Path, args, sdp_engine: str = "mics") -
               "link_bytes_per_step": sum(sent) / args.steps, "sent_per_node": sent}
     if args.ledger:  # what smp-adapter's ledger books as inter-node per step (all ranks summed), beside the wire
         sys.path.insert(0, str(ROOT / "adapter"))
-        from smp_adapter.ledger_report import read_ledger, summarise
+        from smp_adapter.ledger.summary import read_ledger, summarise
 
         per_step = summarise(read_ledger(out / "ledger"))["per_step"]
         result["ledger_inter_node_bytes_per_step"] = sum(b for (_, link, _), (_, b) in per_step.items()

@@ -125,7 +125,7 @@ def test_a_failing_job_ends_both_nodes_and_leaves_nothing(tmp_path, monkeypatch)
     assert during == [[], []], f"processes still running in the nodes after their launches ended: {during}"
 
 
-# -- failure drills: the nodes' launch processes heartbeat each other (smp_adapter/node_heartbeat.py) ---------
+# -- failure drills: the nodes' launch processes heartbeat each other (smp_adapter/launch/node_heartbeat.py) ---------
 NODE_TIMEOUT = 10  # --node-timeout for the drills (default 120 s)
 GRACE = 3
 

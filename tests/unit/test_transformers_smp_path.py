@@ -57,7 +57,7 @@ def test_accelerate_wraps_smp_optimizers_without_the_state_round_trip(monkeypatc
     import sys
     import types
 
-    from smp_adapter.runtime import transformers_compat
+    from smp_adapter.compat import hf_transformers
     from smp_adapter.runtime.optimizer import DistributedOptimizer
 
     class AcceleratedOptimizer:  # accelerate's signature: (optimizer, device_placement=True, scaler=None)
@@ -65,8 +65,8 @@ def test_accelerate_wraps_smp_optimizers_without_the_state_round_trip(monkeypatc
             self.optimizer, self.device_placement, self.scaler = optimizer, device_placement, scaler
 
     monkeypatch.setitem(sys.modules, "accelerate.optimizer", types.SimpleNamespace(AcceleratedOptimizer=AcceleratedOptimizer))
-    transformers_compat.no_device_placement_round_trip()
-    transformers_compat.no_device_placement_round_trip()  # idempotent: wrapped once
+    hf_transformers.no_device_placement_round_trip(DistributedOptimizer)
+    hf_transformers.no_device_placement_round_trip(DistributedOptimizer)  # idempotent: wrapped once
     smp_optimizer = DistributedOptimizer.__new__(DistributedOptimizer)
     assert AcceleratedOptimizer(smp_optimizer).device_placement is False
     assert AcceleratedOptimizer(smp_optimizer, True, "scaler").scaler == "scaler"

@@ -122,7 +122,7 @@ def read_options(text: str):
 
 def script_features(path: str) -> tuple[bool, bool]:
     """(activation checkpointing, delayed parameter initialisation) the script asks for."""
-    from smp_adapter.script_check import check_source
+    from smp_adapter.check.script import check_source
 
     try:
         source = Path(path).read_text()

@@ -45,11 +45,13 @@ import sys
 _MARK = "_smp_adapter_creates_missing_optimizer"
 
 
-def patch_trainer() -> None:
+def patch_trainer(model_cls: type, optimizer_cls: type) -> None:
+    """``model_cls``, ``optimizer_cls``: smp's DistributedModel and DistributedOptimizer, handed in by the
+    runtime so that this module imports nothing of it (the runtime imports this one)."""
     restore_trainer_optimizer_creation()
-    wrap_model_once()
-    local_state_dict_through_accelerate()
-    no_device_placement_round_trip()
+    wrap_model_once(model_cls)
+    local_state_dict_through_accelerate(optimizer_cls)
+    no_device_placement_round_trip(optimizer_cls)
 
 
 def _patch_trainer(name: str, make) -> None:
@@ -77,13 +79,11 @@ def restore_trainer_optimizer_creation() -> None:
     _patch_trainer("create_scheduler", make)
 
 
-def wrap_model_once() -> None:
+def wrap_model_once(model_cls: type) -> None:
     def make(original, trainer_module):
         def _wrap_model(self, model, *args, **kwargs):
-            from smp_adapter.runtime.model import DistributedModel
-
             wrapped = self.model_wrapped
-            if (isinstance(wrapped, DistributedModel) and model is wrapped.module
+            if (isinstance(wrapped, model_cls) and model is wrapped.module
                     and trainer_module.is_sagemaker_mp_enabled()):
                 return wrapped
             return original(self, model, *args, **kwargs)
@@ -93,16 +93,14 @@ def wrap_model_once() -> None:
     _patch_trainer("_wrap_model", make)
 
 
-def local_state_dict_through_accelerate() -> None:
+def local_state_dict_through_accelerate(optimizer_cls: type) -> None:
     accelerate_optimizer = sys.modules.get("accelerate.optimizer")
     wrapper_cls = getattr(accelerate_optimizer, "AcceleratedOptimizer", None)
     if wrapper_cls is None or hasattr(wrapper_cls, "local_state_dict"):
         return
 
     def local_state_dict(self, *args, **kwargs):
-        from smp_adapter.runtime.optimizer import DistributedOptimizer
-
-        if not isinstance(self.optimizer, DistributedOptimizer):
+        if not isinstance(self.optimizer, optimizer_cls):
             raise AttributeError(f"'{type(self).__name__}' object has no attribute 'local_state_dict' (it wraps "
                                  f"{type(self.optimizer).__name__}, not smp.DistributedOptimizer)")
         return self.optimizer.local_state_dict(*args, **kwargs)
@@ -110,7 +108,7 @@ def local_state_dict_through_accelerate() -> None:
     wrapper_cls.local_state_dict = local_state_dict
 
 
-def no_device_placement_round_trip() -> None:
+def no_device_placement_round_trip(optimizer_cls: type) -> None:
     accelerate_optimizer = sys.modules.get("accelerate.optimizer")
     wrapper_cls = getattr(accelerate_optimizer, "AcceleratedOptimizer", None)
     if wrapper_cls is None or getattr(wrapper_cls.__init__, _MARK, False):
@@ -119,9 +117,7 @@ def no_device_placement_round_trip() -> None:
 
     @functools.wraps(original)
     def __init__(self, optimizer, *args, **kwargs):
-        from smp_adapter.runtime.optimizer import DistributedOptimizer
-
-        if isinstance(optimizer, DistributedOptimizer):
+        if isinstance(optimizer, optimizer_cls):
             args, kwargs = (), {**kwargs, "device_placement": False,
                                 **({"scaler": args[1]} if len(args) > 1 else {})}
         original(self, optimizer, *args, **kwargs)

@@ -1,6 +1,6 @@
 """Adam, LAMB and NovoGrad with apex's semantics, in plain PyTorch (``smp.optimizers.FusedAdam`` /
 ``FusedLAMB`` / ``FusedLamb`` / ``FusedNovoGrad``, and ``apex.optimizers.FusedAdam`` / ``FusedLAMB``
-where NVIDIA apex is not installed: smp_adapter/apex_fallback).
+where NVIDIA apex is not installed: smp_adapter/compat/apex_fallback).
 
 smp v1's optimizers were apex's fused kernels. apex does not install without a CUDA toolchain, and
 DeepSpeed's ``FusedLamb`` kernel computes a different update (its trust ratio is clamped to
