@@ -315,7 +315,7 @@ def test_the_switch_turns_it_off(monkeypatch):
 
 
 def test_launched_processes_have_it_before_the_first_line_and_keep_their_own_sitecustomize(tmp_path):
-    """What smp-adapter launch puts on PYTHONPATH (commands/launch.py): the finder is there before the
+    """What smp-adapter launch puts on PYTHONPATH (launch/job.py): the finder is there before the
     script's first line (no torch imported: find_spec does not load the module) and a sitecustomize
     of the environment still runs."""
     own = tmp_path / "own"

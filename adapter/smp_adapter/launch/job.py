@@ -1,0 +1,257 @@
+"""The job ``smp-adapter launch`` runs, built from its arguments before anything starts: the recipe and the
+smp options resolved, the SageMaker environment of every rank (SM_* variables, the options, the apex
+fallback, CUDA on CPU ranks), the launcher's command, the job's directories, the nodes' heartbeat settings,
+and the checks that need no rank (process counts). commands/launch.py parses the arguments, checks storage and
+hands this job to the supervisor (launch/supervisor.py)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+from smp_adapter.compat.apex_fallback import BOOT_DIR as APEX_FALLBACK_BOOT, ENV as APEX_FALLBACK
+from smp_adapter.config.distribution import job_from_mapping, load_mapping
+from smp_adapter.config.limits import MAX_WORLD_SIZE
+from smp_adapter.config.options import SMPConfig
+from smp_adapter.config.problems import ConfigProblem, raise_if_any
+from smp_adapter.launch.inputs import cuda_available, launcher_program, resolve_job, split_command
+from smp_adapter.launch.env_bundle import deepspeed_env_file
+from smp_adapter.errors import SMPAdapterError
+from smp_adapter.launch.free_port import free_port
+from smp_adapter.launch.command import DEFAULT_MASTER_PORT, LAUNCHERS, to_launch_plan
+
+CUDA_ON_CPU = "SMP_ADAPTER_CUDA_ON_CPU"
+# run the launchers with this interpreter, so the ranks get it too (both use sys.executable)
+LAUNCHER_MODULES = {"deepspeed": "deepspeed.launcher.runner", "torchrun": "torch.distributed.run"}
+# rank variables of an enclosing launcher must not leak into this job
+SCRUB = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "LOCAL_SIZE", "GROUP_RANK", "ROLE_RANK", "NODE_RANK")
+
+
+def load_recipe(path: str) -> dict[str, Any]:
+    data, base, problems, out = load_mapping(path), Path(path).resolve().parent, [], {}
+    checks = {"script": (str, "a path relative to the recipe"), "smp_options": (dict, "a mapping of smp options"),
+              "nproc_per_node": (int, "a positive integer"), "hyperparameters": (dict, "a mapping"),
+              "launcher": (str, f"one of {', '.join(LAUNCHERS)}")}
+    for key, (kind, what) in checks.items():
+        value = data.get(key)
+        if value is None:
+            continue
+        if not isinstance(value, kind) or isinstance(value, bool) or key == "launcher" and value not in LAUNCHERS:
+            problems.append(ConfigProblem(f"{path}: {key}", f"must be {what}", f"write {key}: <{what}>", value))
+        else:
+            out[key] = str(base / value) if key == "script" else value
+    raise_if_any(problems)
+    out["job"] = job_from_mapping(out.pop("smp_options", {}), base)
+    return out
+
+
+def parse_pairs(items: list[str], flag: str, form: str) -> dict[str, str]:
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise SMPAdapterError(f"{flag} {item!r}: write {flag} {form}")
+        out[key] = value
+    return out
+
+
+def _json_or_text(value: str) -> Any:
+    try:
+        return json.loads(value)
+    except ValueError:
+        return value
+
+
+def _arg(value: Any) -> str:  # the SageMaker toolkit's rendering of a hyperparameter on the command line
+    if isinstance(value, dict):
+        return ",".join(f"{k}={v}" for k, v in sorted(value.items()))
+    return value if isinstance(value, str) else str(value)
+
+
+def _env_name(key: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_]", "_", key).upper()
+
+
+def _hosts(hostfile: str) -> dict[str, int | None]:
+    """host -> slots (None where the line gives none), in the file's order."""
+    try:
+        lines = Path(hostfile).read_text().splitlines()
+    except OSError as exc:
+        raise SMPAdapterError(f"--hostfile {hostfile}: cannot be read ({exc.strerror}); write '<host> slots=N' lines") from None
+    hosts = {}
+    for line in lines:
+        if not line.strip() or line.lstrip().startswith("#"):
+            continue
+        name, *rest = line.split()
+        slots = next((r.split("=", 1)[1] for r in rest if r.startswith("slots=")), None)
+        if slots is not None and not (slots.isdigit() and int(slots) > 0):
+            raise SMPAdapterError(f"--hostfile {hostfile}: {line.strip()!r}: slots must be a positive integer "
+                                  "(write '<host> slots=N')")
+        hosts[name] = int(slots) if slots is not None else None
+    return hosts
+
+
+def _slots_per_host(hosts: dict[str, int | None] | None) -> int | None:
+    """The hostfile's slots when every host gives the same number (processes per node by default)."""
+    slots = set((hosts or {}).values())
+    return slots.pop() if len(slots) == 1 and None not in slots else None
+
+
+def _check_counts(args: argparse.Namespace) -> None:
+    """--nproc-per-node / --nnodes given on the command line: 1 .. MAX_WORLD_SIZE (0 is not "the default")."""
+    problems = [ConfigProblem(flag, f"must be an integer between 1 and {MAX_WORLD_SIZE} (MAX_WORLD_SIZE)",
+                              "give the number of processes per node (GPUs) and of nodes, or leave the flag out",
+                              value)
+                for flag, value in (("--nproc-per-node", args.nproc_per_node), ("--nnodes", args.nnodes))
+                if value is not None and not 1 <= value <= MAX_WORLD_SIZE]
+    raise_if_any(problems)
+
+
+def build(args: argparse.Namespace, script_options) -> dict[str, Any]:
+    """Everything a launch needs: command, the variables set, directories, supervision settings.
+    ``script_options(script)``: the options the script gives smp.init, read statically (commands/launch.py
+    hands in the static check's reader); launch-time options are checked merged with them."""
+    _check_counts(args)
+    recipe = load_recipe(args.recipe) if args.recipe else {}
+    positional = [*([args.script] if args.script else []), *args.script_args]
+    if recipe.get("script"):  # the recipe names the script: every positional argument is the script's
+        script, script_args, notes = recipe["script"], positional[1:] if positional[:1] == ["--"] else positional, []
+    else:
+        script, script_args, notes = split_command(positional)
+    if not Path(script).is_file():
+        raise SMPAdapterError(f"training script {script} not found: give the path of an existing file")
+    job, options_source = resolve_job(args.options, args.distribution, recipe, args.recipe, os.environ)
+    launcher = args.launcher or recipe.get("launcher", "deepspeed")
+    if args.device:
+        cpu = args.device == "cpu"
+    else:
+        cpu = not cuda_available()
+    host_slots = _hosts(args.hostfile) if args.hostfile else None
+    hosts = list(host_slots) if host_slots is not None else None
+    nnodes = args.nnodes if args.nnodes is not None else (len(hosts) if hosts else job.instance_count)
+    if hosts is not None:
+        if len(hosts) < nnodes:
+            raise SMPAdapterError(f"--hostfile {args.hostfile} names {len(hosts)} hosts, fewer than --nnodes {nnodes}")
+        hosts = hosts[:nnodes]
+    if nnodes > 1 and launcher in ("deepspeed", "mpirun") and not args.hostfile:
+        raise SMPAdapterError(f"{nnodes} nodes with {launcher}: give --hostfile (or use --launcher torchrun with "
+                              "--node-rank, or --launcher srun inside a Slurm allocation)")
+    if nnodes > 1 and launcher == "torchrun" and (args.node_rank is None or not args.master_addr):
+        raise SMPAdapterError("torchrun on several nodes: run this command on every node with --node-rank R "
+                              "(0..nnodes-1) and --master-addr <address of node 0>")
+    if args.node_rank is not None and launcher != "torchrun":
+        raise SMPAdapterError("--node-rank is for --launcher torchrun (deepspeed, mpirun and srun start every node themselves)")
+    nprocs = args.nproc_per_node if args.nproc_per_node is not None else (
+        recipe.get("nproc_per_node") or job.processes_per_host or _slots_per_host(host_slots))
+    if nprocs is None and not cpu:
+        import torch
+
+        nprocs = torch.cuda.device_count() or None
+    cfg = SMPConfig.from_dict({**script_options(script), **job.options})
+    hps = {**recipe.get("hyperparameters", {}), **{k: _json_or_text(v) for k, v in
+                                                    parse_pairs(args.hyperparameter, "--hyperparameter", "KEY=VALUE").items()}}
+    if job.options and getattr(args, "mp_parameters", True):
+        hps.setdefault("mp_parameters", dict(job.options))  # as the SageMaker toolkit passes it
+    if job.options and "partitions" not in job.options:
+        # transformers' Trainer takes its smp path only when SM_HP_MP_PARAMETERS holds "partitions"
+        # (is_sagemaker_mp_enabled): it is there whichever name of the pipeline degree the user wrote
+        job = dataclasses.replace(job, options={**job.options, "partitions": cfg.partitions})
+    hp_args = [token for key in sorted(hps) for token in (f"--{key}", _arg(hps[key]))]
+    port = args.master_port or (None if cfg.ddp_port or nnodes > 1 else free_port())
+    plan = to_launch_plan(job, cfg, script, [*hp_args, *script_args], launcher=launcher, nprocs_per_node=nprocs,
+                          hostfile=args.hostfile, master_addr=args.master_addr, master_port=port, cpu=cpu,
+                          nnodes=nnodes, hosts=hosts, python=sys.executable,
+                          node_rank=args.node_rank if launcher == "torchrun" else None)
+    engine_note = _sdp_engine_note(cfg, plan.nnodes * plan.nprocs_per_node)
+    if engine_note:
+        notes = [*notes, engine_note]
+    node_rank = args.node_rank or 0
+    if not 0 <= node_rank < plan.nnodes:
+        raise SMPAdapterError(f"--node-rank {node_rank}: must be between 0 and nnodes - 1 = {plan.nnodes - 1}")
+    job_dir = Path(args.job_dir).resolve()
+    dirs = {"model": Path(args.model_dir or job_dir / "model").resolve(),
+            "output": Path(args.output_data_dir or job_dir / "output" / "data").resolve(),
+            "logs": job_dir / "output" / "rank-logs"}
+    channels = {name: str(Path(path).resolve()) for name, path in parse_pairs(args.channel, "--channel", "NAME=PATH").items()}
+    hosts = hosts or (["algo-1"] if nnodes == 1 else [f"algo-{i + 1}" for i in range(nnodes)])
+    sm = {"SM_MODEL_DIR": str(dirs["model"]), "SM_OUTPUT_DATA_DIR": str(dirs["output"]),
+          "SM_OUTPUT_DIR": str(dirs["output"].parent), "SM_CHANNELS": json.dumps(sorted(channels)),
+          **{f"SM_CHANNEL_{_env_name(n)}": p for n, p in channels.items()},
+          "SM_HPS": json.dumps(hps, sort_keys=True),
+          **{f"SM_HP_{_env_name(k)}": v if isinstance(v, str) else json.dumps(v) for k, v in hps.items()},
+          "SM_USER_ARGS": json.dumps(hp_args), "SM_HOSTS": json.dumps(hosts), "SM_CURRENT_HOST": hosts[node_rank],
+          "SM_NUM_CPUS": str(os.cpu_count() or 1), "SM_USER_ENTRY_POINT": Path(script).name,
+          "SM_MODULE_DIR": str(Path(script).resolve().parent)}
+    sm.update(plan.env)  # SM_HP_MP_PARAMETERS (compact JSON), SM_FRAMEWORK_PARAMS, SM_NUM_GPUS, DS_ACCELERATOR
+    sm["SM_TRAINING_ENV"] = json.dumps({
+        "channel_input_dirs": channels, "current_host": sm["SM_CURRENT_HOST"], "hosts": hosts, "hyperparameters": hps,
+        "model_dir": sm["SM_MODEL_DIR"], "output_data_dir": sm["SM_OUTPUT_DATA_DIR"], "output_dir": sm["SM_OUTPUT_DIR"],
+        "num_gpus": int(sm["SM_NUM_GPUS"]), "num_cpus": int(sm["SM_NUM_CPUS"]), "user_entry_point": Path(script).name,
+        "additional_framework_parameters": json.loads(sm["SM_FRAMEWORK_PARAMS"])}, sort_keys=True)
+    root = Path(__file__).resolve().parents[2]  # the directory holding smp_adapter/ and smdistributed/
+    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    front = [str(root)] if root.name not in ("site-packages", "dist-packages") else []  # smp_adapter without pip install
+    if os.environ.get(APEX_FALLBACK) != "0":  # apex's names for the script from its first line (compat/apex_fallback/)
+        front.append(APEX_FALLBACK_BOOT)
+    if front:
+        sm["PYTHONPATH"] = os.pathsep.join([*front, *(p for p in paths if p not in front)])
+    sm["PYTHONUNBUFFERED"] = "1"
+    if args.comm_ledger:
+        sm["SMP_ADAPTER_COMM_LEDGER"] = str(Path(args.comm_ledger).resolve())
+    if cpu and "OMP_NUM_THREADS" not in os.environ:  # torch's default (all cores per rank) oversubscribes
+        sm["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // plan.nprocs_per_node))
+    if args.device == "cpu":
+        sm["CUDA_VISIBLE_DEVICES"] = ""
+    if cpu and os.environ.get(CUDA_ON_CPU) != "0":  # an unchanged GPU script runs on CPU ranks (compat/cuda_on_cpu.py)
+        sm[CUDA_ON_CPU] = "1"
+    deepspeed_env = None
+    if launcher == "deepspeed" and plan.nnodes > 1:  # pdsh forwards only what this file lists (launch/env_bundle.py)
+        deepspeed_env = deepspeed_env_file(sm)
+        sm["DS_ENV_FILE"] = str(job_dir / "deepspeed_env")
+    command = list(plan.command)
+    tail = len(hp_args) + len(script_args) + 1  # the script and its arguments end every command
+    head, rest = command[:-tail], command[-tail:]
+    if launcher == "deepspeed":
+        head = [sys.executable, "-m", LAUNCHER_MODULES[launcher], *head[1:], "--enable_each_rank_log", str(dirs["logs"])]
+    elif launcher == "torchrun":
+        head = [sys.executable, "-m", LAUNCHER_MODULES[launcher], *head[1:], "--tee", "3", "--log-dir", str(dirs["logs"])]
+    elif launcher == "mpirun":  # it exports only what -x names (plan.env is named already); the interpreter ends head
+        extra = [t for name in sm if name not in plan.env for t in ("-x", name)]
+        head = [launcher_program("mpirun", required=not args.dry_run), *head[1:-1], *extra, head[-1]]
+    else:  # srun: --export=ALL hands the ranks this environment
+        head = [launcher_program("srun", required=not args.dry_run), *head[1:]]
+    heartbeat = None
+    if launcher == "torchrun" and plan.nnodes > 1:  # every node has its own launch: they watch each other
+        from smp_adapter.launch.node_heartbeat import timeout_from
+
+        master_port = port if port is not None else (cfg.ddp_port or DEFAULT_MASTER_PORT)
+        hb_port = args.node_heartbeat_port or master_port + 1
+        node_timeout = timeout_from(args.node_timeout)
+        if not (0 < hb_port < 65536 and node_timeout > 0):
+            raise SMPAdapterError(f"--node-heartbeat-port {hb_port} / --node-timeout {node_timeout:g}: give a TCP port "
+                                  "(1-65535) and a positive number of seconds")
+        heartbeat = {"node_rank": node_rank, "nnodes": plan.nnodes, "master_addr": args.master_addr, "port": hb_port,
+                     "timeout": node_timeout, "job_key": f"{plan.nnodes}:{master_port}"}
+    return {"command": [*head, *rest], "set": sm, "plan": plan, "dirs": dirs, "launcher": launcher, "cpu": cpu,
+            "rank_offset": node_rank * plan.nprocs_per_node, "channels": channels, "deepspeed_env": deepspeed_env,
+            "heartbeat": heartbeat, "notes": [options_source, *notes, *plan.notes]}
+
+
+def _sdp_engine_note(cfg, world_size: int) -> str | None:
+    """Which engine runs sharded_data_parallel_degree < rdp (ParallelDims.engine), and how to pick the other."""
+    from smp_adapter.config.dims import SDP_ENGINE_ENV, ParallelDims, sdp_engine_from
+
+    dims = ParallelDims.from_config(cfg, world_size, sdp_engine_from(os.environ))
+    if dims.pp > 1 or not 1 < dims.sdp < dims.rdp:
+        return None
+    if dims.engine == "mics":
+        return (f"sharded_data_parallel_degree {dims.sdp} < rdp {dims.rdp}: smp v1's MiCS on torch FSDP2 (groups of "
+                f"{dims.sdp} ranks shard everything); {SDP_ENGINE_ENV}=hpz runs DeepSpeed ZeRO-3 + hpZ instead")
+    return (f"sharded_data_parallel_degree {dims.sdp} < rdp {dims.rdp}: DeepSpeed ZeRO-3 + hpZ ({SDP_ENGINE_ENV}=hpz); "
+            f"unset it for smp v1's MiCS on torch FSDP2")
