@@ -152,7 +152,9 @@ class FusedNovoGrad(torch.optim.Optimizer):
 
 class FusedAdam(torch.optim.AdamW):
     """apex FusedAdam semantics (decoupled weight decay, adam_w_mode=True) on torch's AdamW;
-    adam_w_mode=False (L2 regularisation) is torch's Adam. torch's fused kernel is used on CUDA."""
+    adam_w_mode=False (L2 regularisation) is torch's Adam. torch's fused kernel where every parameter
+    is a floating CUDA tensor (runtime/kernels.py ``prefer_fused``), unless ``fused=`` / ``foreach=``
+    is given; on CPU torch's default implementation (translate/kernels.py says what each becomes)."""
 
     def __new__(cls, params, lr=1e-3, bias_correction=True, betas=(0.9, 0.999), eps=1e-8, adam_w_mode=True,
                 weight_decay=0.0, amsgrad=False, **kwargs):
@@ -161,11 +163,24 @@ class FusedAdam(torch.optim.AdamW):
                                           "corrects the moment bias; remove the argument")
         if adam_w_mode:
             return super().__new__(cls)
-        fused = kwargs.pop("fused", torch.cuda.is_available())
-        return torch.optim.Adam(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
-                                fused=fused)
+        return _fused_where_possible(torch.optim.Adam(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                                                      amsgrad=amsgrad, **_torch_kwargs(kwargs)))
 
     def __init__(self, params, lr=1e-3, bias_correction=True, betas=(0.9, 0.999), eps=1e-8, adam_w_mode=True,
                  weight_decay=0.0, amsgrad=False, **kwargs):
-        fused = kwargs.pop("fused", torch.cuda.is_available())
-        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, fused=fused)
+        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
+                         **_torch_kwargs(kwargs))
+        _fused_where_possible(self)
+
+
+def _torch_kwargs(kwargs: dict) -> dict:
+    # fused= / foreach= are the script's choice of torch kernel; apex's other knobs (set_grad_none,
+    # capturable, master_weights) have no torch Adam counterpart and are accepted without effect, as before
+    return {k: kwargs[k] for k in ("fused", "foreach") if k in kwargs}
+
+
+def _fused_where_possible(optimizer):
+    from smp_adapter.runtime.kernels import prefer_fused
+
+    prefer_fused(optimizer)
+    return optimizer

@@ -53,6 +53,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.__dict__["optimizer"] = optimizer
         self.__dict__["_model"] = s.model
         self.__dict__["_engine"] = s.model.runtime_engine
+        from smp_adapter.runtime.kernels import prefer_fused
+
+        prefer_fused(optimizer)  # torch Adam/AdamW on CUDA: the fused kernel where the script chose none
         self._engine.attach_optimizer(optimizer, loss_scale)  # DeepSpeed: builds its engine now
         self.__dict__["_clip_norm"] = None
         s.optimizer = self

@@ -21,6 +21,7 @@ from smp_adapter.config.keys import KEYS, Policy
 from smp_adapter.config.options import SMPConfig
 from smp_adapter.config.pipeline_schedule import EXTENSION_SCHEDULES, TORCH_CLASS, V_SHAPED, bubble_formula
 from smp_adapter.translate.deepspeed import DEEPSPEED_KEYS, SDP_COPIED, deepspeed_value
+from smp_adapter.translate.kernels import CompileSetting, explain_rows as kernel_rows
 from smp_adapter.translate.megatron import MegatronPlan
 from smp_adapter.translate.mics import ENGINE as MICS_ENGINE, MICS_KEYS, layout_note as mics_layout_note
 
@@ -47,7 +48,7 @@ class ExplainRow:
 
 
 def explain(job_or_cfg: JobSpec | SMPConfig, dims: ParallelDims, ds_config: Mapping[str, Any],
-            megatron_plan: MegatronPlan) -> list[ExplainRow]:
+            megatron_plan: MegatronPlan, compile_setting: CompileSetting = CompileSetting()) -> list[ExplainRow]:
     given = dict(job_or_cfg.options if isinstance(job_or_cfg, JobSpec) else job_or_cfg.given)
     cfg = dims.cfg
     rows: list[ExplainRow] = []
@@ -72,6 +73,9 @@ def explain(job_or_cfg: JobSpec | SMPConfig, dims: ParallelDims, ds_config: Mapp
     if isinstance(job_or_cfg, JobSpec):
         rows += _mpi_rows(job_or_cfg)
     rows += _derived_rows(dims, ds_config, megatron_plan)
+    # the compile setting and what each kernel switch a script may use becomes (translate/kernels.py)
+    rows += [ExplainRow(key, value, "derived", engine_key, engine_value, status, note)
+             for key, value, engine_key, engine_value, status, note in kernel_rows(dims, compile_setting)]
     return rows
 
 
