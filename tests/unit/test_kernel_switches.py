@@ -171,6 +171,28 @@ def test_distributed_optimizer_and_fused_adam_on_cpu_keep_torchs_default(fresh):
     assert fused_adam.param_groups[0]["fused"] is None and isinstance(fused_adam, torch.optim.AdamW)
 
 
+def test_grad_scaler_unscales_before_a_fused_step_through_distributed_optimizer(fresh):
+    """A fused torch optimizer tells GradScaler it unscales inside its kernel; given smp's wrapper,
+    the scale would be set on the wrapper and the kernel would step on scaled gradients. The wrapper
+    says no, so GradScaler unscales first: the same weights as an unscaled AdamW (exactly: the scale
+    is a power of two). eps=1 makes Adam's update depend on the gradient's scale."""
+    smp.init({})
+    torch.manual_seed(0)
+    reference, module = nn.Linear(4, 3), nn.Linear(4, 3)
+    module.load_state_dict(reference.state_dict())
+    model = smp.DistributedModel(module)
+    optimizer = smp.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=0.1, eps=1.0, fused=True))
+    plain = torch.optim.AdamW(reference.parameters(), lr=0.1, eps=1.0)
+    scaler = smp.amp.GradScaler(init_scale=1024.0)
+    x, y = torch.randn(5, 4), torch.randint(0, 3, (5,))
+    scaler.scale(F.cross_entropy(model(x), y)).backward()
+    scaler.step(optimizer)
+    scaler.update()
+    F.cross_entropy(reference(x), y).backward()
+    plain.step()
+    assert torch.equal(model.get_module().weight, reference.weight)
+
+
 # -- compile per block ----------------------------------------------------------------------------------
 def test_compile_setting_values():
     assert compile_setting_from({}) == CompileSetting("off")

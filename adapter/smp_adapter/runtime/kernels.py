@@ -161,7 +161,8 @@ def prefer_fused(optimizer, device_types=("cuda",)) -> bool:
     for g in groups:
         g["fused"] = True
     optimizer.defaults["fused"] = True
-    optimizer._step_supports_amp_scaling = True  # what Adam.__init__(fused=True) sets
+    # not _step_supports_amp_scaling (Adam.__init__(fused=True) sets it): a GradScaler then unscales
+    # first, as for the optimizer the script built (and smp.amp.GradScaler agrees on overflows there)
     return True
 
 
