@@ -107,11 +107,11 @@ SWITCHES: dict[str, Switch] = {s.name: s for s in (
            "torch AdamW's default implementation (its fused CPU kernel is not chosen: the switch is for CUDA, "
            "where torch's own default is foreach)"),
     Switch("optimizers.FusedLAMB",
-           "apex LAMB's update in plain PyTorch, a per-tensor loop (torch has no fused or foreach LAMB; not "
-           "yet rewritten with torch._foreach ops)", "the same code"),
+           "apex LAMB's update on torch's multi-tensor _foreach ops (torch has no fused LAMB): a few kernels "
+           "per parameter group and step", "the same code"),
     Switch("optimizers.FusedNovoGrad",
-           "apex NovoGrad's update in plain PyTorch, a per-tensor loop (torch has no fused or foreach "
-           "NovoGrad; not yet rewritten with torch._foreach ops)", "the same code"),
+           "apex NovoGrad's update on torch's multi-tensor _foreach ops (torch has no fused NovoGrad); the "
+           "per-layer division one op per tensor", "the same code"),
     Switch("torch.optim.AdamW / Adam",
            "fused=True when every parameter is a floating CUDA tensor and the script chose neither fused nor "
            "foreach (torch's own default there is foreach); the same update within float32 rounding",
