@@ -15,6 +15,7 @@
 #           BENCH_ARGS="--compile blocks --optimizer fused --checkpointing on --micro-batch 16,24" reruns
 #           only what is missing (same JSON name: copy the first one's file before).
 #   then:   copy $OUT's gpu_throughput-DATE.json (files_at) to benchmarks/results/, and the table into RESULTS.md.
+# Then, if time is left, tests/gpu/test_kernel_switches_gpu.py (the fused kernels ran; numbers equal).
 # Every step logs under $OUT and runs under `timeout`; the JSON is rewritten after every setting, so a call
 # stopped at its limit still brings back what was measured.
 # Local dry run (CPU, tiny model): PY=.venv/bin/python SKIP_INSTALL=1 OUT=/tmp/o SMOKE=1 bash scripts/gpu_issue52.sh
@@ -63,5 +64,14 @@ T=$(left); STOP=$((T - 100)); [ "$STOP" -lt 0 ] && STOP=0
 timeout -k 10 "$T" "$PY" benchmarks/gpu_throughput.py "${ARGS[@]}" --stop-after "$STOP" 2>&1 | tee "$OUT/bench.log"
 mark "benchmark exit ${PIPESTATUS[0]}"
 timeout 10 nvidia-smi --query-gpu=memory.used,temperature.gpu,clocks.sm --format=csv >>"$OUT/env.txt" 2>&1
+# the switches' own GPU checks (fused kernel ran, numbers equal), if the budget left room (~40 s)
+T=$(left)
+if [ "$T" -gt 45 ] && [ -z "${SMOKE:-}" ]; then
+  timeout -k 5 "$T" "$PY" -m pytest -q -p no:cacheprovider -rA tests/gpu/test_kernel_switches_gpu.py -s \
+    >"$OUT/gpu_tests.log" 2>&1
+  mark "tests/gpu/test_kernel_switches_gpu.py exit $?"; grep -h -E "SDPA backend|passed|failed" "$OUT/gpu_tests.log"
+else
+  mark "tests/gpu/test_kernel_switches_gpu.py skipped: ${T}s left"
+fi
 # summary for the call's output tail (the files under $OUT hold everything)
 grep -h '^\[t=\|^torch ' "$OUT/env.txt"; ls -l "$OUT"
