@@ -217,7 +217,11 @@ def test_compile_refused_by_name_where_it_cannot_run_and_explain_says_so():
     zero3 = compile_refusal(_dims({"ddp": True, "sharded_data_parallel_degree": 4}, 4))
     assert "ZeRO-3" in zero3 and "MiCS" in zero3
     rows = explain_rows(_dims({"pipeline_parallel_degree": 2}, 2), CompileSetting("blocks"))
-    assert rows[0][0] == f"(adapter) {COMPILE_ENV}" and rows[0][3] == "refused" and "pipeline" in rows[0][5]
+    assert rows[0][0] == f"(adapter) {COMPILE_ENV}" and rows[0][3:5] == ("refused", "refused") and "pipeline" in rows[0][5]
+    assert dict((r[0], r[4]) for r in rows)["(kernel) model_creation(fused_bias_gelu=)"] == "ignored"  # not compiled
+    on = explain_rows(_dims({"ddp": True}, 2), CompileSetting("blocks"))
+    assert on[0][4] == "exact" and dict((r[0], r[4]) for r in on)["(kernel) model_creation(fused_bias_gelu=)"] == "exact"
+    assert explain_rows(_dims({"ddp": True}, 2), CompileSetting())[0][4] == "default"
     assert {r[0] for r in rows[1:]} == {f"(kernel) {name}" for name in SWITCHES if name != COMPILE_ENV}
 
 

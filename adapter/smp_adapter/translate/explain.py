@@ -5,6 +5,8 @@ Status of a row:
   approximated  the engine does something close; the note says how it differs
   ignored       accepted without effect; the note says why (the policy note from keys.py)
   default       the user did not give the key; its default is in effect and maps as shown
+  refused       smp.init stops with an error naming what to use instead (an adapter setting this layout
+                cannot run: SMP_ADAPTER_COMPILE=blocks with pipeline parallelism, say)
 Rows come for every key the user gave, for the main keys left at their default, and for the
 derived settings (world and rdp size, ZeRO stage, hpZ, batch arithmetic, gradient clipping).
 """
@@ -25,7 +27,7 @@ from smp_adapter.translate.kernels import CompileSetting, explain_rows as kernel
 from smp_adapter.translate.megatron import MegatronPlan
 from smp_adapter.translate.mics import ENGINE as MICS_ENGINE, MICS_KEYS, layout_note as mics_layout_note
 
-STATUSES = ("exact", "approximated", "ignored", "default")
+STATUSES = ("exact", "approximated", "ignored", "default", "refused")
 # Keys shown even when left at their default: they decide the layout and the engines.
 CORE_KEYS = ("pipeline_parallel_degree", "tensor_parallel_degree", "microbatches", "placement_strategy", "ddp",
              "shard_optimizer_state", "sharded_data_parallel_degree", "prescaled_batch", "fp16", "bf16")

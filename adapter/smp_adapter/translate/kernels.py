@@ -131,12 +131,14 @@ def explain_rows(dims, setting: CompileSetting) -> list[tuple]:
     """(key, value, engine key, engine value, status, note) rows for ``translate --explain``: the compile
     setting on this layout, then what each kernel switch a script may use becomes."""
     refusal = compile_refusal(dims) if setting.on else None
+    compiled = setting.on and not refusal
     rows = [(f"(adapter) {COMPILE_ENV}", str(setting), "torch.compile per repeated block",
-             "refused" if refusal else str(setting), "exact",
+             "refused" if refusal else str(setting),
+             "refused" if refusal else "exact" if setting.on else "default",
              refusal or (f"blocks compiled with backend {setting.backend}" if setting.on else
                          "off (default); blocks: torch.compile of each transformer block, as torchtitan"))]
     for s in SWITCHES.values():
         if s.name != COMPILE_ENV:
-            status = "exact" if s.carried_out or setting.on else "ignored"
+            status = "exact" if s.carried_out or compiled else "ignored"
             rows.append((f"(kernel) {s.name}", "-", "kernel", "see note", status, s.note()))
     return rows
