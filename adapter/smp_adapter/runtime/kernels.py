@@ -40,7 +40,7 @@ SDPA_KERNELS = {
 MATH = "math"
 
 _seen: dict[tuple, str] = {}  # (device type, dtype, mask kind, dropout) -> backend that ran
-_requested: set[str] = set()  # kernel keywords model_creation was asked for (flash_attention, ...)
+_requested: set[str] = set()  # kernel keywords model_creation was asked for (flash_attention)
 _installed = False
 
 
@@ -120,8 +120,9 @@ _speaker = 0
 
 # -- model_creation keywords ------------------------------------------------------------------------
 def request(config: dict) -> None:
-    """model_creation's kernel keywords asked for (a true value), applied at smp.DistributedModel."""
-    _requested.update(k for k in ("flash_attention", "fused_softmax") if config.get(k))
+    """model_creation's kernel keywords asked for (a true value) that act on the model, applied at
+    smp.DistributedModel: flash_attention (fused_softmax needs nothing more: SDPA's kernel fuses it)."""
+    _requested.update(k for k in ("flash_attention",) if config.get(k))
 
 
 def use_sdpa_attention(module: nn.Module) -> list[str]:
