@@ -68,14 +68,15 @@ def _tiny_llama(attn: str):
     return LlamaForCausalLM(cfg)
 
 
-@pytest.mark.parametrize("asked", [True, False])
-def test_flash_attention_switches_eager_hugging_face_attention_to_sdpa(fresh, asked):
-    """model_creation(flash_attention=True): a model built with eager attention runs SDPA after
-    DistributedModel; its logits are the eager model's within float32 rounding (1e-5: the fused
+@pytest.mark.parametrize("keyword", ["flash_attention", "fused_softmax", None])
+def test_flash_attention_switches_eager_hugging_face_attention_to_sdpa(fresh, keyword):
+    """model_creation(flash_attention=True), or fused_softmax=True (torch fuses the softmax only in
+    SDPA): a model built with eager attention runs SDPA after DistributedModel; its logits are the eager model's within float32 rounding (1e-5: the fused
     kernel sums the softmax in another order). Not asked: the model keeps eager attention."""
     smp.init({})
     reference = _tiny_llama("eager")
-    with smp.model_creation(flash_attention=asked):
+    asked = keyword is not None
+    with smp.model_creation(**({keyword: True} if asked else {"flash_attention": False})):
         model = _tiny_llama("eager")
     model = smp.DistributedModel(model)
     inner = model.get_module()

@@ -8,8 +8,9 @@ translate/kernels.py, the one home of that wording).
   (stderr); ``attention_backends()`` returns the record. Later calls pay one dictionary lookup. Compiled
   and exported code (dynamo tracing, pipeline stages) is not recorded: the kernel is chosen inside the
   graph there.
-* ``model_creation(flash_attention=True)``: Hugging Face models built with eager attention are
-  switched to ``sdpa`` at ``smp.DistributedModel`` (``use_sdpa_attention``).
+* ``model_creation(flash_attention=True)`` (or ``fused_softmax=True``: torch fuses the softmax only
+  inside SDPA): Hugging Face models built with eager attention are switched to ``sdpa`` at
+  ``smp.DistributedModel`` (``use_sdpa_attention``).
 * Optimizers: ``prefer_fused`` turns torch's Adam/AdamW (and smp.optimizers.FusedAdam, built on them)
   to ``fused=True`` when every parameter is a floating tensor on a device in ``device_types`` (CUDA)
   and the script chose neither ``fused`` nor ``foreach``: the same update (within float32 rounding)
@@ -40,7 +41,7 @@ SDPA_KERNELS = {
 MATH = "math"
 
 _seen: dict[tuple, str] = {}  # (device type, dtype, mask kind, dropout) -> backend that ran
-_requested: set[str] = set()  # kernel keywords model_creation was asked for (flash_attention)
+_requested: set[str] = set()  # kernel keywords model_creation was asked for (flash_attention, fused_softmax)
 _installed = False
 
 
@@ -121,8 +122,9 @@ _speaker = 0
 # -- model_creation keywords ------------------------------------------------------------------------
 def request(config: dict) -> None:
     """model_creation's kernel keywords asked for (a true value) that act on the model, applied at
-    smp.DistributedModel: flash_attention (fused_softmax needs nothing more: SDPA's kernel fuses it)."""
-    _requested.update(k for k in ("flash_attention",) if config.get(k))
+    smp.DistributedModel: flash_attention, and fused_softmax, whose fused softmax torch has only
+    inside SDPA's kernels; both switch eager attention to SDPA."""
+    _requested.update(k for k in ("flash_attention", "fused_softmax") if config.get(k))
 
 
 def use_sdpa_attention(module: nn.Module) -> list[str]:
@@ -202,7 +204,7 @@ def compile_blocks(module: nn.Module, setting: CompileSetting) -> int:
 def apply_at_wrap(module: nn.Module, dims, setting: CompileSetting, rank: int) -> None:
     """What smp.DistributedModel does for the kernel switches, after the tensor-parallel split and
     before the engine (MiCS shards the compiled blocks, as torchtitan compiles before fully_shard)."""
-    if "flash_attention" in _requested:
+    if _requested & {"flash_attention", "fused_softmax"}:
         use_sdpa_attention(module)
     if setting.on:
         refusal = compile_refusal(dims)

@@ -94,8 +94,9 @@ SWITCHES: dict[str, Switch] = {s.name: s for s in (
            "the same switch; SDPA's CPU flash kernel or math (numerics as eager attention within the dtype's "
            "rounding)"),
     Switch("model_creation(fused_softmax=)",
-           "the softmax runs inside SDPA's fused attention kernel when the model's attention is 'sdpa'",
-           "SDPA's CPU kernel"),
+           "the softmax runs inside SDPA's fused attention kernel: eager Hugging Face attention switched "
+           "to 'sdpa', as for flash_attention (torch has no fused softmax outside it)",
+           "the same switch; SDPA's CPU kernel"),
     Switch("model_creation(fused_bias_gelu=)", _COMPILED, _COMPILED, carried_out=False),
     Switch("model_creation(fused_dropout=)", _COMPILED, _COMPILED, carried_out=False),
     Switch("nn.FlashAttentionLayer", _SDPA, "SDPA's CPU flash kernel or math; use_alibi is refused"),
