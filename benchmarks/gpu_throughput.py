@@ -34,7 +34,9 @@ time is the slowest rank's). A setting's figure is the median over its rounds.
 The peak comes from a table of dense bf16 tensor-core figures by GPU name, or --peak-tflops. Each row
 also says which SDPA kernel ran (runtime/kernels.py's recorder, on both sides: it only observes).
 ``--json FILE`` writes {"meta": {...}, "rows": [one per setting and side: setting, side, mfu,
-tokens_per_s, step_s, peak_mem, attention, ...]}.
+tokens_per_s, step_s, peak_mem, attention, ...]}; ``--profile`` adds each job's one profiled step after
+the timed ones (the top kernels by self time, and the step's time by kind: matmul, attention,
+optimizer, communication, other).
 Without a CUDA device it prints "no CUDA device: skipped" and exits 0.
 
     PYTHONPATH=adapter .venv/bin/python benchmarks/gpu_throughput.py                      # all GPUs
@@ -247,11 +249,43 @@ def worker(args) -> None:
             times.append(time.perf_counter() - t0)
     import resource
 
-    write_result({"times": times, "n_params": n_params, "dp": dp,
+    profile = profile_step(step, torch.randint(0, cfg.vocab_size, (args.per_rank_batch, args.seq), generator=g)
+                           .to(device), cuda) if args.profile else None
+    write_result({"times": times, "n_params": n_params, "dp": dp, "profile": profile,
                   "attention": sorted({b for b in attention_backends().values()}),
                   "peak_mem": torch.cuda.max_memory_allocated() if cuda else
                   resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024})
     dist.barrier()
+
+
+def profile_step(step, x, cuda: bool, top: int = 20) -> dict:
+    """One more step under torch.profiler (after the timed ones, so they are not slowed): where the time
+    goes when a figure falls short. The ``top`` kernels (GPU) or operators (CPU) by self time, and the
+    step's time by kind (matrix products, attention, optimizer, communication, the rest)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        step(x)
+        if cuda:
+            torch.cuda.synchronize()
+    key = "self_device_time_total" if cuda else "self_cpu_time_total"
+    events = [e for e in prof.key_averages() if getattr(e, key, 0) > 0]
+    if cuda:  # GPU kernels only (operators' device time would count each kernel again)
+        events = [e for e in events if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA] or events
+    events.sort(key=lambda e: getattr(e, key), reverse=True)
+    # first match wins: communication and attention before matmul, whose "mm" is in many names
+    kinds = {"communication": ("nccl", "allreduce", "all_reduce", "reduce_scatter", "allgather", "gloo"),
+             "attention": ("attention", "flash", "fmha"), "optimizer": ("adam", "multi_tensor", "foreach"),
+             "matmul": ("gemm", "matmul", "aten::mm", "aten::bmm", "aten::addmm", "cutlass", "xmma", "linear")}
+    by_kind: dict[str, float] = {}
+    for e in events:
+        name = e.key.lower()
+        kind = next((k for k, words in kinds.items() if any(w in name for w in words)), "other")
+        by_kind[kind] = by_kind.get(kind, 0.0) + getattr(e, key) / 1e3
+    return {"unit": "ms (self " + ("GPU" if cuda else "CPU") + " time, one step)", "by_kind": by_kind,
+            "top": [[e.key[:120], getattr(e, key) / 1e3, e.count] for e in events[:top]]}
 
 
 # =============================================================================================
@@ -274,6 +308,8 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=2, help="adapter/native job pairs per setting, order alternating")
     p.add_argument("--peak-tflops", type=float, default=None, help="peak bf16 TFLOP/s per GPU (overrides the table)")
     p.add_argument("--timeout", type=float, default=900, help="seconds per job")
+    p.add_argument("--profile", action="store_true",
+                   help="profile one more step per job (torch.profiler): the top kernels and time by kind in the rows")
     p.add_argument("--stop-after", type=float, default=None,
                    help="start no further setting after this many seconds (its rows say so); for a device call's budget")
     p.add_argument("--cpu-smoke", action="store_true",
@@ -354,7 +390,7 @@ def measure_setting(args, k: int, st: dict, nprocs: int, options: dict, peak, cu
                      "--native-config", json.dumps(ds_config), "--per-rank-batch", per_rank_batch,
                      "--seq", args.seq, "--warmup", args.warmup, "--steps", args.steps, "--compile", st["compile"],
                      "--optimizer", st["optimizer"], "--checkpointing", st["checkpointing"]] + \
-                (["--cpu-smoke"] if args.cpu_smoke else [])
+                (["--cpu-smoke"] if args.cpu_smoke else []) + (["--profile"] if args.profile else [])
             env = {"SMP_ADAPTER_COMPILE": st["compile"]} if role == "adapter" else {}
             try:
                 res = run_ranks(Path(__file__).resolve(), nprocs, wargs, out_root / f"{k}_{role}_{rnd}", env=env,
@@ -376,7 +412,7 @@ def measure_setting(args, k: int, st: dict, nprocs: int, options: dict, peak, cu
         mem = max(r["peak_mem"] for _, rs in runs[role] for r in rs)
         rows.append({**base, "side": role, "mfu": mfu, "tokens_per_s": tps, "step_s": step_s,
                      "step_s_rounds": [t for t, _ in runs[role]], "peak_mem": mem, "n_params": n,
-                     "attention": res[0]["attention"]})
+                     "attention": res[0]["attention"], "profile": res[0].get("profile")})
         line.append(f"{role} {tps:9.0f} tok/s MFU {f'{mfu * 100:5.1f}%' if mfu is not None else '  n/a'} "
                     f"{'mem' if cuda else 'RSS'} {mem / 2**30:6.2f} GiB")
     print(f"{setting_label(st):44s} | {line[0]} | {line[1]} | adapter/native "

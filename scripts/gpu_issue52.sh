@@ -3,7 +3,8 @@
 # transformers): the 1B decoder at seq 2048 through benchmarks/gpu_throughput.py --preset issue52, adapter
 # and hand-written DeepSpeed side by side on each setting (baseline foreach AdamW; fused AdamW; + per-block
 # torch.compile; micro-batch 8; micro-batch 16 with activation checkpointing), one job of each side per
-# setting, 3 warm-up steps (inductor compiles there) and 10 timed ones.
+# setting, 3 warm-up steps (inductor compiles there) and 10 timed ones, then one profiled step (--profile:
+# where the time goes, for any figure that falls short).
 #   here:   bash scripts/gpu_wheels.sh .whl         (DeepSpeed built into a pure-Python wheel, megatron-core and
 #                                                    their pure-Python needs; nothing else travels)
 #   device: run(command="bash scripts/gpu_issue52.sh", carry=[".whl"], timeout_s=360)
@@ -56,8 +57,8 @@ if torch.cuda.is_available() else None)" >>"$OUT/env.txt" 2>&1 || { mark "import
 # ---- the benchmark ------------------------------------------------------------------------------
 # inductor's cache shared by every job of the call (the same layer graph compiles once per shape)
 export TORCHINDUCTOR_CACHE_DIR=/tmp/smp-inductor-cache
-ARGS=(--preset issue52 --rounds 1 --warmup 3 --steps 10 --timeout 200 --json "$RESULT")
-[ -n "${BENCH_ARGS:-}" ] && read -r -a ARGS <<<"$BENCH_ARGS --rounds 1 --warmup 3 --steps 10 --timeout 200" \
+ARGS=(--preset issue52 --rounds 1 --warmup 3 --steps 10 --timeout 200 --profile --json "$RESULT")
+[ -n "${BENCH_ARGS:-}" ] && read -r -a ARGS <<<"$BENCH_ARGS --rounds 1 --warmup 3 --steps 10 --timeout 200 --profile" \
   && ARGS+=(--json "$RESULT")
 [ -n "${SMOKE:-}" ] && ARGS=(--cpu-smoke --nprocs 1 --compile off,blocks:aot_eager --optimizer fused --json "$RESULT")
 T=$(left); STOP=$((T - 100)); [ "$STOP" -lt 0 ] && STOP=0
