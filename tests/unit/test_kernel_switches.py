@@ -284,20 +284,21 @@ def _losses(checkpointing: bool, steps=3):
     return model, losses
 
 
-@pytest.mark.parametrize("checkpointing", [False, True])
-def test_compile_blocks_trains_the_eager_numbers(fresh, monkeypatch, checkpointing, capsys):
+@pytest.mark.parametrize("options, checkpointing", [({}, False), ({}, True), ({"ddp": True, "shard_optimizer_state": True}, False)],
+                         ids=["zero0", "zero0_checkpointing", "zero1"])
+def test_compile_blocks_trains_the_eager_numbers(fresh, monkeypatch, options, checkpointing, capsys):
     """SMP_ADAPTER_COMPILE=blocks compiles each block of the ModuleList (not the embedding or head),
     keeps parameter names, composes with activation checkpointing, and trains the eager losses: the
     same aten ops run (aot_eager), so within float32 rounding of a reordered graph (1e-6)."""
     from torch._dynamo.utils import counters
 
-    smp.init({})
+    smp.init(options)
     _, eager = _losses(checkpointing)
     shutdown()
     torch._dynamo.reset()
     counters.clear()
     monkeypatch.setenv(COMPILE_ENV, "blocks:aot_eager")
-    smp.init({})
+    smp.init(options)
     model, compiled = _losses(checkpointing)
     inner = model.get_module()
     # the first block's forward is the compiled one (the second, when checkpointed, is wrapped by it)
