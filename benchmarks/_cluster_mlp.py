@@ -1,5 +1,7 @@
 """The smp v1 script of benchmarks/cluster_comm.py: a parameter-heavy MLP (3.4M parameters, fp32: 13.7 MB),
-so that on CPU ranks communication, not compute, dominates a step. Options from SM_HP_MP_PARAMETERS (set by
+so that on CPU ranks communication, not compute, dominates a step; or, with ``--hf-config CONFIG.json``, the
+Hugging Face causal LM that config describes (random token ids of ``--seq-len``; what ``smp-adapter plan
+--model`` reads, so plan's predictions can stand beside the measured steps). Options from SM_HP_MP_PARAMETERS (set by
 smp-adapter launch). Between its warm-up and its timed steps, and after them, rank 0 hands over to the
 benchmark (files in $BENCH_SYNC: ``start`` / ``go``, ``end`` / ``ack``) so that the link's byte counters are
 read while every rank waits: the bytes counted are those of the timed steps only."""
@@ -21,13 +23,21 @@ parser.add_argument("--warmup", type=int, default=1)
 parser.add_argument("--per-rank-batch", type=int, default=32)
 parser.add_argument("--width", type=int, default=1024)
 parser.add_argument("--io", type=int, default=640)
+parser.add_argument("--hf-config", help="a Hugging Face config.json: train that causal LM instead of the MLP")
+parser.add_argument("--seq-len", type=int, default=64, help="--hf-config: tokens per sample")
 args, _ = parser.parse_known_args()
 
 smp.init({"ddp": True})
 torch.manual_seed(0)
 with smp.model_creation():
-    model = nn.Sequential(nn.Linear(args.io, args.width), nn.ReLU(), nn.Linear(args.width, args.width), nn.ReLU(),
-                          nn.Linear(args.width, args.width), nn.ReLU(), nn.Linear(args.width, args.io))
+    if args.hf_config:
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        config = AutoConfig.from_pretrained(args.hf_config)
+        model = AutoModelForCausalLM.from_config(config)
+    else:
+        model = nn.Sequential(nn.Linear(args.io, args.width), nn.ReLU(), nn.Linear(args.width, args.width), nn.ReLU(),
+                              nn.Linear(args.width, args.width), nn.ReLU(), nn.Linear(args.width, args.io))
 params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
 model = smp.DistributedModel(model)
 optimizer = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1e-3))
@@ -35,13 +45,16 @@ optimizer = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1e-3
 
 @smp.step
 def train_step(model, x, y):
-    loss = nn.functional.mse_loss(model(x), y)
+    loss = model(input_ids=x, labels=y).loss if args.hf_config else nn.functional.mse_loss(model(x), y)
     model.backward(loss)
     return loss
 
 
 def batch(step):
     g = torch.Generator().manual_seed(1000 * step + smp.rank())
+    if args.hf_config:
+        x = torch.randint(0, config.vocab_size, (args.per_rank_batch, args.seq_len), generator=g)
+        return x, x
     x = torch.randn(args.per_rank_batch, args.io, generator=g)
     return x, x.tanh()
 

@@ -54,10 +54,10 @@ MODE_MODEL = {"zero3_big": dict(n_embd=256, n_layer=4, n_head=4)}
 
 # -- launching ---------------------------------------------------------------------------------
 def free_port() -> int:
-    """A rendezvous port below the kernel's ephemeral range (smp_adapter/free_port.py says why)."""
+    """A rendezvous port below the kernel's ephemeral range (smp_adapter/launch/free_port.py says why)."""
     if str(ROOT / "adapter") not in sys.path:
         sys.path.insert(0, str(ROOT / "adapter"))
-    from smp_adapter.free_port import free_port as pick
+    from smp_adapter.launch.free_port import free_port as pick
 
     return pick()
 

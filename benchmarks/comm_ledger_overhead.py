@@ -25,7 +25,7 @@ def main() -> None:
 
     originals = {name: getattr(dist, name) for name in ("all_reduce", "all_gather_into_tensor", "isend", "broadcast")}
     import smdistributed.modelparallel.torch as smp
-    from smp_adapter.runtime import comm_ledger
+    from smp_adapter.ledger import record as comm_ledger
     from smp_adapter.runtime.state import state
 
     smp.init({"ddp": True})

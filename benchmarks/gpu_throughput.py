@@ -17,7 +17,7 @@ setting (``--preset issue52`` is the list the device run measures):
                                           native: the same torch.compile of each layer's forward, by hand
   --optimizer     plain | foreach | fused torch AdamW(foreach=False) | (foreach=True) | (fused=True), given to
                                           both sides explicitly (the adapter's own switch to fused applies
-                                          only where the script chose no kernel: runtime/kernels.py)
+                                          only where the script chose no kernel: compat/fused_optimizers.py)
   --checkpointing off | on                adapter: smp.set_activation_checkpointing on each layer; native:
                                           transformers' gradient_checkpointing_enable (non-reentrant)
   --micro-batch   N                       rows per microbatch; per-rank batch = N x --microbatches

@@ -131,7 +131,7 @@ class NodeRun:
         return "".join(self.stderr)
 
 
-def _rate_bits(rate: str) -> float:
+def rate_bits(rate: str) -> float:
     units = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "bit": 1.0}
     low = rate.lower()
     for unit, scale in units.items():
@@ -151,7 +151,7 @@ class Cluster:
             raise ClusterError(f"--nodes {nodes}: between 2 and 200")
         self.rate, self.latency = rate, latency
         # a tbf bucket must hold at least one tick's worth of bytes at the rate; 10 ms worth, >= 16 KiB
-        self.burst = burst or f"{max(16 * 1024, int(_rate_bits(rate) / 8 / 100))}b"
+        self.burst = burst or f"{max(16 * 1024, int(rate_bits(rate) / 8 / 100))}b"
         self.run_id = f"{PREFIX}{os.getpid()}-{random.randrange(16 ** 6):06x}"
         self.switch = f"{self.run_id}-sw"
         self.nodes = [Node(i, f"{self.run_id}-n{i}", f"{SUBNET}.{i + 1}", f"n{i}") for i in range(nodes)]
@@ -210,7 +210,7 @@ class Cluster:
 
     def set_rate(self, node: int, rate: str, latency: str | None = None) -> None:
         """(Re)shape ``node``'s outgoing link: tbf rate, burst, latency (queue bound). Works mid-job."""
-        burst = self.burst if rate == self.rate else f"{max(16 * 1024, int(_rate_bits(rate) / 8 / 100))}b"
+        burst = self.burst if rate == self.rate else f"{max(16 * 1024, int(rate_bits(rate) / 8 / 100))}b"
         _run("tc", "-n", self.nodes[node].ns, "qdisc", "replace", "dev", DEV, "root", "tbf", "rate", rate,
              "burst", burst, "latency", latency or self.latency)
 

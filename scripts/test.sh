@@ -31,8 +31,10 @@ PYTEST_ARGS=(-m pytest -q -p no:cacheprovider --durations=15)
 # also runs the code that reads transformers' models and Megatron-core's layers at their floors (the
 # TP mapping of each Hugging Face family, TP x DP reload through from_pretrained, ZeRO-3 and delayed
 # init over each family's layers in the AWS-template style). The rest runs in the default stack only.
-# (test_hf_trainer_glue.py, transformers' Trainer, is not a floor test: the lowest point's transformers 4.38
-# cannot start a Trainer with accelerate >= 1.0, "Accelerator(dispatch_batches=...)"; docs/status.md.)
+# transformers' Trainer (its SageMaker-MP path) runs on the transformers-4.57 point, transformers' last 4.x
+# minor: the lowest point's transformers 4.38 cannot start a Trainer with accelerate >= 1.0 at all
+# ("Accelerator(dispatch_batches=...)", without smp too); that point runs only the Trainer's tests and the
+# unit files that read transformers (TRANSFORMERS_UNIT). The rest runs in the default stack only.
 D=tests/distributed
 TORCH_SURFACES=($D/test_pipeline.py::test_seed_manual_partition_simple_schedule
                 $D/test_pipeline.py::test_boolean_values_crossing_stages
@@ -51,10 +53,20 @@ LIBRARY_FLOORS=($D/test_tensor_parallel.py::test_gpt2_and_llama_tp2 $D/test_tens
                 $D/test_aws_style_gpt.py::test_gpt2_distributed_transformer_tp2_sdp2_checkpointing
                 $D/test_aws_style_gpt.py::test_gptj_tp2_sdp2_delayed_init
                 $D/test_aws_style_gpt.py::test_gpt_neox_sdp_delayed_init_bf16_sublayer_checkpointing)
+TRAINER=($D/test_hf_trainer_glue.py)
+TRANSFORMERS_UNIT=(tests/unit/test_cuda_on_cpu_loading.py tests/unit/test_transformers_smp_path.py
+                   tests/unit/test_tp_marking.py tests/unit/test_deferred_init.py tests/unit/test_check_environment.py)
 matrix_tests() {  # the distributed tests of matrix point $1 (a constraints file's name), into MATRIX_TESTS
   case "$1" in
     lowest) MATRIX_TESTS=("${TORCH_SURFACES[@]}" "${LIBRARY_FLOORS[@]}") ;;
+    transformers-4.57) MATRIX_TESTS=("${TRAINER[@]}") ;;
     *) MATRIX_TESTS=("${TORCH_SURFACES[@]}") ;;
+  esac
+}
+matrix_unit() {  # the unit tests of matrix point $1, into MATRIX_UNIT
+  case "$1" in
+    transformers-4.57) MATRIX_UNIT=("${TRANSFORMERS_UNIT[@]}") ;;
+    *) MATRIX_UNIT=(tests/unit) ;;
   esac
 }
 
@@ -106,8 +118,9 @@ matrix_prepare() {  # each point's environment and unit tier; its environment's 
     echo "$env" >"$BACKGROUND_DIR/$name.env"
     versions "matrix $name" "$env/bin/python"
     echo "== matrix $name: environment ready in $((SECONDS - started)) s"
-    "$env/bin/python" "${PYTEST_ARGS[@]}" tests/unit
-    check $? "matrix $file: tests/unit"; part=$?
+    matrix_unit "$name"
+    "$env/bin/python" "${PYTEST_ARGS[@]}" "${MATRIX_UNIT[@]}"
+    check $? "matrix $file: ${MATRIX_UNIT[*]}"; part=$?
     [ "$part" -eq 0 ] || status=1
     echo "== matrix $name: unit tier done, $((SECONDS - started)) s after its setup began"
   done

@@ -17,6 +17,8 @@ from typing import Callable
 
 from torch import nn
 
+from smp_adapter import on_shutdown
+
 _callbacks: list[Callable[[nn.Module], None]] = []
 _lock = threading.RLock()
 _original_init = None
@@ -47,6 +49,7 @@ def on_module_created(callback: Callable[[nn.Module], None]):
                 reset()
 
 
+@on_shutdown
 def reset() -> None:
     """Close every context: the original ``nn.Module.__init__`` is back."""
     global _original_init

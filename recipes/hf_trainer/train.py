@@ -4,7 +4,7 @@ sets), transformers' Trainer takes its SageMaker model-parallel path and drives 
 DistributedModel, @smp.step, DistributedOptimizer) - here carried out by smp-adapter. transformers
 builds torch.device("cuda", smp.local_rank()) on that path: on a machine without GPUs, smp-adapter
 launch's CUDA-on-CPU ranks stand in (docs/launch.md). transformers 5.x never creates the optimizer on
-that path; smp-adapter restores that step (runtime/transformers_compat.py)."""
+that path; smp-adapter restores that step (compat/hf_transformers.py)."""
 
 import argparse
 import os

@@ -14,18 +14,22 @@ POSITIVE, NEGATIVE = ("good", "great", "fine", "superb"), ("bad", "awful", "dull
 SPECIAL = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 
 
-def tokenizer():
+def tokenizer(kind: str = "bert"):
+    """BERT's pair template (second sentence of token type 1) or RoBERTa's (``A </s></s> B``, no token types:
+    RoBERTa has one token type, and its tokenizer returns no ``token_type_ids``; a type-1 id would index past
+    its one-row type embedding)."""
     from tokenizers import Tokenizer, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
     vocab = {w: i for i, w in enumerate(SPECIAL + list(WORDS))}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    pair = "[CLS] $A [SEP] $B:1 [SEP]:1" if kind == "bert" else "[CLS] $A [SEP] [SEP] $B [SEP]"
     tok.post_processor = processors.TemplateProcessing(
-        single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1",
-        special_tokens=[("[CLS]", vocab["[CLS]"]), ("[SEP]", vocab["[SEP]"])])
+        single="[CLS] $A [SEP]", pair=pair, special_tokens=[("[CLS]", vocab["[CLS]"]), ("[SEP]", vocab["[SEP]"])])
+    names = ["input_ids", "token_type_ids", "attention_mask"] if kind == "bert" else ["input_ids", "attention_mask"]
     return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="[PAD]", unk_token="[UNK]", cls_token="[CLS]",
-                                   sep_token="[SEP]", mask_token="[MASK]")
+                                   sep_token="[SEP]", mask_token="[MASK]", model_input_names=names)
 
 
 def make_model(kind: str, out: Path, dropout: float = 0.0) -> Path:
@@ -43,7 +47,7 @@ def make_model(kind: str, out: Path, dropout: float = 0.0) -> Path:
     else:
         raise ValueError(kind)
     model.save_pretrained(out)
-    tokenizer().save_pretrained(out)
+    tokenizer(kind).save_pretrained(out)
     return out
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 
-from smp_adapter.free_port import free_port  # noqa: E402  (re-exported: the tests import it from here)
+from smp_adapter.launch.free_port import free_port  # noqa: E402  (re-exported: the tests import it from here)
 
 
 def base_env(extra: dict | None = None) -> dict:

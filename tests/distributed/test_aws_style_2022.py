@@ -2,7 +2,7 @@
 which import NVIDIA apex's amp_C and apex.multi_tensor_apply and torch._six unconditionally) and the
 BERT example's apex use (tests/fixtures/aws_style/bert/pretrain.py: apex imported before smp) run on
 CPU ranks as `smp-adapter launch --cpu` runs them, with no apex installed: the launched ranks import
-smp-adapter's apex fallback (smp_adapter/apex_fallback). BERT through the whole launcher; the GPT
+smp-adapter's apex fallback (smp_adapter/compat/apex_fallback). BERT through the whole launcher; the GPT
 runs with the environment and arguments launch gives its ranks (its apex shim on PYTHONPATH
 included), the ranks forked from the test process's job server (aws_style.py says why).
 

@@ -12,6 +12,7 @@ their inodes, so also after the names are gone). Skipped, with the tool's one-li
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -124,7 +125,7 @@ def test_a_failing_job_ends_both_nodes_and_leaves_nothing(tmp_path, monkeypatch)
     assert during == [[], []], f"processes still running in the nodes after their launches ended: {during}"
 
 
-# -- failure drills: the nodes' launch processes heartbeat each other (smp_adapter/node_heartbeat.py) ---------
+# -- failure drills: the nodes' launch processes heartbeat each other (smp_adapter/launch/node_heartbeat.py) ---------
 NODE_TIMEOUT = 10  # --node-timeout for the drills (default 120 s)
 GRACE = 3
 
@@ -224,3 +225,45 @@ def test_a_slow_link_and_a_long_save_do_not_end_the_job(tmp_path, monkeypatch):
         assert c.wait(runs, timeout=120), "\n".join(r.err[-2000:] for r in runs)
     _ok(runs)
     assert [len(r["sums"]) for r in _results(tmp_path, 2)] == [12, 12]
+
+
+def test_deepspeed_hostfile_on_namespaced_nodes(tmp_path):
+    """test_multinode.py's hostfile job (the deepspeed launcher: DeepSpeed's runner, pdsh, one
+    ``deepspeed.launcher.launch`` per host) with hosts that are the namespaced nodes' own addresses: pdsh's
+    stand-in runs each host's command inside that host's namespace, so node 1's ranks reach MASTER_ADDR (node
+    0's address) over the link, and the JSON variables arrive through the bundle as on real hosts."""
+    from launch_util import start_cli
+
+    (tmp_path / "train").mkdir()
+    x = torch.randn(8, 4, generator=torch.Generator().manual_seed(0))
+    torch.save({"x": x, "y": x.sum(1, keepdim=True)}, tmp_path / "train" / "data.pt")
+    with cluster(nodes=2, rate="1gbit") as c:
+        hosts = [n.addr for n in c.nodes]
+        (tmp_path / "hosts").write_text("".join(f"{h} slots=2\n" for h in hosts))
+        env = {"PATH": f"{ROOT / 'tests/fixtures/fake_remote'}{os.pathsep}{os.environ['PATH']}",
+               "FAKE_PDSH_NETNS": json.dumps({n.addr: n.ns for n in c.nodes}),
+               "FAKE_PDSH_ENV": json.dumps({"GLOO_SOCKET_IFNAME": netns_cluster.DEV}),
+               "FAKE_PDSH_LOG": str(tmp_path / "pdsh.log")}
+        sent = c.tx_bytes(1)
+        proc = start_cli("launch", "--hostfile", "hosts", "--cpu", "--master-addr", hosts[0], "--master-port", PORT,
+                         "--options", '{"ddp": true}', "--channel", "train=train", "--hp", "steps=2",
+                         ROOT / "tests/fixtures/launch_train.py", cwd=tmp_path, env=env)
+        try:
+            stdout, stderr = proc.communicate(timeout=180)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+        sent = c.tx_bytes(1) - sent
+    assert proc.returncode == 0, stdout[-3000:] + stderr[-3000:]
+    [call] = [json.loads(line) for line in (tmp_path / "pdsh.log").read_text().splitlines()]
+    assert call["hosts"] == hosts and "-m deepspeed.launcher.launch" in call["command"]
+    assert "--node_rank=%n" in call["command"] and "export SMP_ADAPTER_ENV_B64=" in call["command"]
+    assert "export SM_HPS=" not in call["command"]  # JSON: only inside the bundle
+    results = [json.loads((tmp_path / f"smp-job/model/rank{r}.json").read_text()) for r in range(4)]
+    for rank, res in enumerate(results):
+        assert (res["rank"], res["size"], res["dp_size"]) == (rank, 4, 4)
+        assert res["hps"] == {"steps": 2, "mp_parameters": {"ddp": True}}
+        assert json.loads(res["mp_parameters"]) == {"ddp": True, "partitions": 1}
+    assert len({r["weights_sum"] for r in results}) == 1
+    assert sent > 0, "node 1 sent nothing over its link"

@@ -1,4 +1,4 @@
-"""The communication ledger (runtime/comm_ledger.py) against an independent count of the same
+"""The communication ledger (ledger/record.py) against an independent count of the same
 traffic: scripts/ledger_job.py wraps torch.distributed's functions itself (its own payload rules)
 before smp.init installs the ledger, and counts per training step. One job per layout: data
 parallel, ZeRO-1, ZeRO-3, hpZ, tensor parallel, pipeline parallel and TP x PP, a tiny GPT-2, Adam

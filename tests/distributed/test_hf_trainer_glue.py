@@ -7,8 +7,9 @@ pp 2 (2 microbatches, BERT, dropout off): the logged losses equal the same Train
 one process within 1e-5 (gradient clipping off: on the smp path transformers clips each pipeline
 stage by its own norm, through accelerate), the checkpoint at the last step holds the optimizer
 saved through accelerate's wrapper, and evaluation and prediction complete. tp 2 and sdp 2
-(RoBERTa): finite, falling losses; at tp 2 rank 0 says nothing was split. Runs on the support
-matrix's lowest point too (scripts/test.sh)."""
+(RoBERTa): finite, falling losses; at tp 2 rank 0 says nothing was split. Runs on transformers 5.x
+(the default stack) and 4.57 (the support matrix's transformers-4.57 point, scripts/test.sh), whose
+Trainer wraps smp's optimizer in accelerate's AcceleratedOptimizer (compat/hf_transformers.py)."""
 
 import json
 import math

@@ -155,8 +155,11 @@ def test_two_rank_data_parallel_job_on_cpu(launcher, job):
 def test_failing_rank_stops_the_job_with_its_error(launcher, mode, job):
     proc, elapsed = launch("--launcher", launcher, "--nproc-per-node", 2, "--channel", "train=train",
                            "--hp", "steps=6", "--hp", "fail_rank=1", "--hp", "fail_step=2", "--hp", f"fail_mode={mode}",
-                           SCRIPT, cwd=job, timeout=90)
-    assert elapsed < 60, f"the job took {elapsed:.0f}s to end after rank 1 failed"
+                           SCRIPT, cwd=job, timeout=120)
+    # bounded from the failure, not from the start: start-up (imports, rendezvous) on a loaded machine is not
+    # what is tested; after a rank fails, launch notices its exit at once and stops the other within --grace (20 s)
+    after_failure = time.time() - float((job / "failed_at.rank1").read_text())
+    assert after_failure < 40, f"the job took {after_failure:.0f}s to end after rank 1 failed ({elapsed:.0f}s in all)"
     if mode == "raise":
         assert proc.returncode == 1
         assert "smp-adapter launch: rank 1 failed (exit code 1)" in proc.stderr

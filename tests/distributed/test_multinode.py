@@ -114,12 +114,14 @@ def test_two_nodes_match_one_node(tmp_path, one_node, options, script, args):
 
 
 def test_a_failure_on_one_node_ends_the_other(tmp_path):
-    start = time.monotonic()
     finished = _launch(tmp_path / "out", ZERO3, VIT, "--raise-at-step", 1, "--raise-rank", 3, "--steps", 6,
                        nodes=2, per_node=2, cwd=tmp_path, extra=["--grace", 3])
-    elapsed = time.monotonic() - start
+    # bounded from the failure (start-up on a loaded machine is not what is tested): node 1's launch stops its
+    # ranks within --grace 3 and reports; node 0's ranks lose their peer's connection at once, and its launch
+    # waits up to 10 s for node 1's report before it stops its own ranks within --grace
+    after_failure = time.time() - float((tmp_path / "out" / "failed_at.rank3").read_text())
     (code0, out0, err0), (code1, out1, err1) = finished
-    assert elapsed < 60, f"the job took {elapsed:.0f}s to end after rank 3 failed"
+    assert after_failure < 40, f"the job took {after_failure:.0f}s to end after rank 3 failed"
     assert code1 == 1 and "smp-adapter launch: rank 3 failed (exit code 1)" in err1
     assert "RuntimeError: injected failure in rank 3 at step 1" in err1.split("--- last", 1)[1]
     assert code0 != 0, "node 0 finished although rank 3 on node 1 failed"
@@ -202,6 +204,8 @@ def test_srun_environment_two_nodes_of_two_tasks(tmp_path, one_node):
 FAKE_REMOTE = ROOT / "tests/fixtures/fake_remote"
 
 
+@pytest.mark.skipif(cluster_unavailable() is None,
+                    reason="namespaced nodes can run here: test_cluster.py runs this job with the nodes' own addresses")
 def test_deepspeed_multinode_through_pdsh_with_a_stand_in_for_ssh(tmp_path):
     """The deepspeed launcher on two hosts of a hostfile: DeepSpeed's runner checks ssh, then starts
     `deepspeed.launcher.launch` on every host through pdsh with `export K=V; ...` in front. ssh and

@@ -157,6 +157,18 @@ def test_unsplittable_models_fail_on_every_rank(tmp_path, case, error, text):
         assert re.search(text, r["message"], re.S), r["message"]
 
 
+def test_a_step_without_a_traced_input_is_refused_by_name(tmp_path):
+    """Traced with a keyword input (target), then called without it (Trainer.predict on rows without labels):
+    the first stage refuses, naming the input, instead of torch's stage failing inside; the other stage ends
+    too (its peer is gone), with an error, not a hang."""
+    options = {"pipeline_parallel_degree": 2, "microbatches": 2, "ddp": True}
+    results = run_ranks(ERRORS, 2, args=["--case", "missing_input"], env={"SM_HP_MP_PARAMETERS": json.dumps(options)},
+                        out_dir=tmp_path, timeout=120)
+    assert results[0]["error"] == "UnsupportedFeatureError", results
+    assert "passes no 'target'" in results[0]["message"] and "pipeline_parallel_degree 1" in results[0]["message"]
+    assert results[1]["error"] is not None, results
+
+
 @pytest.mark.parametrize("model,nprocs,extra,cli", [
     ("six", 2, {}, []),
     # the tied wte / lm_head weight is in both end stages' files; created under delayed initialisation, the

@@ -81,7 +81,7 @@ def test_recipe_runs_through_launch(recipe, tmp_path):
 
 def _check_trainer_run(output: str, run_dir) -> None:
     """transformers' Trainer drove smp itself (its SageMaker-MP path) on CPU ranks: the optimizer it
-    creates exists (runtime/transformers_compat.py), both ranks end with the same reduced loss,
+    creates exists (compat/hf_transformers.py), both ranks end with the same reduced loss,
     the logged loss falls from about ln(vocabulary) = 5.6, and rank 0's saved model loads."""
     import re
 

@@ -29,7 +29,7 @@ from launch_util import MAIN, cli_env
 from sagemaker_job import ROOT, namespaces_unavailable, run_toolkit, toolkit_env, write_job
 
 from smp_adapter.config.distribution import job_from_mapping
-from smp_adapter.translate.sagemaker_toolkit import toolkit_command
+from smp_adapter.launch.sagemaker_toolkit import toolkit_command
 
 SCRIPT = ROOT / "tests/fixtures/sagemaker_toolkit/train_seed_style.py"
 STEPS = 3

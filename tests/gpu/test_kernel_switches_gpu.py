@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from smp_adapter.compat.fused_optimizers import fused_supported, prefer_fused
 from smp_adapter.runtime import kernels
 from smp_adapter.translate.kernels import CompileSetting
 
@@ -31,7 +32,7 @@ def test_adamw_on_cuda_is_switched_to_fused_and_trains_the_same():
     fused_p = [nn.Parameter(w.clone()) for w in weights]
     plain_p = [nn.Parameter(w.clone()) for w in weights]
     fused, plain = torch.optim.AdamW(fused_p, lr=1e-2), torch.optim.AdamW(plain_p, lr=1e-2)
-    assert kernels.prefer_fused(fused) is True and fused.param_groups[0]["fused"] is True
+    assert prefer_fused(fused) is True and fused.param_groups[0]["fused"] is True
     for step in range(5):
         torch.manual_seed(step)
         grads = [torch.randn_like(w) for w in weights]

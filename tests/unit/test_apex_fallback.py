@@ -1,4 +1,4 @@
-"""smp-adapter's apex fallback (smp_adapter/apex_fallback): each function against a reference computed
+"""smp-adapter's apex fallback (smp_adapter/compat/apex_fallback): each function against a reference computed
 another way (float64 for sums and norms), the overflow flag for inf and NaN, fp16 and fp32 tensors,
 empty lists, the return shapes; the import finder's rules (real apex wins, libraries are not
 answered, the off switch, nothing under apex's name on disk), and the launcher's start-up hook."""
@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-import smp_adapter.apex_fallback as fallback
-from smp_adapter.apex_fallback import modules, multi_tensor as mt
+import smp_adapter.compat.apex_fallback as fallback
+from smp_adapter.compat.apex_fallback import modules, multi_tensor as mt
 from smp_adapter.errors import SMPUsageError, UnsupportedFeatureError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -253,7 +253,7 @@ def test_the_script_imports_every_name_the_public_scripts_use(finder):
     from apex.parallel.distributed import flat_dist_call
     from torch._six import container_abcs, inf, string_classes  # removed in torch 2.0 (the templates' fp16/)
 
-    from smp_adapter.runtime import fused_optimizers
+    from smp_adapter.compat import fused_optimizers
 
     assert inf == float("inf") and string_classes == (str, bytes) and container_abcs.Mapping
 
@@ -329,4 +329,4 @@ def test_launched_processes_have_it_before_the_first_line_and_keep_their_own_sit
     result = subprocess.run([sys.executable, "-c", code], env=environ, cwd=tmp_path, capture_output=True,
                             text=True, timeout=60)
     assert result.returncode == 0, result.stderr
-    assert result.stdout.split() == ["smp_adapter.apex_fallback", "1"]
+    assert result.stdout.split() == ["smp_adapter.compat.apex_fallback", "1"]

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from smp_adapter.cli import main
-from smp_adapter.script_check import FAILING, SUPPORT, check_source
+from smp_adapter.check.script import FAILING, SUPPORT, check_source
 
 ROOT = Path(__file__).resolve().parents[2]
 SEEDS = ROOT / "tests/fixtures/seed_scripts"

@@ -1,5 +1,5 @@
-"""``smp-adapter check`` against what the runtime really provides (script_check_api.py,
-script_check_local.py): attributes read on smp's model, optimizer and state; call keywords bound to
+"""``smp-adapter check`` against what the runtime really provides (check/api.py,
+check/local.py): attributes read on smp's model, optimizer and state; call keywords bound to
 the real signatures; model_creation keywords not carried out; apex, also in the script's own helper
 modules. Every status is asserted with its note."""
 
@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from smp_adapter.script_check import SUPPORT, check_source, script_options
+from smp_adapter.check.script import SUPPORT, check_source, script_options
 from test_check import AWS_STYLE, ROOT, SEED_FILES, SEEDS, check_json
 
 WRAPPED = """
@@ -277,7 +277,7 @@ def test_deepspeed_internals_the_check_names_exist_where_it_says():
     from smp_adapter.runtime.engines.base import Engine
     from smp_adapter.runtime.engines.pipeline.engine import ClippingRecord
     from smp_adapter.runtime.optimizer import DistributedOptimizer
-    from smp_adapter.script_check_api import ZERO_INTERNALS
+    from smp_adapter.check.api import ZERO_INTERNALS
 
     stage3 = Path(importlib.util.find_spec("deepspeed").origin).parent / "runtime/zero/stage3.py"
     source = stage3.read_text()  # read, not imported: importing DeepSpeed is slow
@@ -289,7 +289,7 @@ def test_deepspeed_internals_the_check_names_exist_where_it_says():
 
 
 def test_the_support_table_and_the_introspection_agree():
-    from smp_adapter.script_check_api import known_attributes, wrapper_class
+    from smp_adapter.check.api import known_attributes, wrapper_class
 
     for wrapper in ("DistributedModel", "DistributedOptimizer"):
         table = {k.split(".", 1)[1] for k in SUPPORT if k.startswith(wrapper + ".")}
@@ -328,7 +328,7 @@ def test_script_options_reads_the_options_without_importing_torch():
     scripts = [*SEED_FILES, *(AWS_STYLE / s for s in ("gpt/train.py", "bert/pretrain.py", "mnist/train_mnist.py"))]
     for path in scripts:
         assert script_options(path.read_text()) == check_source(path.read_text()).init_options, path
-    code = ("import sys; from smp_adapter.script_check import script_options; "
+    code = ("import sys; from smp_adapter.check.script import script_options; "
             f"print(script_options(open({str(SEEDS / 'seed000_tp_pp.py')!r}).read())); print('torch' in sys.modules)")
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                          env={"PYTHONPATH": str(ROOT / "adapter"), "PATH": "/usr/bin:/bin"})

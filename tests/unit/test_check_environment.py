@@ -1,10 +1,10 @@
 """`smp-adapter check` resolves the imports of the script and of its own modules beside it against
-the environment it runs in (script_check_local.missing_imports): the Flan-T5 template's helper
+the environment it runs in (check/local.py missing_imports): the Flan-T5 template's helper
 t5_flash_attn.py imports flash_attn unconditionally, so the template cannot start without CUDA."""
 
 import textwrap
 
-from smp_adapter.script_check import check_source
+from smp_adapter.check.script import check_source
 
 SCRIPT = """\
 import argparse
@@ -101,7 +101,7 @@ def test_a_module_the_installed_package_lacks_means_the_script_does_not_start(tm
     """`from transformers.sagemaker import ...` (transformers 5 has no transformers.sagemaker): the package
     resolves, its module does not, found without importing transformers; `os.path` and an existing
     submodule resolve. In a helper module beside the script too."""
-    from smp_adapter.script_check_local import _resolves_dotted
+    from smp_adapter.check.local import _resolves_dotted
 
     assert _resolves_dotted("os.path") and _resolves_dotted("smp_adapter.runtime.model")
     assert not _resolves_dotted("smp_adapter.no_such_module")

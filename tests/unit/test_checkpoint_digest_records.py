@@ -83,7 +83,7 @@ def test_files_are_split_among_ranks_by_size_the_same_on_every_rank():
     files["big"] = {"size": 150, "chunk_bytes": 40, "chunks": ["a", "b", "c", "d"]}
     split = digests.shares(files, 2)
     assert [sorted(i for n, i in share if n == "big") for share in split] == [[0, 2], [1, 3]]
-    assert sorted(sum(split, []), key=str) == sorted(digests._units(files, sorted(files)), key=str)
+    assert sorted(sum(split, []), key=str) == sorted(digests.units_of(files, sorted(files)), key=str)
 
 
 def _bytes(n):

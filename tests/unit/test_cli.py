@@ -210,7 +210,7 @@ def test_translate_and_cli_do_not_import_engines():
     code = ("import sys\n"
             "import smp_adapter.cli, smp_adapter.commands.translate\n"
             "import smp_adapter.translate.deepspeed, smp_adapter.translate.megatron\n"
-            "import smp_adapter.translate.launch, smp_adapter.translate.explain\n"
+            "import smp_adapter.launch.command, smp_adapter.translate.explain\n"
             "from smp_adapter.cli import main\n"
             "rc = main(['translate', 'configs/tp2_pp2_mb4.yaml', '--explain', '--format', 'json'])\n"
             "heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'deepspeed', 'megatron', 'transformers'))\n"
@@ -221,7 +221,7 @@ def test_translate_and_cli_do_not_import_engines():
 
 
 def test_launch_failure_summary_reads_the_cause_of_a_rank():
-    from smp_adapter.launcher import _cause
+    from smp_adapter.launch.supervisor import _cause
 
     syntax = ['  File "/job/train.py", line 3', "    def broken(:", "               ^", "SyntaxError: invalid syntax"]
     assert _cause(syntax) == 'SyntaxError: invalid syntax (File "/job/train.py", line 3)'

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from smp_adapter.errors import SMPCheckpointError, UnsupportedFeatureError
-from smp_adapter.script_check import check_source
+from smp_adapter.check.script import check_source
 
 # every import line of the clients (see the README's "public AWS examples" table)
 CLIENT_IMPORTS = """

@@ -7,9 +7,9 @@ import json
 import torch
 import torch.distributed as dist
 
-from smp_adapter.ledger_report import ledger_table
-from smp_adapter.runtime import comm_ledger
-from smp_adapter.runtime.comm_ledger import Ledger, payload_bytes
+from smp_adapter.ledger.summary import ledger_table
+from smp_adapter.ledger import record as comm_ledger
+from smp_adapter.ledger.record import Ledger, payload_bytes
 
 KINDS = {"tp": (0, 1), "pp": (0, 4), "rdp": (0, 2), "dp": (0, 1, 2, 3), "mp": (0, 1, 4, 5), "world": tuple(range(8))}
 

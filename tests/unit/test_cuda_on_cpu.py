@@ -1,4 +1,4 @@
-"""CUDA on CPU ranks (smp_adapter/runtime/cuda_on_cpu.py), in a fresh interpreter each time: the
+"""CUDA on CPU ranks (smp_adapter/compat/cuda_on_cpu.py), in a fresh interpreter each time: the
 shim changes torch for the whole process."""
 
 import json
@@ -82,7 +82,7 @@ def test_not_installed_unless_asked():
     proc = _run("""
         import torch
         import smdistributed.modelparallel.torch as smp
-        from smp_adapter.runtime import cuda_on_cpu
+        from smp_adapter.compat import cuda_on_cpu
         print("RESULT", __import__("json").dumps([torch.cuda.is_available(), cuda_on_cpu._installed]))
     """, {})
     assert _result(proc) == [False, False]
@@ -190,7 +190,7 @@ def test_every_torch_call_that_takes_a_device_is_wrapped():
     fails here until cuda_on_cpu.py lists it (wrapped, or _NOT_WRAPPED with its reason)."""
     import torch
 
-    from smp_adapter.runtime import cuda_on_cpu
+    from smp_adapter.compat import cuda_on_cpu
 
     listed = {*cuda_on_cpu._FACTORIES, *cuda_on_cpu._TENSOR_FACTORIES, *cuda_on_cpu._NOT_WRAPPED, "to"}
     taking = {s.name.split("::", 1)[1] for s in torch._C._jit_get_all_schemas()

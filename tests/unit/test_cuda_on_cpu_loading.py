@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[2]
 LOAD = """
 import sys, torch
 import smdistributed.modelparallel.torch  # installs the mode (SMP_ADAPTER_CUDA_ON_CPU=1)
-from smp_adapter.runtime import cuda_on_cpu
+from smp_adapter.compat import cuda_on_cpu
 assert cuda_on_cpu._installed, "the mode was not installed"
 with torch.device("meta"):  # what transformers relies on, alone: the device context reaches the factories
     made = {"zeros": torch.zeros(2), "arange": torch.arange(2), "empty": torch.empty(2), "tensor": torch.tensor([1.0])}
@@ -56,7 +56,7 @@ def test_from_pretrained_loads_the_same_tensors_with_the_mode(tmp_path):
     import torch
     from transformers import AutoModel
 
-    from smp_adapter.runtime import cuda_on_cpu
+    from smp_adapter.compat import cuda_on_cpu
 
     assert not cuda_on_cpu._installed  # this process is the reference without the mode
     names = _tiny_models(tmp_path)

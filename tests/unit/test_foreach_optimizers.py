@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from smp_adapter.errors import UnsupportedFeatureError
-from smp_adapter.runtime.fused_optimizers import FusedLAMB, FusedNovoGrad
+from smp_adapter.compat.fused_optimizers import FusedLAMB, FusedNovoGrad
 
 
 class LoopLAMB(FusedLAMB):

@@ -1,9 +1,9 @@
-"""The rendezvous port (smp_adapter/free_port.py): picked below the kernel's ephemeral range, where
+"""The rendezvous port (smp_adapter/launch/free_port.py): picked below the kernel's ephemeral range, where
 the connections and gloo listeners of jobs beside this one cannot take it, and free when picked."""
 
 import socket
 
-from smp_adapter import free_port as module
+from smp_adapter.launch import free_port as module
 
 
 def _ephemeral_low() -> int:

@@ -11,7 +11,7 @@ from smp_adapter.commands.translate import translation_bundle
 from smp_adapter.config.distribution import JobSpec
 from smp_adapter.errors import SMPConfigError
 from smp_adapter.runtime.init import resolve_layout
-from smp_adapter.translate.launch import to_launch_plan
+from smp_adapter.launch.command import to_launch_plan
 
 degree = st.sampled_from([1, 1, 2, 2, 4, 3])
 options = st.fixed_dictionaries(

@@ -14,7 +14,7 @@ from smp_adapter.config.keys import KEYS
 from smp_adapter.config.options import SMPConfig
 from smp_adapter.errors import SMPConfigError
 from smp_adapter.translate.deepspeed import to_deepspeed_config
-from smp_adapter.translate.launch import to_launch_plan
+from smp_adapter.launch.command import to_launch_plan
 from smp_adapter.translate.megatron import to_megatron_plan
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")

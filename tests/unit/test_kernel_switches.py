@@ -1,5 +1,5 @@
-"""smp v1's kernel switches (translate/kernels.py says what each becomes; runtime/kernels.py does it):
-what each changes, checked on CPU, and that the numbers stay those of the unswitched run within the
+"""smp v1's kernel switches (translate/kernels.py says what each becomes; runtime/kernels.py and
+compat/fused_optimizers.py do it): what each changes, checked on CPU, and that the numbers stay those of the unswitched run within the
 dtype's rounding. The CUDA kernels themselves are exercised by benchmarks/gpu_throughput.py on a GPU.
 
 torch.compile here uses the aot_eager backend: it traces and partitions the graph as inductor does
@@ -15,6 +15,7 @@ import smdistributed.modelparallel.torch as smp
 from smp_adapter.config.dims import ParallelDims
 from smp_adapter.config.options import SMPConfig
 from smp_adapter.errors import SMPConfigError, UnsupportedFeatureError
+from smp_adapter.compat.fused_optimizers import fused_supported, prefer_fused
 from smp_adapter.runtime import kernels
 from smp_adapter.runtime.init import shutdown
 from smp_adapter.translate.kernels import (COMPILE_ENV, SWITCHES, CompileSetting, compile_refusal,
@@ -138,7 +139,7 @@ def test_prefer_fused_switches_adam_and_trains_the_same_numbers(cls):
     plain_params, fused_params = _params(), _params()
     plain = cls(plain_params, lr=1e-2, weight_decay=0.1)
     fused = cls(fused_params, lr=1e-2, weight_decay=0.1)
-    assert kernels.prefer_fused(fused, device_types=("cpu",)) is True
+    assert prefer_fused(fused, device_types=("cpu",)) is True
     assert [g["fused"] for g in fused.param_groups] == [True] and fused.defaults["fused"] is True
     calls = []
     real = torch._fused_adamw_ if cls is torch.optim.AdamW else torch._fused_adam_
@@ -153,14 +154,14 @@ def test_prefer_fused_switches_adam_and_trains_the_same_numbers(cls):
 
 
 def test_prefer_fused_keeps_what_the_script_chose_and_the_cpu_default():
-    assert kernels.prefer_fused(torch.optim.AdamW(_params())) is False  # CPU parameters: torch's default kept
-    assert kernels.prefer_fused(torch.optim.AdamW(_params(), foreach=False), device_types=("cpu",)) is False
-    assert kernels.prefer_fused(torch.optim.AdamW(_params(), fused=False), device_types=("cpu",)) is False
-    assert kernels.prefer_fused(torch.optim.SGD(_params(), lr=0.1), device_types=("cpu",)) is False
+    assert prefer_fused(torch.optim.AdamW(_params())) is False  # CPU parameters: torch's default kept
+    assert prefer_fused(torch.optim.AdamW(_params(), foreach=False), device_types=("cpu",)) is False
+    assert prefer_fused(torch.optim.AdamW(_params(), fused=False), device_types=("cpu",)) is False
+    assert prefer_fused(torch.optim.SGD(_params(), lr=0.1), device_types=("cpu",)) is False
     stepped = torch.optim.AdamW(_params())
     _train(stepped, stepped.param_groups[0]["params"], steps=1)
-    assert kernels.prefer_fused(stepped, device_types=("cpu",)) is False  # state exists: too late to switch
-    assert kernels.fused_supported([torch.zeros(2, dtype=torch.int64)], ("cpu",)) is False
+    assert prefer_fused(stepped, device_types=("cpu",)) is False  # state exists: too late to switch
+    assert fused_supported([torch.zeros(2, dtype=torch.int64)], ("cpu",)) is False
 
 
 def test_distributed_optimizer_and_fused_adam_on_cpu_keep_torchs_default(fresh):

@@ -1,11 +1,11 @@
-"""runtime/launch_env.py: ranks and rendezvous read from what torchrun, mpirun and srun set (pure)."""
+"""launch/rank_env.py: ranks and rendezvous read from what torchrun, mpirun and srun set (pure)."""
 
 from __future__ import annotations
 
 import pytest
 
 from smp_adapter.errors import SMPUsageError
-from smp_adapter.runtime.launch_env import LaunchEnv, rendezvous, slurm_first_host, slurm_tasks_per_node
+from smp_adapter.launch.rank_env import LaunchEnv, rendezvous, slurm_first_host, slurm_tasks_per_node
 
 
 def no_port():
@@ -94,7 +94,7 @@ def test_the_launcher_knows_there_is_no_gpu_without_importing_torch(monkeypatch)
     import subprocess
     import sys
 
-    from smp_adapter.commands import launch_inputs
+    from smp_adapter.launch import inputs as launch_inputs
 
     assert launch_inputs.cuda_available({"CUDA_VISIBLE_DEVICES": ""}) is False
     assert launch_inputs.cuda_available({"CUDA_VISIBLE_DEVICES": "-1"}) is False
@@ -102,7 +102,7 @@ def test_the_launcher_knows_there_is_no_gpu_without_importing_torch(monkeypatch)
 
     monkeypatch.setattr(glob, "glob", lambda pattern: [])
     assert launch_inputs.cuda_available({}) is False
-    code = ("import sys; from smp_adapter.commands.launch_inputs import cuda_available; "
+    code = ("import sys; from smp_adapter.launch.inputs import cuda_available; "
             "print(cuda_available({'CUDA_VISIBLE_DEVICES': ''}), 'torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60).stdout.split()
     assert out == ["False", "False"], out
@@ -113,7 +113,7 @@ def test_with_a_gpu_device_node_torch_is_asked(monkeypatch):
 
     import torch
 
-    from smp_adapter.commands import launch_inputs
+    from smp_adapter.launch import inputs as launch_inputs
 
     monkeypatch.setattr(glob, "glob", lambda pattern: ["/dev/nvidia0"] if "nvidia" in pattern else [])
     for answer in (True, False):

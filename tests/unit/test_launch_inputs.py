@@ -1,4 +1,4 @@
-"""``smp-adapter launch``'s reading of its command line and environment (commands/launch_inputs.py):
+"""``smp-adapter launch``'s reading of its command line and environment (launch/inputs.py):
 an interpreter in front of the script, where the smp options came from, finding mpirun."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from smp_adapter.commands.launch_inputs import launcher_program, resolve_job, split_command
+from smp_adapter.launch.inputs import launcher_program, resolve_job, split_command
 from smp_adapter.config.distribution import JobSpec
 from smp_adapter.errors import SMPAdapterError, SMPConfigError
 
@@ -98,7 +98,7 @@ def test_a_missing_launcher_program_says_how_to_get_it(monkeypatch, tmp_path):
 
 
 def test_the_deepspeed_env_file_carries_json_values_in_the_bundle():
-    from smp_adapter.env_bundle import BUNDLE, deepspeed_env_file, unpack_into
+    from smp_adapter.launch.env_bundle import BUNDLE, deepspeed_env_file, unpack_into
 
     env = {"SM_HPS": '{"epochs": 3, "name": "run 1"}', "DS_ACCELERATOR": "cpu", "CUDA_VISIBLE_DEVICES": "",
            "SM_MODEL_DIR": "/data/my model"}
@@ -113,7 +113,7 @@ def test_the_deepspeed_env_file_carries_json_values_in_the_bundle():
 
 
 def test_a_garbled_bundle_says_what_to_do():
-    from smp_adapter.env_bundle import unpack_into
+    from smp_adapter.launch.env_bundle import unpack_into
 
     with pytest.raises(RuntimeError) as err:
         unpack_into({"SMP_ADAPTER_ENV_B64": "not base64!"})

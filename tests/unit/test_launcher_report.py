@@ -1,4 +1,4 @@
-"""The launcher's failure summary (smp_adapter/launcher.py, Supervisor.report) from what it saw of
+"""The launcher's failure summary (smp_adapter/launch/supervisor.py, Supervisor.report) from what it saw of
 the ranks, without starting any: which rank is blamed and which exit status the command returns."""
 
 import io
@@ -6,7 +6,7 @@ import signal
 
 import pytest
 
-from smp_adapter.launcher import Supervisor
+from smp_adapter.launch.supervisor import Supervisor
 
 SYNTAX = ['  File "/job/broken.py", line 3', "    def broken(:", "               ^", "SyntaxError: invalid syntax"]
 

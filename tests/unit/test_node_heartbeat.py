@@ -1,5 +1,5 @@
-"""The launch processes' heartbeats (smp_adapter/node_heartbeat.py) and the ranks' watch on their launch
-process (smp_adapter/launch_watch.py), in one process on loopback: what each node learns when another goes
+"""The launch processes' heartbeats (smp_adapter/launch/node_heartbeat.py) and the ranks' watch on their launch
+process (smp_adapter/launch/rank_watch.py), in one process on loopback: what each node learns when another goes
 silent, dies, or ends its job with or without a failure. tests/distributed/test_cluster.py runs the same on
 namespaced nodes through `smp-adapter launch`."""
 
@@ -13,9 +13,9 @@ import time
 
 import pytest
 
-from smp_adapter import launch_watch
-from smp_adapter.free_port import free_port
-from smp_adapter.node_heartbeat import NodeHeartbeat, timeout_from
+from smp_adapter.launch import rank_watch as launch_watch
+from smp_adapter.launch.free_port import free_port
+from smp_adapter.launch.node_heartbeat import NodeHeartbeat, timeout_from
 
 
 def _nodes(n: int, timeout: float) -> list[NodeHeartbeat]:
@@ -138,7 +138,7 @@ def test_the_timeout_comes_from_the_flag_then_the_environment():
     assert timeout_from(None, {}) == 120
 
 
-WATCHER = ("import sys, time; sys.path.insert(0, sys.argv[1]); from smp_adapter import launch_watch; "
+WATCHER = ("import sys, time; sys.path.insert(0, sys.argv[1]); from smp_adapter.launch import rank_watch as launch_watch; "
            "print(launch_watch.watch_if_launched(), flush=True); time.sleep(30)")
 
 

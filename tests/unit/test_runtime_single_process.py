@@ -179,6 +179,24 @@ def test_checkpoint_round_trip_and_bad_files(fresh, tmp_path):
         smp.resume_from_checkpoint(str(tmp_path), tag="t1")
 
 
+def test_resume_without_tag_names_the_damaged_files_of_the_checkpoint_it_passes_over(fresh, tmp_path):
+    """resume_from_checkpoint(tag=None) over a damaged newest checkpoint: the warning names each damaged
+    file and what is wrong with it, as `smp-adapter checkpoint verify` does, not only how many there are."""
+    smp.init({})
+    model = smp.DistributedModel(_mlp())
+    smp.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.1))
+    smp.save_checkpoint(str(tmp_path), tag="t1", partial=True, user_content={"epoch": 1})
+    smp.save_checkpoint(str(tmp_path), tag="t2", partial=True, user_content={"epoch": 2})
+    damaged = next(p for p in sorted((tmp_path / "t2_partial").rglob("*.pt")) if p.stat().st_size > 1000)
+    data = bytearray(damaged.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    damaged.write_bytes(bytes(data))
+    with pytest.warns(UserWarning, match="resuming from the next newest one, 't1'") as caught:
+        assert smp.resume_from_checkpoint(str(tmp_path)) == {"epoch": 1}
+    message = next(str(w.message) for w in caught if "next newest" in str(w.message))
+    assert str(damaged.relative_to(tmp_path / "t2_partial")) in message, message
+
+
 def test_full_checkpoint_digests_and_a_deepspeed_file_cut_short_read_unchecked(fresh, tmp_path, monkeypatch, capsys):
     """A full checkpoint (partial=False) records each file's digest beside it and a resume refuses a
     damaged one, naming it; a partial checkpoint read unchecked (the opt-out) whose DeepSpeed file is

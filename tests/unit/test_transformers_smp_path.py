@@ -48,3 +48,27 @@ def test_transformers_detects_smp_when_launched_with_partitions(monkeypatch):
     monkeypatch.setenv("SM_HP_MP_PARAMETERS", '{"ddp": true}')
     assert not import_utils.is_sagemaker_mp_enabled()
     pytest.importorskip("transformers")
+
+
+def test_accelerate_wraps_smp_optimizers_without_the_state_round_trip(monkeypatch):
+    """transformers 4.57 wraps smp's optimizer in accelerate's AcceleratedOptimizer, whose device placement
+    round-trips a full optimizer state_dict (refused under optimizer-state sharding): the shim makes that
+    wrapper with device_placement=False for smp optimizers only, keeping the scaler however it was passed."""
+    import sys
+    import types
+
+    from smp_adapter.compat import hf_transformers
+    from smp_adapter.runtime.optimizer import DistributedOptimizer
+
+    class AcceleratedOptimizer:  # accelerate's signature: (optimizer, device_placement=True, scaler=None)
+        def __init__(self, optimizer, device_placement=True, scaler=None):
+            self.optimizer, self.device_placement, self.scaler = optimizer, device_placement, scaler
+
+    monkeypatch.setitem(sys.modules, "accelerate.optimizer", types.SimpleNamespace(AcceleratedOptimizer=AcceleratedOptimizer))
+    hf_transformers.no_device_placement_round_trip(DistributedOptimizer)
+    hf_transformers.no_device_placement_round_trip(DistributedOptimizer)  # idempotent: wrapped once
+    smp_optimizer = DistributedOptimizer.__new__(DistributedOptimizer)
+    assert AcceleratedOptimizer(smp_optimizer).device_placement is False
+    assert AcceleratedOptimizer(smp_optimizer, True, "scaler").scaler == "scaler"
+    assert AcceleratedOptimizer(smp_optimizer, True, "scaler").device_placement is False
+    assert AcceleratedOptimizer(object()).device_placement is True  # anything else: as accelerate wrote it

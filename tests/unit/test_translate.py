@@ -18,7 +18,7 @@ from smp_adapter.config.options import SMPConfig
 from smp_adapter.errors import SMPConfigError
 from smp_adapter.translate.deepspeed import LossScaleArgs, to_deepspeed_config
 from smp_adapter.translate.explain import STATUSES, explain, format_table
-from smp_adapter.translate.launch import to_launch_plan
+from smp_adapter.launch.command import to_launch_plan
 from smp_adapter.translate.megatron import TP_PP_DP_FLAG, to_megatron_plan
 
 ROOT = Path(__file__).resolve().parents[2]

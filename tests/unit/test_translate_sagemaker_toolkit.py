@@ -11,7 +11,7 @@ import pytest
 
 from smp_adapter.cli import main
 from smp_adapter.config.distribution import job_from_mapping
-from smp_adapter.translate.sagemaker_toolkit import TRAINING_VARIABLES, toolkit_command
+from smp_adapter.launch.sagemaker_toolkit import TRAINING_VARIABLES, toolkit_command
 
 # seed 001: an estimator's distribution, custom_mpi_options as the page's example writes it
 SEED_001 = {"smdistributed": {"modelparallel": {"enabled": True, "parameters": {

@@ -6,27 +6,27 @@ __version__ = "1.15.0"
 ADAPTER = "smp-adapter"
 
 # Ranks on other hosts of a multi-node deepspeed launch get the job's environment as one variable
-# (smp_adapter/env_bundle.py): unpacked first, so what follows (and the script) sees it
-from smp_adapter.env_bundle import unpack_into as _unpack_job_environment  # noqa: E402
+# (smp_adapter/launch/env_bundle.py): unpacked first, so what follows (and the script) sees it
+from smp_adapter.launch.env_bundle import unpack_into as _unpack_job_environment  # noqa: E402
 
 _unpack_job_environment()
 
 # a rank launched by `smp-adapter launch` ends when that process dies, even by SIGKILL (the OOM killer's way):
-# no orphaned rank (smp_adapter/launch_watch.py)
-from smp_adapter.launch_watch import watch_if_launched as _watch_the_launch_process  # noqa: E402
+# no orphaned rank (smp_adapter/launch/rank_watch.py)
+from smp_adapter.launch.rank_watch import watch_if_launched as _watch_the_launch_process  # noqa: E402
 
 _watch_the_launch_process()
 
-# NVIDIA apex's names in plain PyTorch where apex is not installed (smp_adapter/apex_fallback): here for
+# NVIDIA apex's names in plain PyTorch where apex is not installed (smp_adapter/compat/apex_fallback): here for
 # bare mpirun/torchrun runs of scripts that import smp before apex (smp-adapter launch installs it
 # before the script starts); SMP_ADAPTER_APEX_FALLBACK=0 turns it off
-from smp_adapter.apex_fallback import install as _install_apex_fallback  # noqa: E402
+from smp_adapter.compat.apex_fallback import install as _install_apex_fallback  # noqa: E402
 
 _install_apex_fallback()
 
 # `smp-adapter launch` on a machine without GPUs asks for CUDA on CPU ranks (docs/launch.md): done
 # here, at the first smp import, before the script's own torch.cuda calls
-from smp_adapter.runtime.cuda_on_cpu import install_if_requested as _install_cuda_on_cpu  # noqa: E402
+from smp_adapter.compat.cuda_on_cpu import install_if_requested as _install_cuda_on_cpu  # noqa: E402
 
 _install_cuda_on_cpu()
 

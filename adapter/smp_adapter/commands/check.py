@@ -23,7 +23,7 @@ import json
 from pathlib import Path
 
 from smp_adapter.errors import SMPAdapterError
-from smp_adapter.script_check import check_source
+from smp_adapter.check.script import check_source
 
 NAME = "check"
 

@@ -46,6 +46,7 @@ def reshard(folder: Path, manifest: dict, dims, out: Path) -> Path:
     from smp_adapter.parallel.layers import ShardLayout
     from smp_adapter.runtime.checkpoint.integrity import saving
     from smp_adapter.runtime.checkpoint.files import ENGINE_FILES, layout_record
+    from smp_adapter.runtime.checkpoint.storage import atomic_write
     from smp_adapter.runtime.checkpoint.universal import FOLDER, NO_PIECES, IndexFile, Pieces
 
     universal = manifest.get("universal")
@@ -86,5 +87,5 @@ def reshard(folder: Path, manifest: dict, dims, out: Path) -> Path:
               ENGINE_FILES: False, "resharded_from": manifest.get("layout")}
     saving.write_manifest(staging, {**record, **saving.complete(staging, {}, saving.default_algorithm())})
     staging.rename(final)  # complete or absent, as save_checkpoint's folders
-    (out / "newest").write_text(tag)
+    atomic_write(out / "newest", lambda tmp: tmp.write_text(tag))
     return final

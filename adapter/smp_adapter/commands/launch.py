@@ -27,16 +27,16 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from smp_adapter.apex_fallback import BOOT_DIR as APEX_FALLBACK_BOOT, ENV as APEX_FALLBACK
+from smp_adapter.compat.apex_fallback import BOOT_DIR as APEX_FALLBACK_BOOT, ENV as APEX_FALLBACK
 from smp_adapter.config.distribution import job_from_mapping, load_mapping
 from smp_adapter.config.limits import MAX_WORLD_SIZE
 from smp_adapter.config.options import SMPConfig
 from smp_adapter.config.problems import ConfigProblem, raise_if_any
-from smp_adapter.commands.launch_inputs import cuda_available, launcher_program, resolve_job, split_command
-from smp_adapter.env_bundle import deepspeed_env_file
+from smp_adapter.launch.inputs import cuda_available, launcher_program, resolve_job, split_command
+from smp_adapter.launch.env_bundle import deepspeed_env_file
 from smp_adapter.errors import SMPAdapterError
-from smp_adapter.free_port import free_port
-from smp_adapter.translate.launch import DEFAULT_MASTER_PORT, LAUNCHERS, to_launch_plan
+from smp_adapter.launch.free_port import free_port
+from smp_adapter.launch.command import DEFAULT_MASTER_PORT, LAUNCHERS, to_launch_plan
 
 NAME = "launch"
 CUDA_ON_CPU = "SMP_ADAPTER_CUDA_ON_CPU"
@@ -169,7 +169,7 @@ def _slots_per_host(hosts: dict[str, int | None] | None) -> int | None:
 def _script_options(script: str) -> dict:
     """The options the script gives smp.init, read statically; launch-time options are checked merged
     with them. Unknown (no smp.init call found, or not a literal dict): assume ddp, smp.init checks."""
-    from smp_adapter.script_check import script_options
+    from smp_adapter.check.script import script_options
 
     try:  # options only: the full check reads the runtime's classes, which imports torch (~1 s)
         options = script_options(Path(script).read_text(), script)
@@ -270,7 +270,7 @@ def build(args: argparse.Namespace) -> dict[str, Any]:
     root = Path(__file__).resolve().parents[2]  # the directory holding smp_adapter/ and smdistributed/
     paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     front = [str(root)] if root.name not in ("site-packages", "dist-packages") else []  # smp_adapter without pip install
-    if os.environ.get(APEX_FALLBACK) != "0":  # apex's names for the script from its first line (apex_fallback/)
+    if os.environ.get(APEX_FALLBACK) != "0":  # apex's names for the script from its first line (compat/apex_fallback/)
         front.append(APEX_FALLBACK_BOOT)
     if front:
         sm["PYTHONPATH"] = os.pathsep.join([*front, *(p for p in paths if p not in front)])
@@ -281,10 +281,10 @@ def build(args: argparse.Namespace) -> dict[str, Any]:
         sm["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // plan.nprocs_per_node))
     if args.device == "cpu":
         sm["CUDA_VISIBLE_DEVICES"] = ""
-    if cpu and os.environ.get(CUDA_ON_CPU) != "0":  # an unchanged GPU script runs on CPU ranks (runtime/cuda_on_cpu.py)
+    if cpu and os.environ.get(CUDA_ON_CPU) != "0":  # an unchanged GPU script runs on CPU ranks (compat/cuda_on_cpu.py)
         sm[CUDA_ON_CPU] = "1"
     deepspeed_env = None
-    if launcher == "deepspeed" and plan.nnodes > 1:  # pdsh forwards only what this file lists (env_bundle.py)
+    if launcher == "deepspeed" and plan.nnodes > 1:  # pdsh forwards only what this file lists (launch/env_bundle.py)
         deepspeed_env = deepspeed_env_file(sm)
         sm["DS_ENV_FILE"] = str(job_dir / "deepspeed_env")
     command = list(plan.command)
@@ -301,7 +301,7 @@ def build(args: argparse.Namespace) -> dict[str, Any]:
         head = [launcher_program("srun", required=not args.dry_run), *head[1:]]
     heartbeat = None
     if launcher == "torchrun" and plan.nnodes > 1:  # every node has its own launch: they watch each other
-        from smp_adapter.node_heartbeat import timeout_from
+        from smp_adapter.launch.node_heartbeat import timeout_from
 
         master_port = port if port is not None else (cfg.ddp_port or DEFAULT_MASTER_PORT)
         hb_port = args.node_heartbeat_port or master_port + 1
@@ -385,15 +385,15 @@ def run(args: argparse.Namespace) -> int:
               f"one simulated GPU per rank (docs/launch.md; {CUDA_ON_CPU}=0 turns it off)", file=sys.stderr, flush=True)
     env = {k: v for k, v in os.environ.items() if k not in SCRUB and not k.startswith("OMPI_COMM_WORLD")}
     env.update(b["set"])
-    from smp_adapter.launch_watch import ENV as LAUNCH_PROCESS, identity
-    from smp_adapter.launcher import Supervisor
+    from smp_adapter.launch.rank_watch import ENV as LAUNCH_PROCESS, identity
+    from smp_adapter.launch.supervisor import Supervisor
 
-    me = identity()  # the ranks end when this process dies, even by SIGKILL (launch_watch.py); not in --dry-run's
+    me = identity()  # the ranks end when this process dies, even by SIGKILL (launch/rank_watch.py); not in --dry-run's
     if me:           # exports: it names this process
         env[LAUNCH_PROCESS] = me
     heartbeat = None
     if b["heartbeat"]:
-        from smp_adapter.node_heartbeat import NodeHeartbeat
+        from smp_adapter.launch.node_heartbeat import NodeHeartbeat
 
         heartbeat = NodeHeartbeat(**b["heartbeat"])
         try:

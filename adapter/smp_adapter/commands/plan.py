@@ -7,6 +7,7 @@ global batch) fixed and ranks every layout that realises it within usable memory
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -44,6 +45,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     hw.add_argument("--intra-node-bandwidth", type=float, metavar="GB/s", help="per GPU, per direction")
     hw.add_argument("--inter-node-bandwidth", type=float, metavar="GB/s", help="per node, per direction")
     hw.add_argument("--gpu-flops", type=float, metavar="TFLOP/s", help="peak dense FLOP/s at the job's precision")
+    p.add_argument("--collectives", choices=("nccl", "gloo"), default="nccl",
+                   help="the ranks' collective library: nccl (GPUs, default) or gloo (CPU ranks, fp32; with the "
+                        "hardware described: --gpu-flops is a rank's measured fp32 matmul rate; docs/plan.md)")
     p.add_argument("--headroom", type=float, default=10.0, metavar="PERCENT",
                    help="device memory kept free of the plan's peak (default 10; the plan's own error is ~10%%)")
     p.add_argument("--search", action="store_true",
@@ -85,7 +89,8 @@ def cluster_from_args(args):
     from smp_adapter.plan.instances import GB as _GB, Cluster, instance_cluster
 
     if args.instance_type:
-        return instance_cluster(args.instance_type, args.instance_count)
+        return dataclasses.replace(instance_cluster(args.instance_type, args.instance_count),
+                                   collectives=getattr(args, "collectives", "nccl"))
     explicit = [getattr(args, f) for f in HARDWARE_FLAGS]
     if any(v is None for v in explicit):
         _bad("hardware", "--instance-type", "is missing and the hardware is not fully described",
@@ -97,7 +102,8 @@ def cluster_from_args(args):
     flops = args.gpu_flops * 1e12
     return Cluster("custom", args.gpus_per_node, args.instance_count, int(args.gpu_memory * GiB),
                    {"fp32": flops, "fp16": flops, "bf16": flops}, args.intra_node_bandwidth * _GB,
-                   args.inter_node_bandwidth * _GB)
+                   args.inter_node_bandwidth * _GB, collectives=getattr(args, "collectives", "nccl"),
+                   gpu="cpu" if getattr(args, "collectives", "nccl") == "gloo" else "")
 
 
 def read_options(text: str):
@@ -116,7 +122,7 @@ def read_options(text: str):
 
 def script_features(path: str) -> tuple[bool, bool]:
     """(activation checkpointing, delayed parameter initialisation) the script asks for."""
-    from smp_adapter.script_check import check_source
+    from smp_adapter.check.script import check_source
 
     try:
         source = Path(path).read_text()
@@ -244,7 +250,8 @@ def _engine_line(dims) -> str:
 def _cluster_dict(c) -> dict:
     return {"name": c.name, "nodes": c.nodes, "gpus_per_node": c.gpus_per_node, "gpu": c.gpu,
             "gpu_memory_bytes": c.gpu_memory, "usable_memory_bytes": c.allocatable, "host_memory_bytes": c.host_memory,
-            "intra_node_bandwidth": c.intra_node_bandwidth, "inter_node_bandwidth": c.inter_node_bandwidth}
+            "intra_node_bandwidth": c.intra_node_bandwidth, "inter_node_bandwidth": c.inter_node_bandwidth,
+            "collectives": c.collectives}
 
 
 def _model_dict(spec) -> dict:
@@ -264,6 +271,13 @@ def comm_by_group(result) -> dict:
     return out
 
 
+def link_bytes(result, cluster) -> float:
+    """Bytes one node sends over its network link per optimizer step (timing.link_bytes_per_node)."""
+    from smp_adapter.plan import timing
+
+    return sum(timing.link_bytes_per_node(term, cluster) for term in result.comm)
+
+
 def _budget(cluster, headroom) -> int:
     return int(cluster.allocatable * (1 - headroom))
 
@@ -274,7 +288,8 @@ def _summary(result, cluster, headroom) -> dict:
             "usable_memory_bytes": cluster.allocatable, "headroom": headroom, "memory_left_bytes": budget - result.peak_bytes,
             "memory_breakdown": {k: int(v) for k, v in result.memory.items()},
             "host_memory_per_rank_bytes": result.host,
-            "comm_bytes_per_step": comm_by_group(result), "step_time_s": result.step_time_s,
+            "comm_bytes_per_step": comm_by_group(result), "link_bytes_per_node_per_step": link_bytes(result, cluster),
+            "step_time_s": result.step_time_s,
             "global_batch": result.samples, "samples_per_s": result.samples_per_s,
             "tokens_per_s_per_gpu": result.tokens_per_s_per_gpu, "mfu": result.mfu,
             "compute_efficiency": result.efficiency, "compute_efficiency_calibrated": result.efficiency_calibrated,
@@ -310,10 +325,13 @@ def _text(spec, dims, cluster, job, result, headroom, notes) -> str:
                         for op, v in entry["ops"].items())
         lines.append(f"  {group:<5} intra-node {entry['intra_node_bytes'] / GB:9.3f} GB  inter-node "
                      f"{entry['inter_node_bytes'] / GB:9.3f} GB   ({ops})")
+    if cluster.nodes > 1:
+        lines.append(f"  each node's network link carries {link_bytes(result, cluster) / GB:.3f} GB a step, each way "
+                     f"(ring collectives over {cluster.collectives})")
     source = "calibrated" if result.efficiency_calibrated else "assumed"
     lines += ["", f"step time: {result.step_time_s:.3f} s = compute {result.compute_s:.3f} s (at {result.efficiency:.0%} "
               f"of peak, {source}) + communication not hidden by compute {result.exposed_comm_s:.3f} s (of "
-              f"{result.comm_s:.3f} s at {timing.COMM_EFFICIENCY:.0%} of link bandwidth) + pipeline bubble "
+              f"{result.comm_s:.3f} s at {timing.comm_efficiency(cluster):.0%} of link bandwidth) + pipeline bubble "
               f"{result.bubble_s:.3f} s + pipeline actions' fixed cost {result.overhead_s:.3f} s",
               f"throughput: {result.samples_per_s:,.1f} samples/s, {result.tokens_per_s_per_gpu:,.0f} tokens/s per GPU, "
               f"MFU {result.mfu:.1%}"]

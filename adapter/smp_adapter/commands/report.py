@@ -1,6 +1,78 @@
-"""``smp-adapter report RUN_DIR``: plot and summary of a recipe run."""
+"""``smp-adapter report RUN_DIR``: a loss/throughput plot and a summary table for a run, or the
+summary of a communication ledger (smp_adapter/ledger/summary.py).
+
+Reads what the recipes write: ``metrics.jsonl`` (one JSON object per step: step, loss,
+step_time_s, tokens_per_s) and ``summary.json`` (peak memory per rank, mean step time, ...).
+"""
 
 from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from smp_adapter.errors import SMPUsageError
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        raise SMPUsageError(f"{path} does not exist: give the run directory of a recipe run (its --run_dir)")
+    rows = []
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if line.strip():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                raise SMPUsageError(f"{path}:{number} is not a JSON line; the metrics file is damaged") from None
+    if not rows:
+        raise SMPUsageError(f"{path} holds no steps yet")
+    return rows
+
+
+def plot(rows: list[dict], out: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    steps = [r["step"] for r in rows]
+    fig, (ax_loss, ax_tput) = plt.subplots(1, 2, figsize=(10, 3.6))
+    ax_loss.plot(steps, [r["loss"] for r in rows], color="tab:blue")
+    ax_loss.set(xlabel="step", ylabel="loss", title="training loss")
+    ax_tput.plot(steps, [r.get("tokens_per_s", 0) for r in rows], color="tab:green")
+    ax_tput.set(xlabel="step", ylabel="tokens / s (all ranks)", title="throughput")
+    for ax in (ax_loss, ax_tput):
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def summary_table(rows: list[dict], summary: dict) -> str:
+    steady = rows[1:] or rows  # the first step includes engine warm-up
+    mean_step = sum(r["step_time_s"] for r in steady) / len(steady)
+    mean_tput = sum(r.get("tokens_per_s", 0) for r in steady) / len(steady)
+    lines = [f"{'steps':<28}{rows[-1]['step']}",
+             f"{'first / last loss':<28}{rows[0]['loss']:.4f} / {rows[-1]['loss']:.4f}",
+             f"{'mean step time (s)':<28}{mean_step:.4f}",
+             f"{'mean tokens/s (all ranks)':<28}{mean_tput:.0f}"]
+    for rank, mib in enumerate(summary.get("peak_rss_mib_per_rank", [])):
+        lines.append(f"{f'peak RSS rank {rank} (MiB)':<28}{mib:.0f}")
+    if "generation" in summary:
+        lines.append(f"{'generation':<28}{summary['generation']!r}")
+    return "\n".join(lines)
+
+
+def write_report(run_dir: str | Path) -> tuple[Path, str]:
+    run_dir = Path(run_dir)
+    rows = read_metrics(run_dir)
+    summary_path = run_dir / "summary.json"
+    summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
+    png = plot(rows, run_dir / "report.png")
+    table = summary_table(rows, summary)
+    (run_dir / "report.txt").write_text(table + "\n")
+    return png, table
 
 
 def add_parser(subparsers):
@@ -11,10 +83,7 @@ def add_parser(subparsers):
 
 
 def run(args) -> int:
-    from pathlib import Path
-
-    from smp_adapter.ledger_report import ledger_dir, ledger_table
-    from smp_adapter.report import write_report
+    from smp_adapter.ledger.summary import ledger_dir, ledger_table
 
     run_dir = Path(args.run_dir)
     ledger = ledger_dir(run_dir)

@@ -25,10 +25,10 @@ from smp_adapter.config.problems import ConfigProblem, raise_if_any
 from smp_adapter.errors import SMPAdapterError
 from smp_adapter.translate.deepspeed import to_deepspeed_config
 from smp_adapter.translate.explain import ExplainRow, explain, format_table
+from smp_adapter.launch.command import DEFAULT_MASTER_PORT, LAUNCHERS, LaunchPlan, resolve_processes, to_launch_plan
 from smp_adapter.translate.kernels import compile_setting_from
-from smp_adapter.translate.launch import DEFAULT_MASTER_PORT, LAUNCHERS, LaunchPlan, resolve_processes, to_launch_plan
 from smp_adapter.translate.megatron import to_megatron_plan
-from smp_adapter.translate.sagemaker_toolkit import TOOLKIT, toolkit_command
+from smp_adapter.launch.sagemaker_toolkit import TOOLKIT, toolkit_command
 
 NAME = "translate"
 

@@ -26,6 +26,12 @@ SDP_ENGINE_ENV = "SMP_ADAPTER_SDP_ENGINE"
 SDP_ENGINES = ("mics", "hpz")
 
 
+def per_microbatch(samples: int, microbatches: int) -> int | None:
+    """Samples in each microbatch when ``samples`` split evenly into ``microbatches``, else None: the
+    one rule behind translate's and plan's check of the per-rank batch and smp.step's split."""
+    return None if samples % microbatches else samples // microbatches
+
+
 def sdp_engine_from(environ: Mapping[str, str]) -> str:
     """The SMP_ADAPTER_SDP_ENGINE setting of ``environ`` ("mics" when unset); a bad value is refused."""
     value = environ.get(SDP_ENGINE_ENV, "").strip().lower() or "mics"
@@ -158,11 +164,12 @@ class ParallelDims:
     def micro_batch_size(self, per_rank_batch: int) -> int:
         """Samples per microbatch: the per-rank batch fed to smp.step divided by microbatches."""
         mb = self.cfg.microbatches
-        if per_rank_batch % mb:
+        size = per_microbatch(per_rank_batch, mb)
+        if size is None:
             raise_if_any([ConfigProblem(
                 "microbatches", f"must divide the per-rank batch size ({per_rank_batch})",
                 f"use a batch size that is a multiple of {mb} (DataLoader(..., drop_last=True))", mb)])
-        return per_rank_batch // mb
+        return size
 
     def tp_region_batch(self, samples: int) -> int:
         """Samples a tensor-parallel layer computes on when each rank passes ``samples``

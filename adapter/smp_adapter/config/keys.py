@@ -50,7 +50,7 @@ T, A, I, R = Policy.TRANSLATED, Policy.ALIAS, Policy.IGNORED, Policy.REJECTED
 
 _ROWS = [
     # -- parallelism degrees and pipeline --------------------------------------------------
-    KeySpec("pipeline_parallel_degree", "int", 1, T, "pipeline stages (DeepSpeed PipelineModule num_stages / Megatron pipeline_model_parallel_size)", minimum=1, maximum=D),
+    KeySpec("pipeline_parallel_degree", "int", 1, T, "pipeline stages (torch.distributed.pipelining stages / Megatron pipeline_model_parallel_size)", minimum=1, maximum=D),
     KeySpec("partitions", "int", None, A, "pre-v1.6 name of pipeline_parallel_degree", alias_of="pipeline_parallel_degree", minimum=1, maximum=D),
     KeySpec("tensor_parallel_degree", "int", 1, T, "Megatron-core tensor_model_parallel_size", minimum=1, maximum=D),
     KeySpec("microbatches", "int", 1, T, "gradient accumulation inside one smp.step call (pp=1) or pipeline microbatches", minimum=1, maximum=D),

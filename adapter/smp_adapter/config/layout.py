@@ -3,7 +3,7 @@
 SMP places every process on a 3-D grid of (rdp, pp, tp) coordinates. The
 ``placement_strategy`` is a 3-letter order ``XYZ`` over D (reduced data), P
 (pipeline) and T (tensor); the right-most letter varies fastest over ascending
-global ranks (spec section 3.1)::
+global ranks (as smp v1 places them)::
 
     rank = x * |Y| * |Z| + y * |Z| + z
 
@@ -220,7 +220,7 @@ class RankGrid:
         Parameters are sharded across ranks that hold the same TP and PP
         shards, i.e. within an RDP group; each RDP group is cut into
         consecutive chunks of ``sdp`` ranks, and the chunks are replicas of
-        each other (spec section 3.1: 32 GPUs, tp=4, sdp=4 gives (0,4,8,12) and
+        each other (smp v1's documented example: 32 GPUs, tp=4, sdp=4 gives (0,4,8,12) and
         (16,20,24,28) for tp-rank 0). Sorted by first rank.
         """
         _check_degree("sharded_data_parallel_degree", sdp)

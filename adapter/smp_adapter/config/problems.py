@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-_MISSING = object()
+MISSING = object()
 
 
 @dataclass(frozen=True)
@@ -13,12 +13,12 @@ class ConfigProblem:
     key: str
     message: str  # what is wrong and what is allowed
     fix: str  # what to write instead
-    value: Any = _MISSING
+    value: Any = MISSING
 
     def __str__(self) -> str:
         from smp_adapter.config.limits import quote
 
-        given = "" if self.value is _MISSING else f" = {quote(self.value)}"  # a short prefix of any value
+        given = "" if self.value is MISSING else f" = {quote(self.value)}"  # a short prefix of any value
         return f"{self.key}{given}: {self.message}. Fix: {self.fix}"
 
 

@@ -7,7 +7,7 @@ here allocate with ``torch.empty_like`` on the input's device and run on gloo as
 Megatron's op is device-neutral (all-reduce: ``copy_to_tensor_model_parallel_region`` /
 ``reduce_from_tensor_model_parallel_region``) we call Megatron's (see ``copy_to_tp`` / ``reduce_from_tp``).
 
-Layout convention (smp semantics, spec section 3.5/3.6): tensors are batch-first. "Batch" ops move
+Layout convention (smp semantics, prescaled_batch: docs/translation.md): tensors are batch-first. "Batch" ops move
 samples between TP ranks along dim 0; rank ``r``'s own samples are block ``r`` of the gathered batch.
 All ranks of a TP group must pass equally shaped tensors (smp requires equal batches per TP group).
 """

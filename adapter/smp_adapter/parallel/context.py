@@ -19,6 +19,7 @@ from typing import Optional
 
 import torch.nn as nn
 
+from smp_adapter import on_shutdown
 from smp_adapter.errors import NotInitializedError
 from smp_adapter.parallel.layers import DISTRIBUTED_ATTR, ShardMixin, mark_distributed
 
@@ -42,6 +43,7 @@ def set_current_tp_context(ctx: Optional[TPContext]) -> None:
     _current = ctx
 
 
+@on_shutdown
 def reset() -> None:
     """smp.shutdown: no TP context until the next smp.init."""
     set_current_tp_context(None)

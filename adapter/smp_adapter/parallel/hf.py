@@ -1,4 +1,4 @@
-"""Tensor parallelism for Hugging Face transformer families (spec section 2.11).
+"""Tensor parallelism for Hugging Face transformer families.
 
 A *unit* is the smallest module holding a column-split group and the row-split layer that closes
 it: attention (q/k/v column-wise, heads divided across ranks, output projection row-wise) and MLP

@@ -1,4 +1,4 @@
-"""Hugging Face <-> smp state-dict translation functions (spec section 2.11, names incl. section 5.9).
+"""Hugging Face <-> smp state-dict translation functions (smp.nn.huggingface's translate_* functions, under smp v1's names).
 
 Design choice: smp-adapter keeps Hugging Face models as they are and splits their layers in place,
 so the "smp format" of a full (gathered) state dict *is* the Hugging Face format of the unsplit
@@ -100,10 +100,10 @@ translate_state_dict_to_hf_bert = _to_hf("bert")
 translate_hf_state_dict_to_smdistributed_bert = _from_hf("bert")
 translate_state_dict_to_hf_roberta = _to_hf("roberta")
 translate_hf_state_dict_to_smdistributed_roberta = _from_hf("roberta")
-# the [DG] RoBERTa example imports this name from the roberta module (spec 5.9)
+# smp v1's developer-guide RoBERTa example imports this name from the roberta module
 translate_state_dict_to_smdistributed = _from_hf("roberta", "translate_state_dict_to_smdistributed")
 translate_state_dict_to_hf_gptj = _to_hf("gptj")
-# listed name (breaks the pattern, spec 5.9) and the pattern name
+# listed name (breaks the pattern) and the pattern name
 translate_hf_gptj_state_dict_to_smdistributed_gptj = _from_hf("gptj", "translate_hf_gptj_state_dict_to_smdistributed_gptj")
 translate_hf_state_dict_to_smdistributed_gptj = _from_hf("gptj")
 translate_state_dict_to_hf_gptneo = _to_hf("gptneo")

@@ -36,6 +36,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from smp_adapter.parallel import comm
+from smp_adapter.translate.megatron import tp_layer_settings
 
 DISTRIBUTED_ATTR = "_smp_tp_distributed"
 LAYOUT_ATTR = "_smp_tp_layout"
@@ -54,12 +55,10 @@ def _megatron():
 def megatron_config(size: int, dtype: torch.dtype):
     ModelParallelConfig, _ = _megatron()
     return ModelParallelConfig(
-        tensor_model_parallel_size=size,
+        **tp_layer_settings(size),
         use_cpu_initialization=True,  # CPU parameter allocation; we copy weights in afterwards
         perform_initialization=False,
         params_dtype=dtype,
-        sequence_parallel=False,
-        gradient_accumulation_fusion=False,
     )
 
 
@@ -144,9 +143,10 @@ def local_linear(x: torch.Tensor, weight: torch.Tensor, group) -> torch.Tensor:
     _, layers = _megatron()
     if not weight.requires_grad:
         return layers.linear_with_frozen_weight(x, weight, None, False, False, False, group)
+    settings = tp_layer_settings(1)
     return layers.linear_with_grad_accumulation_and_async_allreduce(
-        x, weight, None, gradient_accumulation_fusion=False, allreduce_dgrad=False,
-        sequence_parallel=False, tp_group=group,
+        x, weight, None, gradient_accumulation_fusion=settings["gradient_accumulation_fusion"], allreduce_dgrad=False,
+        sequence_parallel=settings["sequence_parallel"], tp_group=group,
     )
 
 

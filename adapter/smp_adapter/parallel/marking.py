@@ -1,4 +1,4 @@
-"""Marking modules for tensor parallelism (spec section 2.9): pure bookkeeping, no process group.
+"""Marking modules for tensor parallelism (smp.tensor_parallelism, smp.set_tensor_parallelism): pure bookkeeping, no process group.
 
 A mark is stored on the module instance as ``module._smp_tp_mark = TPMark(enabled, kwargs)``.
 
@@ -27,6 +27,7 @@ from typing import Any, Callable, Optional
 
 import torch.nn as nn
 
+from smp_adapter import on_shutdown
 from smp_adapter.errors import SMPUsageError
 from smp_adapter.module_init_hooks import on_module_created
 from smp_adapter.parallel.hf_hooks import SPLIT_IN_PLACE  # smp v1's own Hugging Face hooks: keep the in-place split
@@ -79,6 +80,7 @@ def marking_context(enabled: bool = True, **kwargs):
     return tensor_parallelism(enabled, **kwargs)
 
 
+@on_shutdown
 def reset() -> None:
     """Forget open contexts (smp.shutdown); registrations stay (they belong to classes)."""
     _stack.clear()
@@ -223,7 +225,7 @@ def unregister(module_cls: type) -> None:
 
 
 def filter_init_kwargs(cls: type, kwargs: dict[str, Any]) -> dict[str, Any]:
-    """The subset of mark kwargs that ``cls.__init__`` accepts (spec: kwargs override *matching*
+    """The subset of mark kwargs that ``cls.__init__`` accepts (smp v1: kwargs override *matching*
     ``__init__`` arguments; the others, e.g. ``fused_softmax`` for a linear layer, do not apply)."""
     try:
         params = inspect.signature(cls.__init__).parameters

@@ -1,8 +1,8 @@
-"""``smp.nn`` distributed modules (spec section 2.10): sizes in arguments are global (summed over
+"""``smp.nn`` distributed modules: sizes in arguments are global (summed over
 TP ranks); each module takes the TP group from the current ``TPContext`` at construction and raises
 ``NotInitializedError`` before ``smp.init``.
 
-Batch semantics (spec 3.5/3.6): with ``prescaled_batch=False`` every TP rank holds its own samples;
+Batch semantics: with ``prescaled_batch=False`` every TP rank holds its own samples;
 a distributed module gathers what it needs of the TP group's batch, computes its shard and returns
 each rank the outputs of its own samples. With ``prescaled_batch=True`` all TP ranks hold the same
 batch and only slice it.
@@ -16,6 +16,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from smp_adapter import on_shutdown
 from smp_adapter.errors import SMPUsageError, UnsupportedFeatureError
 from smp_adapter.parallel import comm, marking
 from smp_adapter.parallel.layers import ShardLayout, mark_distributed, row_parallel_forward
@@ -32,6 +33,7 @@ from smp_adapter.parallel.transformer import (
 _skip_init = False  # True only inside from_linear (the weights are copied in, not drawn)
 
 
+@on_shutdown
 def reset() -> None:
     """smp.shutdown: back to drawing initial weights (in case a from_linear was interrupted)."""
     global _skip_init
@@ -44,7 +46,7 @@ def _divisible(what: str, value: int, tp: int) -> None:
 
 
 class DistributedLinear(DistributedModule):
-    """Tensor-parallel ``nn.Linear`` (spec 2.10): the weight's *input* dimension is divided by
+    """Tensor-parallel ``nn.Linear``: the weight's *input* dimension is divided by
     ``tp_size`` (local weight ``[out, in/tp]``, the bias is whole). Each TP rank takes its feature
     slice of the TP group's samples, multiplies, and a reduce-scatter (sum) returns each rank the
     output of its own samples (all-reduce when ``prescaled_batch``). Functionally ``nn.Linear``."""
@@ -99,7 +101,7 @@ class DistributedLinear(DistributedModule):
 
 
 class DistributedEmbedding(DistributedModule):
-    """Tensor-parallel ``nn.Embedding`` split along the embedding dimension (spec 2.10): the local
+    """Tensor-parallel ``nn.Embedding`` split along the embedding dimension: the local
     weight is ``[num_embeddings, embedding_dim/tp]``. ``_weight`` may be the full ``[V, D]`` tensor
     (sliced) or this rank's ``[V, D/tp]`` slice. ``_skip_allgather``: the input ids already are the TP
     group's batch; ``_skip_scatter_and_merge``: return the local ``[..., D/tp]`` slice of every

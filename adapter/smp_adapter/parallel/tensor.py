@@ -1,4 +1,4 @@
-"""The tensor-parallel engine: split marked modules of a model in place (spec sections 3.5, 3.6).
+"""The tensor-parallel engine: split marked modules of a model in place.
 
 Interface for the runtime (``DistributedModel``):
 
@@ -16,7 +16,7 @@ Replacement rules: only the outermost *supported* module of a subtree whose own 
 distributed (a disabled or unsupported module is descended into; its children carry their own marks).
 Supported: classes registered with ``tp_register``; the transformer blocks of the Hugging Face
 families in ``hf.py`` (plus their input embedding / LM head); ``nn.Linear`` -> ``DistributedLinear``
-(input dimension split, spec 2.10); ``nn.Embedding`` -> vocab-parallel embedding. A module whose
+(input dimension split, as smp.nn.DistributedLinear); ``nn.Embedding`` -> vocab-parallel embedding. A module whose
 sizes do not divide by the TP size, or whose parameters are shared with another module, stays whole
 and a ``UserWarning`` names it and the reason. With ``size == 1`` nothing is replaced.
 """
@@ -231,7 +231,7 @@ def tp_gradient_sync(parameters: Iterable[nn.Parameter], ctx: TPContext) -> None
     group: call after backward, then average *all* gradients over the RDP group (e.g. DeepSpeed with
     an mpu whose data-parallel group is the RDP group).
 
-    smp's rule (spec 3.5): split parameters are averaged over the RDP group, the others over the DP
+    smp's rule: split parameters are averaged over the RDP group, the others over the DP
     group. Split parameters' gradients already average the TP group's losses (see
     ``layers.mark_distributed``). Replicated parameters: with ``prescaled_batch=True`` every TP rank
     computed the same gradient, nothing to do; without it each TP rank holds the gradient of its own

@@ -1,4 +1,4 @@
-"""``smp.nn`` transformer modules (spec section 2.10), built from the shard layers.
+"""``smp.nn`` transformer modules, built from the shard layers.
 
 Choices where the spec leaves room (section 5.17/5.18), checked against Hugging Face BERT (post-LN)
 and GPT-2 (pre-LN, causal) layers in the tests:
@@ -59,6 +59,16 @@ def _enter(t, ctx, batch):
     return comm.gather_batch(t, ctx.group) if t.shape[0] == batch else t
 
 
+def _add_layernorms(module: nn.Module, hidden_size: int, eps: float, pre: bool, post: bool) -> None:
+    """smp's ``pre_layernorm`` / ``post_layernorm`` switches: the LayerNorm modules (under smp's names,
+    which checkpoints carry) and the flags forward reads."""
+    if pre:
+        module.pre_layernorm = nn.LayerNorm(hidden_size, eps=eps)
+    if post:
+        module.layernorm = nn.LayerNorm(hidden_size, eps=eps)
+    module.use_pre_layernorm, module.use_post_layernorm = pre, post
+
+
 class DistributedAttentionLayer(DistributedModule):
     def __init__(self, num_attention_heads=32, attention_head_size=32, hidden_size=1024, attention_dropout_prob=0.1,
                  hidden_dropout_prob=0.1, layernorm_epsilon=1e-5, initializer_range=0.02,
@@ -79,11 +89,7 @@ class DistributedAttentionLayer(DistributedModule):
         self.dense = row_from_dense(_dense(inner, hidden_size, n, std), ctx)
         self.attention_dropout = nn.Dropout(attention_dropout_prob)
         self.dropout = nn.Dropout(hidden_dropout_prob)
-        if pre_layernorm:
-            self.pre_layernorm = nn.LayerNorm(hidden_size, eps=layernorm_epsilon)
-        if post_layernorm:
-            self.layernorm = nn.LayerNorm(hidden_size, eps=layernorm_epsilon)
-        self.use_pre_layernorm, self.use_post_layernorm = pre_layernorm, post_layernorm
+        _add_layernorms(self, hidden_size, layernorm_epsilon, pre_layernorm, post_layernorm)
 
     def _heads(self, x):
         n, s = x.shape[:2]
@@ -129,11 +135,7 @@ class DistributedTransformerOutputLayer(DistributedModule):
         self.dense2 = row_from_dense(_dense(intermediate_size, hidden_size, n, std), ctx)
         self.activation = activation
         self.dropout = nn.Dropout(hidden_dropout_prob)
-        if pre_layernorm:
-            self.pre_layernorm = nn.LayerNorm(hidden_size, eps=layernorm_epsilon)
-        if post_layernorm:
-            self.layernorm = nn.LayerNorm(hidden_size, eps=layernorm_epsilon)
-        self.use_pre_layernorm, self.use_post_layernorm = pre_layernorm, post_layernorm
+        _add_layernorms(self, hidden_size, layernorm_epsilon, pre_layernorm, post_layernorm)
         self.fp32_residual_addition = fp32_residual_addition
 
     def forward(self, hidden):
@@ -212,9 +214,9 @@ class DistributedTransformer(DistributedModule):
 
 
 class DistributedTransformerLMHead(DistributedModule):
-    """Embeddings + ``DistributedTransformer`` + LM head tied to the word embedding (spec 2.10).
+    """Embeddings + ``DistributedTransformer`` + LM head tied to the word embedding.
 
-    Where the smp docs are silent (spec 5.18), smp-adapter's choices:
+    Where smp v1's documentation is silent, smp-adapter's choices:
 
     * parameters: ``word_embedding`` (vocabulary split over TP ranks, so ``vocab_size`` must divide
       by the TP degree), ``position_embedding`` and ``token_type_embedding`` (whole on every rank),

@@ -12,7 +12,8 @@ NOT_TRAFFIC_GROUPS, NOT_TRAFFIC_OPS = ("self",), ("barrier",)
 
 def cpu_cluster(ranks: int) -> Cluster:
     """A one-node cluster of ``ranks`` CPU processes (the figures only matter for time, not bytes)."""
-    return Cluster("cpu", ranks, 1, 1 << 40, {"fp32": 1e11, "fp16": 1e11, "bf16": 1e11}, 1e10, 1e10)
+    return Cluster("cpu", ranks, 1, 1 << 40, {"fp32": 1e11, "fp16": 1e11, "bf16": 1e11}, 1e10, 1e10,
+                   collectives="gloo")
 
 
 def ledger_bytes_per_group(records: list[dict], skip_first: bool = True) -> dict[str, float]:

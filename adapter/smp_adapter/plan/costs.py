@@ -279,7 +279,7 @@ def plan(spec, dims, cluster: Cluster, job: Job) -> Plan:
         mem["optimizer_state"] = math.ceil(n_rank / (rdp if stage == 1 else 1)) * opt_per_param
         if stage == 1 and rdp > 1:  # from backward's start to the step's end, fp32, two with overlap_comm
             # (the translation turns it on with NCCL, i.e. on GPUs)
-            mem["gradient_buckets"] = ZERO1_REDUCE_BUCKET * 4 * (1 if cluster.name == "cpu" else 2)
+            mem["gradient_buckets"] = ZERO1_REDUCE_BUCKET * 4 * (1 if cluster.cpu_ranks else 2)
         elif stage == 0 and rdp > 1:  # the engine flattens the gradients into one buffer to all-reduce them,
             # after backward (so never alive with the activations: out.overlap below)
             mem["gradient_buckets"] = min(ZERO0_ALLREDUCE_BUFFER, n_rank) * pb
@@ -304,7 +304,7 @@ def plan(spec, dims, cluster: Cluster, job: Job) -> Plan:
     mem["activations"] = max(stage_activations(0), stage_activations(p - 1))
     if stage == 0:
         out.overlap = min(mem["activations"], mem.get("gradient_buckets", 0))
-    mem["cuda_context"] = CUDA_CONTEXT_BYTES if cluster.name != "cpu" else 0
+    mem["cuda_context"] = CUDA_CONTEXT_BYTES if not cluster.cpu_ranks else 0
     mem["fragmentation"] = int(FRAGMENTATION * out.tensor_bytes)
     out.host = {"without_delayed_init": host_bytes(spec, dims, tensors, False),
                 "with_delayed_init": host_bytes(spec, dims, tensors, True),
@@ -329,7 +329,7 @@ def plan(spec, dims, cluster: Cluster, job: Job) -> Plan:
     # engine's all-reduce, on the critical path), ZeRO-1 from backward hooks during the last
     # microbatch's backward when overlap_comm is on (the translation's setting with NCCL). The
     # pipeline engine reduces after its schedule.
-    hooked = timing.LAST_BACKWARD if p == 1 and cluster.name != "cpu" else timing.EXPOSED
+    hooked = timing.LAST_BACKWARD if p == 1 and not cluster.cpu_ranks else timing.EXPOSED
     if g > 1:
         # MiCS: every collective of the parameters and gradients stays inside the group of g ranks.
         # Per microbatch (m per smp.step call, k calls per optimizer step), FSDP2 gathers the root

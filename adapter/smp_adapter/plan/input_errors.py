@@ -9,14 +9,14 @@ CLI prints it and exits 2, like every ``SMPAdapterError``.
 
 from __future__ import annotations
 
-from smp_adapter.config.problems import _MISSING, ConfigProblem
+from smp_adapter.config.problems import MISSING, ConfigProblem
 from smp_adapter.errors import SMPAdapterError
 
 
 class PlanInputError(SMPAdapterError, ValueError):
     """One bad input to plan: ``label`` names the thing (e.g. "model config file")."""
 
-    def __init__(self, label: str, key: str, message: str, fix: str, value=_MISSING):
+    def __init__(self, label: str, key: str, message: str, fix: str, value=MISSING):
         self.label = label
         self.problem = ConfigProblem(key, message, fix, value)
         super().__init__(f"{label}: {self.problem}")

@@ -39,6 +39,14 @@ class Cluster:
     usable_memory: int = 0  # bytes the framework can allocate per GPU; 0: the nominal figure
     host_memory: int = 0  # bytes of host memory per node; 0: not known
     gpu: str = ""  # the GPU's name (the compute-efficiency table's key); "": described by the user
+    # the collective library the ranks use: "nccl" (GPUs) or "gloo" (CPU ranks, whose reduce_scatter is an
+    # all-reduce followed by a slice: it sends what an all-reduce sends; timing.ring_factor)
+    collectives: str = "nccl"
+
+    @property
+    def cpu_ranks(self) -> bool:
+        """Ranks on CPUs (gloo): no CUDA context, no side streams to overlap communication on."""
+        return self.collectives == "gloo"
 
     @property
     def world_size(self) -> int:

@@ -8,6 +8,9 @@ arithmetic: no torch.
 from __future__ import annotations
 
 COMM_EFFICIENCY = 0.70  # achieved / link bandwidth of large NCCL collectives (bus bandwidth): stated, not calibrated
+# gloo over TCP between CPU ranks: achieved / the link's rate, calibrated on namespaced nodes with a tbf-shaped
+# link (benchmarks/cluster_comm.py --plan, RESULTS.md §16)
+GLOO_COMM_EFFICIENCY = 0.85
 
 # Achieved / peak FLOP/s of the compute of a transformer training step, recompute included (hardware
 # FLOPs utilisation of the compute phases, before communication and bubbles), per GPU and precision.
@@ -25,6 +28,10 @@ COMPUTE_EFFICIENCY = {
     # V100, fp16: Megatron-LM v1.0 sustained 62.4 TFLOP/s per GPU, 48 % of peak (NVIDIA ADLR blog)
     ("V100-SXM2-16GB", "fp16"): 0.48, ("V100-SXM2-32GB", "fp16"): 0.48,
 }
+# CPU ranks (a cluster described with --collectives gloo), fp32, against the rate of a 1024 x 1024 fp32
+# matmul measured with as many processes computing at once as the node has ranks: calibrated on the GPT-2 of
+# benchmarks/cluster_comm.py --plan (a single-process step of the model beside that probe, RESULTS.md §16)
+COMPUTE_EFFICIENCY[("cpu", "fp32")] = 0.90
 # not calibrated: fp32 matmuls without tensor cores reach a larger share of their (much lower) peak
 ASSUMED_EFFICIENCY = {"fp32": 0.60, "fp16": 0.40, "bf16": 0.40}
 
@@ -78,21 +85,48 @@ def pipeline_overhead_s(schedule: str, p: int, microbatches: int, v: int) -> flo
     return PIPELINE_ACTION_S * microbatches * v * passes
 
 
-def collective_seconds(term, cluster) -> float:
-    """Ring algorithms (NCCL's choice for large messages): all_reduce moves 2 (n-1)/n of its bytes
-    over each rank's link, all_gather / reduce_scatter (n-1)/n, send/recv the message. A group
-    spanning nodes runs at the node's network bandwidth shared by the GPUs of the node that take
-    part (one ring per GPU), else at the intra-node link."""
+def ring_factor(op: str, n: int, collectives: str = "nccl") -> float:
+    """Bytes each rank sends per byte of the collective (ring algorithms, NCCL's choice for large
+    messages): all_reduce 2 (n-1)/n, all_gather / reduce_scatter (n-1)/n, send the message. Gloo's
+    reduce_scatter runs an all-reduce and keeps its slice: 2 (n-1)/n (probed on namespaced nodes,
+    benchmarks/RESULTS.md §14)."""
+    if op == "all_reduce" or (op == "reduce_scatter" and collectives == "gloo"):
+        return 2 * (n - 1) / n
+    return {"all_gather": (n - 1) / n, "reduce_scatter": (n - 1) / n}.get(op, 1.0)
+
+
+def rings_on_node_link(term, cluster) -> int:
+    """How many of the term's rings (one per group: the node's GPUs in different groups of this kind)
+    cross one node's network link at once: a group spanning nodes has one edge leaving each node."""
     n = term.size
-    factor = {"all_reduce": 2 * (n - 1) / n, "all_gather": (n - 1) / n, "reduce_scatter": (n - 1) / n}.get(term.op, 1.0)
+    return cluster.gpus_per_node // max(1, min(n, cluster.gpus_per_node // max(1, term.stride)))
+
+
+def link_bytes_per_node(term, cluster) -> float:
+    """Bytes one node sends over its network link for a term (0 inside a node): the rings sharing the
+    link, each sending its ring's bytes per rank over the node's one outgoing edge. What a node's
+    network interface counts (benchmarks/cluster_comm.py compares it with the kernel's counters)."""
+    if term.intra_node or term.op == "recv":
+        return 0.0
+    return term.bytes * ring_factor(term.op, term.size, cluster.collectives) * rings_on_node_link(term, cluster)
+
+
+def comm_efficiency(cluster) -> float:
+    return GLOO_COMM_EFFICIENCY if cluster.collectives == "gloo" else COMM_EFFICIENCY
+
+
+def collective_seconds(term, cluster) -> float:
+    """A term's time at a share of the link bandwidth (comm_efficiency). A group spanning nodes runs at
+    the node's network bandwidth shared by the rings of the node that take part, else at the
+    intra-node link."""
     if term.op == "recv":
         return 0.0  # a send and its receive are one transfer; counted with the send
+    factor = ring_factor(term.op, term.size, cluster.collectives)
     if term.intra_node:
         bandwidth = cluster.intra_node_bandwidth
     else:
-        sharing = cluster.gpus_per_node // max(1, min(n, cluster.gpus_per_node // max(1, term.stride)))
-        bandwidth = min(cluster.intra_node_bandwidth, cluster.inter_node_bandwidth / sharing)
-    return term.bytes * factor / (bandwidth * COMM_EFFICIENCY)
+        bandwidth = min(cluster.intra_node_bandwidth, cluster.inter_node_bandwidth / rings_on_node_link(term, cluster))
+    return term.bytes * factor / (bandwidth * comm_efficiency(cluster))
 
 
 # How each CommTerm's time relates to compute (CommTerm.overlap):
@@ -104,12 +138,16 @@ LAST_BACKWARD = "last_backward"  # reduced by backward hooks during the last mic
 def exposed_seconds(terms, cluster, compute_s: float, microbatches: int, passes: int) -> tuple[float, float]:
     """(all communication seconds, the part not hidden behind compute). Overlapped traffic hides
     behind the compute it overlaps (the whole step's, or the last microbatch's backward: 2 of the
-    ``passes`` forward-equivalents of one of the ``microbatches``); what exceeds it shows."""
+    ``passes`` forward-equivalents of one of the ``microbatches``); what exceeds it shows. On CPU ranks
+    (gloo) nothing is hidden: the engines overlap on CUDA side streams, and a CPU rank's collectives run
+    in line with its compute (measured: benchmarks/cluster_comm.py --plan, RESULTS.md §16)."""
     total = exposed = step = last = 0.0
     for term in terms:
         seconds = collective_seconds(term, cluster)
         total += seconds
-        if term.overlap == WHOLE_STEP:
+        if cluster.cpu_ranks:
+            exposed += seconds
+        elif term.overlap == WHOLE_STEP:
             step += seconds
         elif term.overlap == LAST_BACKWARD:
             last += seconds

@@ -1,7 +1,7 @@
 """``smp.init``: read the options, start torch.distributed under any launcher, build the groups.
 
 Which launcher started this process (torchrun, deepspeed, mpirun, srun or none) and where the ranks
-meet are read by ``runtime/launch_env.py``. We export RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and
+meet are read by ``launch/rank_env.py``. We export RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and
 MASTER_PORT so libraries that read them (DeepSpeed, HF) agree with us.
 Collective timeout: ``SMP_ADAPTER_TIMEOUT`` seconds (default 600).
 """
@@ -12,14 +12,15 @@ import os
 from datetime import timedelta
 from typing import Any, Mapping
 
+from smp_adapter import run_shutdown_resets
 from smp_adapter.config.dims import ParallelDims, sdp_engine_from
 from smp_adapter.config.options import SMPConfig
 from smp_adapter.errors import SMPUsageError, UnsupportedFeatureError
-from smp_adapter.free_port import free_port
-from smp_adapter.runtime import comm_ledger
+from smp_adapter.launch.free_port import free_port
+from smp_adapter.ledger import record as comm_ledger
 from smp_adapter.runtime import process_exit
-from smp_adapter.runtime.launch_env import LaunchEnv, rendezvous
-from smp_adapter.runtime.state import state
+from smp_adapter.launch.rank_env import LaunchEnv, rendezvous
+from smp_adapter.runtime.state import state, warn_once
 
 DEFAULT_TIMEOUT_S = 600.0
 
@@ -70,9 +71,9 @@ def init(config: Mapping[str, Any] | None = None) -> None:
     _export_rendezvous(launch, cfg)
     import torch.distributed as dist
 
-    from smp_adapter.runtime.engines import engine_class
+    from smp_adapter.runtime.engines import engine_for
 
-    engine = engine_class(dims.engine)  # the engine of this job, chosen before any model exists
+    engine = engine_for(dims)  # the engine of this job, chosen before any model exists
     engine.load_code()
     state.owns_process_group = not dist.is_initialized()
     if state.owns_process_group:
@@ -174,20 +175,6 @@ def _set_tp_context() -> None:
                                      prescaled_batch=state.cfg.prescaled_batch))
 
 
-_warned: set[str] = set()
-
-
-def warn_once(messages, rank: int) -> None:
-    """Each message once per smp.init .. shutdown, from rank 0 only (the job's log is not N copies)."""
-    import warnings
-
-    for message in messages:
-        if message not in _warned:
-            _warned.add(message)
-            if rank == 0:
-                warnings.warn(message, stacklevel=3)
-
-
 def shutdown() -> None:
     """Tear down what smp.init set up (tests and long-running notebooks)."""
     import torch.distributed as dist
@@ -202,21 +189,5 @@ def shutdown() -> None:
             os.environ.pop(name, None)
         else:
             os.environ[name] = value
-    state.reset()
-    _reset_module_globals()
-
-
-def _reset_module_globals() -> None:
-    """Process-wide values outside ``state``: the TP context, open marking contexts (and the
-    nn.Module.__init__ wrapper), smp.nn's weight-copy flag, the warnings already given."""
-    import sys
-
-    from smp_adapter import module_init_hooks
-
-    module_init_hooks.reset()
-    _warned.clear()
-    for name in ("smp_adapter.parallel.context", "smp_adapter.parallel.marking", "smp_adapter.parallel.nn",
-                 "smp_adapter.runtime.kernels"):
-        module = sys.modules.get(name)  # not imported: nothing to reset
-        if module is not None:
-            module.reset()
+    state.reset()  # also what warn_once has said
+    run_shutdown_resets()  # the TP context, open marking contexts, the nn.Module.__init__ wrapper, smp.nn's flag

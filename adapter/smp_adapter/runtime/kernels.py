@@ -11,10 +11,7 @@ translate/kernels.py, the one home of that wording).
 * ``model_creation(flash_attention=True)`` (or ``fused_softmax=True``: torch fuses the softmax only
   inside SDPA): Hugging Face models built with eager attention are switched to ``sdpa`` at
   ``smp.DistributedModel`` (``use_sdpa_attention``).
-* Optimizers: ``prefer_fused`` turns torch's Adam/AdamW (and smp.optimizers.FusedAdam, built on them)
-  to ``fused=True`` when every parameter is a floating tensor on a device in ``device_types`` (CUDA)
-  and the script chose neither ``fused`` nor ``foreach``: the same update (within float32 rounding)
-  in one kernel instead of torch's default foreach.
+* Optimizers: compat/fused_optimizers.py ``prefer_fused`` (with the optimizers, below this floor).
 * ``SMP_ADAPTER_COMPILE=blocks``: ``compile_blocks`` compiles each repeated block's forward on its own
   (torch.compile, as torchtitan): the module tree, its parameter names and the hooks engines register
   on the block (FSDP2's gathers) stay outside the graph; one graph serves every block of a class.
@@ -27,6 +24,7 @@ import sys
 import torch
 from torch import nn
 
+from smp_adapter import on_shutdown
 from smp_adapter.errors import UnsupportedFeatureError
 from smp_adapter.translate.kernels import CompileSetting, compile_refusal
 
@@ -45,8 +43,9 @@ _requested: set[str] = set()  # kernel keywords model_creation was asked for (fl
 _installed = False
 
 
+@on_shutdown
 def reset() -> None:
-    """Called by smp.shutdown: the record and the requests belong to one job."""
+    """Run by smp.shutdown: the record and the requests belong to one job."""
     _seen.clear()
     _requested.clear()
 
@@ -138,35 +137,6 @@ def use_sdpa_attention(module: nn.Module) -> list[str]:
             m.set_attn_implementation("sdpa")
             switched.append(type(m).__name__)
     return switched
-
-
-# -- optimizers ------------------------------------------------------------------------------------
-def fused_supported(params, device_types=("cuda",)) -> bool:
-    """torch's fused Adam kernel applies: every parameter a floating tensor on one of ``device_types``."""
-    from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
-
-    usable = set(device_types) & set(_get_fused_kernels_supported_devices())
-    params = list(params)
-    return bool(params) and all(p.device.type in usable and p.dtype.is_floating_point and not p.is_sparse
-                                for p in params)
-
-
-def prefer_fused(optimizer, device_types=("cuda",)) -> bool:
-    """Switch a torch Adam/AdamW whose groups left ``fused`` and ``foreach`` unset to fused=True (see
-    the module docstring); before its first step only. True when switched."""
-    if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)) or optimizer.state:
-        return False
-    groups = optimizer.param_groups
-    if any(g.get("fused") is not None or g.get("foreach") is not None or g.get("differentiable") for g in groups):
-        return False  # the script chose (or differentiable, which fused refuses): keep it
-    if not fused_supported([p for g in groups for p in g["params"]], device_types):
-        return False
-    for g in groups:
-        g["fused"] = True
-    optimizer.defaults["fused"] = True
-    # not _step_supports_amp_scaling (Adam.__init__(fused=True) sets it): a GradScaler then unscales
-    # first, as for the optimizer the script built (and smp.amp.GradScaler agrees on overflows there)
-    return True
 
 
 # -- compile per block -------------------------------------------------------------------------------

@@ -68,7 +68,7 @@ MODEL_CREATION_NOT_CARRIED_OUT = {
 
 def _say_not_carried_out(config: dict) -> None:
     """Warn once (rank 0) for each smp-transformer keyword asked for with a non-default value."""
-    from smp_adapter.runtime.init import warn_once
+    from smp_adapter.runtime.state import warn_once
 
     compiled = compile_setting_from(os.environ).on  # fused_bias_gelu / fused_dropout: inductor fuses them
     warn_once([f"smp.model_creation({key}={config[key]!r}) is not carried out: {MODEL_CREATION_NOT_CARRIED_OUT[key]}"
@@ -106,7 +106,7 @@ def set_activation_checkpointing(module: nn.Module, preserve_rng_state: bool = T
     if not isinstance(module, nn.Module):
         raise SMPUsageError(f"set_activation_checkpointing takes an nn.Module, got {type(module).__name__}")
     if isinstance(module, nn.Sequential):
-        for group in _sequential_groups(module, strategy):
+        for group in sequential_groups(module, strategy):
             for index, child in enumerate(group):
                 # consecutive children of a group are checkpointed as one segment: mark the first
                 # to run the whole group, the others to pass through inside it
@@ -118,7 +118,7 @@ def set_activation_checkpointing(module: nn.Module, preserve_rng_state: bool = T
     checkpoint_forward(module, preserve_rng_state, [])
 
 
-def _sequential_groups(seq: nn.Sequential, strategy: str) -> list[list[nn.Module]]:
+def sequential_groups(seq: nn.Sequential, strategy: str) -> list[list[nn.Module]]:
     children = list(seq)
     if strategy == "each":
         return [[c] for c in children]

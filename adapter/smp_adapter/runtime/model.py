@@ -92,15 +92,20 @@ class DistributedModel(nn.Module):
         #: the per-step finiteness check (runtime/finiteness.py), its policy from SMP_ADAPTER_NON_FINITE
         self.step_guard = StepGuard(policy_from_env(os.environ), loss_scaling=bool(s.cfg.fp16))
         s.model = self
-        from smp_adapter.runtime.transformers_compat import patch_trainer
+        from smp_adapter.compat.hf_transformers import patch_trainer
+        from smp_adapter.runtime.optimizer import DistributedOptimizer
 
-        patch_trainer()  # a Hugging Face Trainer wrapping this model: what its smp path gets wrong
+        # a Hugging Face Trainer wrapping this model: what its smp path gets wrong
+        patch_trainer(DistributedModel, DistributedOptimizer)
 
     # -- engine ----------------------------------------------------------------------------------
     @property
     def engine(self):
-        """DeepSpeed's engine at pp = 1 (built on first use), None at pp > 1."""
-        return self.runtime_engine.deepspeed_engine
+        """DeepSpeed's engine when the job runs on it (built on first use), else None (pipeline, MiCS):
+        only the DeepSpeed engine class has ``deepspeed_engine``, the Engine base names no engine."""
+        engine = self.runtime_engine
+        # the class is asked, not the instance: an AttributeError while DeepSpeed's engine is built must surface
+        return engine.deepspeed_engine if hasattr(type(engine), "deepspeed_engine") else None
 
     def mark_partitioned(self) -> None:
         """Called by the engine once the model has its final placement (runs post-partition hooks)."""

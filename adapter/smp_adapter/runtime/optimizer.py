@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from smp_adapter.errors import SMPUsageError, UnsupportedFeatureError
-from smp_adapter.runtime import comm_ledger
+from smp_adapter.ledger import record as comm_ledger
 from smp_adapter.runtime.state import PRE_1_10_FP16, require_initialized, state
 from smp_adapter.translate.deepspeed import DEFAULT_DYNAMIC_LOSS_ARGS, LossScaleArgs
 
@@ -59,7 +59,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.__dict__["optimizer"] = optimizer
         self.__dict__["_model"] = s.model
         self.__dict__["_engine"] = s.model.runtime_engine
-        from smp_adapter.runtime.kernels import prefer_fused
+        from smp_adapter.compat.fused_optimizers import prefer_fused
 
         prefer_fused(optimizer)  # torch Adam/AdamW on CUDA: the fused kernel where the script chose none
         self._engine.attach_optimizer(optimizer, loss_scale)  # DeepSpeed: builds its engine now
@@ -135,7 +135,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.__dict__["_clip_norm"] = None
         if update:
             self._model.run_post_step_hooks(self)
-        comm_ledger.note_optimizer_step()  # the training step's traffic ends here (runtime/comm_ledger.py)
+        comm_ledger.note_optimizer_step()  # the training step's traffic ends here (ledger/record.py)
 
     def zero_grad(self, set_to_none: bool = True):
         self._engine.zero_grad(self.optimizer, set_to_none)

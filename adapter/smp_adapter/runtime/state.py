@@ -11,6 +11,19 @@ from typing import Any
 
 from smp_adapter.errors import NotInitializedError, UnsupportedFeatureError
 
+warned: set[str] = set()  # what warn_once has said since smp.init (cleared by State.reset)
+
+
+def warn_once(messages, rank: int) -> None:
+    """Each message once per smp.init .. shutdown, from rank 0 only (the job's log is not N copies)."""
+    import warnings
+
+    for message in messages:
+        if message not in warned:
+            warned.add(message)
+            if rank == 0:
+                warnings.warn(message, stacklevel=3)
+
 
 @dataclass
 class ProcessGroups:
@@ -53,6 +66,7 @@ class State:
         self.reset()
 
     def reset(self) -> None:
+        warned.clear()
         self.initialized = False
         self._cfg = None
         self.dims = None  # ParallelDims

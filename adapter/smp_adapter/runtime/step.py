@@ -15,8 +15,9 @@ import inspect
 from collections.abc import Mapping
 from typing import Any
 
+from smp_adapter.config.dims import per_microbatch
 from smp_adapter.errors import SMPUsageError
-from smp_adapter.runtime import comm_ledger
+from smp_adapter.ledger import record as comm_ledger
 from smp_adapter.runtime.state import require_initialized, state
 
 
@@ -70,7 +71,7 @@ class StepOutput:
 
 def step(non_split_inputs=None, input_split_axes=None, detach_outputs: bool = True):
     """Decorator, bare (``@smp.step``) or called: ``@smp.step()``, ``@smp.step(["mask"])`` / ``@smp.step(
-    non_split_inputs, input_split_axes)`` (the documented positional form, spec 2.5) or with keywords.
+    non_split_inputs, input_split_axes)`` (the positional form smp v1's documentation gives) or with keywords.
     ``non_split_inputs``: argument names passed whole to every microbatch; ``input_split_axes``: argument
     name -> the axis it is split along (0 otherwise)."""
     if callable(non_split_inputs) and input_split_axes is None:  # bare @smp.step: the decorated function itself
@@ -152,12 +153,13 @@ def _split(value: Any, m: int, axis: int, name: str) -> list:
         if value.dim() == 0:
             return [value] * m
         n = value.shape[axis]
-        if n % m:
+        size = per_microbatch(n, m)
+        if size is None:
             raise SMPUsageError(
                 f"smp.step: argument '{name}' has {n} samples on axis {axis}, which does not divide into "
                 f"microbatches={m}: use a batch size that is a multiple of {m} (DataLoader(..., drop_last=True)), "
                 f"or pass it whole with @smp.step(non_split_inputs=['{name}'])")
-        return list(torch.split(value, n // m, dim=axis))
+        return list(torch.split(value, size, dim=axis))
     if hasattr(value, "smp_slice"):
         return [value.smp_slice(m, mb, axis) for mb in range(m)]
     if isinstance(value, (list, tuple)) and not _is_namedtuple(value):

@@ -99,20 +99,17 @@ def to_deepspeed_config(dims: ParallelDims, per_rank_batch: int | None = None,
     cfg = dims.cfg
     per_rank_batch = cfg.microbatches if per_rank_batch is None else per_rank_batch
     micro = dims.micro_batch_size(per_rank_batch)
+    arguments = _engine_arguments(dims, loss_scale, backward_passes_per_step)
     ds: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": micro,
-        # engine.backward divides each microbatch loss by this: smp's average over microbatches
-        # (the runtime sets the reduction boundary itself, after the last microbatch of every
-        # backward_passes_per_step-th step call)
-        "gradient_accumulation_steps": cfg.microbatches * backward_passes_per_step,
+        "gradient_accumulation_steps": arguments.pop("gradient_accumulation_steps"),
         "gradient_clipping": float(cfg.sdp_gradient_clipping) if dims.sdp > 1 else 0.0,
         "steps_per_print": 2**31 - 1,  # smp scripts print their own progress
         "zero_allow_untested_optimizer": True,  # any torch optimizer works under smp
         "wall_clock_breakdown": False,
         "zero_optimization": _zero_section(dims, backend),
+        **arguments,  # fp16, when on
     }
-    if cfg.fp16:
-        ds["fp16"] = fp16_section(loss_scale or LossScaleArgs())
     if cfg.bf16:
         ds["bf16"] = {"enabled": True}
     if cfg.offload_activations:
@@ -128,12 +125,22 @@ def with_engine_arguments(config: dict[str, Any], dims: ParallelDims, loss_scale
     """``config`` (``to_deepspeed_config(dims, ...)`` with the defaults) with what DistributedModel's and
     DistributedOptimizer's arguments decide: equal to ``to_deepspeed_config(dims, ..., loss_scale=...,
     backward_passes_per_step=...)``, without rebuilding the rest. A new dict; ``config`` is unchanged."""
-    cfg = dims.cfg
     ds = copy.deepcopy(config)
-    ds["gradient_accumulation_steps"] = cfg.microbatches * backward_passes_per_step
-    if cfg.fp16:
-        ds["fp16"] = fp16_section(loss_scale or LossScaleArgs())
+    ds.update(_engine_arguments(dims, loss_scale, backward_passes_per_step))
     return ds
+
+
+def _engine_arguments(dims: ParallelDims, loss_scale: LossScaleArgs | None,
+                      backward_passes_per_step: int) -> dict[str, Any]:
+    """The entries DistributedModel's and DistributedOptimizer's arguments decide, written only here."""
+    cfg = dims.cfg
+    # engine.backward divides each microbatch loss by gradient_accumulation_steps: smp's average over
+    # microbatches (the runtime sets the reduction boundary itself, after the last microbatch of every
+    # backward_passes_per_step-th step call)
+    entries: dict[str, Any] = {"gradient_accumulation_steps": cfg.microbatches * backward_passes_per_step}
+    if cfg.fp16:
+        entries["fp16"] = fp16_section(loss_scale or LossScaleArgs())
+    return entries
 
 
 def _zero_section(dims: ParallelDims, backend: str | None) -> dict[str, Any]:

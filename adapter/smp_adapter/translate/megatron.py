@@ -41,6 +41,15 @@ from smp_adapter.config.dims import ParallelDims
 MEGATRON_LM_DEFAULT_ORDER = "tp-dp-pp"  # "tp-cp-ep-dp-pp" with cp = ep = 1
 MEGATRON_LM_TP_PP_DP_ORDER = "tp-pp-dp"  # what --use-tp-pp-dp-mapping selects
 TP_PP_DP_FLAG = "--use-tp-pp-dp-mapping"
+SEQUENCE_PARALLEL = False  # smp v1 has no sequence parallelism
+
+
+def tp_layer_settings(tp: int) -> dict[str, Any]:
+    """The Megatron-core settings smp's tensor-parallel layers are built with (parallel/layers.py
+    passes them to ModelParallelConfig and to Megatron's linear functions), the same a plan prints:
+    the TP degree, no sequence parallelism, no fused gradient accumulation (a CUDA kernel)."""
+    return {"tensor_model_parallel_size": tp, "sequence_parallel": SEQUENCE_PARALLEL,
+            "gradient_accumulation_fusion": False}
 
 
 @dataclass(frozen=True)
@@ -59,7 +68,7 @@ class MegatronPlan:
     fp16: bool = False
     bf16: bool = False
     virtual_pipeline_model_parallel_size: int | None = None  # smp has no interleaved virtual stages
-    sequence_parallel: bool = False  # smp v1 has no sequence parallelism
+    sequence_parallel: bool = SEQUENCE_PARALLEL
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

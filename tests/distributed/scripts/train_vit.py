@@ -5,6 +5,8 @@ from SM_HP_MP_PARAMETERS (set by the test, as SageMaker's launcher does)."""
 import argparse
 import os
 import sys
+import time
+from pathlib import Path
 
 import torch
 
@@ -93,6 +95,8 @@ for step in range(args.first_step, args.first_step + args.steps):
     images, labels = global_batch(step, B * smp.dp_size())
     lo = smp.dp_rank() * B
     if step == args.raise_at_step and smp.rank() == args.raise_rank:
+        # when it failed (wall clock), for the tests that bound how long the job takes to end after it
+        Path(os.environ.get("SMP_TEST_OUT", "."), f"failed_at.rank{smp.rank()}").write_text(repr(time.time()))
         raise RuntimeError(f"injected failure in rank {smp.rank()} at step {step}")
     optimizer.zero_grad()
     loss_mb = train_step(model, images[lo:lo + B], labels[lo:lo + B])

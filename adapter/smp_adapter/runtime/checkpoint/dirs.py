@@ -20,7 +20,7 @@ from smp_adapter.runtime.checkpoint import files as ckpt
 from smp_adapter.runtime.checkpoint.io import CheckpointIO
 from smp_adapter.runtime.checkpoint.integrity import sidecars
 from smp_adapter.runtime.checkpoint import storage
-from smp_adapter.runtime import comm_ledger
+from smp_adapter.ledger import record as comm_ledger
 from smp_adapter.runtime.finiteness import refuse_non_finite_checkpoint
 from smp_adapter.runtime.state import require_initialized, state
 
@@ -49,17 +49,8 @@ def _checkpoint_phase(func):
 
 
 def _write_newest(path: Path, tag: str) -> None:
-    tmp = path / f".newest.tmp.{os.getpid()}"
-    try:
-        with open(tmp, "w") as f:
-            f.write(tag + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path / "newest")
-        storage.fsync_dir(path)
-    except OSError:
-        storage.remove_quietly(tmp)
-        raise
+    storage.atomic_write(path / "newest", lambda tmp: tmp.write_text(tag + "\n"))
+    storage.fsync_dir(path)
 
 
 def _agree(error: str | None, world_size: int) -> list[str]:
@@ -225,7 +216,7 @@ def resume_from_checkpoint(path, tag=None, partial: bool = True, strict: bool = 
         except SMPCheckpointError as exc:
             if fallback is None:
                 raise
-            reason = str(exc).splitlines()[0]
+            reason = "; ".join([str(exc).splitlines()[0], *getattr(exc, "damaged", ())])
             warnings.warn(f"rank {s.rank}: checkpoint {candidate!r} in {path} cannot be resumed from ({reason}); "
                           f"resuming from the next newest one, {fallback!r}, instead. Delete or repair {candidate!r} "
                           "(smp-adapter checkpoint verify names its damaged files)", stacklevel=3)

@@ -20,7 +20,7 @@ import torch
 from smp_adapter.errors import SMPCheckpointError
 from smp_adapter.runtime.checkpoint.integrity import saving
 from smp_adapter.runtime.checkpoint.integrity.manifest import MANIFEST  # noqa: F401 - its one home
-from smp_adapter.runtime.checkpoint.storage import fsync_file
+from smp_adapter.runtime.checkpoint.storage import atomic_write
 from smp_adapter.runtime.state import state
 
 PARTIAL_MARK = "_smp_is_partial"
@@ -67,17 +67,8 @@ def check_layout(saved: dict, what: str) -> None:
 
 def atomic_torch_save(obj, path: str, pickle_protocol: int = 2) -> dict:
     """torch.save, hashed as it is written; returns the file's {"size", "digest"} (default algorithm)."""
-    tmp = f"{path}.tmp.{os.getpid()}"
-
-    try:
-        record = saving.write_hashed(tmp, lambda f: torch.save(obj, f, pickle_protocol=pickle_protocol))
-        fsync_file(tmp)  # on disk before the rename publishes it
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):  # a failed write (disk full) leaves nothing behind
-            os.remove(tmp)
-        raise
-    return record
+    return atomic_write(path, lambda tmp: saving.write_hashed(
+        tmp, lambda f: torch.save(obj, f, pickle_protocol=pickle_protocol)))
 
 
 # Checkpoints the AWS templates write hold more than tensors: a transformers config in user_content

@@ -1,6 +1,9 @@
 """Checkpoint storage: durability before a checkpoint is published, and what a save does when the
 disk fails it.
 
+* ``atomic_write``: every file the project publishes (a checkpoint file, a digest sidecar, ``newest``)
+  is written beside its name, fsynced, then renamed over it: a reader sees the old file or the new
+  one, never a part, also after a node crash.
 * ``fsync_tree`` / ``fsync_dir``: a checkpoint's files and directories reach the disk before the
   rename that publishes it (and the parent directory after it), so a node crash never leaves a
   renamed checkpoint whose files are incomplete.
@@ -45,6 +48,22 @@ def fsync_dir(path) -> None:
             raise
     finally:
         os.close(fd)
+
+
+def atomic_write(path, write):
+    """``write(tmp)`` fills a temporary file beside ``path`` (hidden: ``.<name>.tmp.<pid>``), which
+    reaches the disk and then replaces ``path`` in one rename; a failed write leaves nothing behind.
+    Returns what ``write`` returns."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
+    try:
+        result = write(tmp)
+        fsync_file(tmp)  # on disk before the rename publishes it
+        os.replace(tmp, path)
+    except BaseException:
+        remove_quietly(tmp)
+        raise
+    return result
 
 
 def fsync_files(paths) -> None:

@@ -72,7 +72,7 @@ def _ref(t: torch.Tensor) -> _Ref:
     return _Ref(t.untyped_storage()._cdata, t.dtype, tuple(t.size()), tuple(t.stride()), t.storage_offset())
 
 
-def _meta_alias(t: torch.Tensor) -> torch.Tensor:
+def meta_alias(t: torch.Tensor) -> torch.Tensor:
     """A plain meta tensor on the same (meta) storage as ``t``."""
     return torch.empty(0, dtype=t.dtype, device=META).set_(t.untyped_storage(), t.storage_offset(), t.size(),
                                                            t.stride())

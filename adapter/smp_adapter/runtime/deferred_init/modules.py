@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from smp_adapter.runtime.deferred_init.heap import release_freed_heap
-from smp_adapter.runtime.deferred_init.log import META, RecordingError, _meta_alias
+from smp_adapter.runtime.deferred_init.log import META, RecordingError, meta_alias
 from smp_adapter.runtime.deferred_init.record import DeferredInit, DeferredTensor
 
 
@@ -70,7 +70,7 @@ _HOOK_TABLES = ("_backward_hooks", "_post_accumulate_grad_hooks")
 def meta_like(tensor: torch.Tensor) -> torch.Tensor:
     """A meta tensor of ``tensor``'s layout; on a deferred tensor's own storage (it stays replayable)."""
     if isinstance(tensor, DeferredTensor) or tensor.is_meta:
-        return _meta_alias(tensor)
+        return meta_alias(tensor)
     return torch.empty_strided(tensor.size(), tensor.stride(), dtype=tensor.dtype, device=META)
 
 

@@ -12,7 +12,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from smp_adapter.runtime.deferred_init.heap import release_freed_heap
 from smp_adapter.runtime.deferred_init.log import (
-    META, RecordingError, _Const, _default_generator, _Entry, _is_random, _is_view, _laid_out, _meta_alias, _moved,
+    META, RecordingError, _Const, _default_generator, _Entry, _is_random, _is_view, _laid_out, meta_alias, _moved,
     _random_state, _reads, _Ref, _ref, _Storage, _view)
 
 
@@ -157,7 +157,7 @@ class DeferredInit:
         for a in flat:
             if isinstance(a, DeferredTensor):
                 logged.append(_ref(a))
-                meta_flat.append(_meta_alias(a))
+                meta_flat.append(meta_alias(a))
             elif isinstance(a, torch.Tensor):
                 if a.is_meta:
                     raise RecordingError(f"delayed initialisation: {func} mixes a model tensor with a meta tensor "

@@ -1,6 +1,6 @@
 """The engines that carry out a job, and the one place that turns the layout's choice into a class.
 
-    layout (ParallelDims.engine) --smp.init: engine_class--> Engine class (state.engine)
+    layout (ParallelDims.engine) --smp.init: engine_for--> Engine class (state.engine)
         --DistributedModel: create_engine--> Engine instance (model.runtime_engine)
 
 * ``deepspeed`` (deepspeed/): pipeline_parallel_degree 1. A DeepSpeed engine (ZeRO 0/1/3, hpZ,
@@ -45,11 +45,16 @@ def engine_class(name: str):
     return getattr(importlib.import_module(module), cls)
 
 
+def engine_for(dims):
+    """The Engine class a layout needs: smp.init's choice, and the fallback of ``job_engine``."""
+    return engine_class(engine_name_for(dims))
+
+
 def job_engine():
     """The Engine class of this job: the one smp.init chose (state.engine), or, for a state set up by
     hand without smp.init, the one its layout names."""
     if state.engine is None:
-        state.engine = engine_class(engine_name_for(state.dims))
+        state.engine = engine_for(state.dims)
     return state.engine
 
 

@@ -167,11 +167,6 @@ class Engine(ABC):
     def local_named_modules(self):
         ...
 
-    @property
-    def deepspeed_engine(self):
-        """DeepSpeed's own engine when there is one (``model.engine``), else None."""
-        return None
-
     # -- model state dicts (runtime/checkpoint/save_load.py builds them; the engine adds its part) ---------
     def merge_full_state_dict(self, sd: dict) -> dict:
         """A full-layout state dict of this rank's entries -> the whole model's (collective)."""

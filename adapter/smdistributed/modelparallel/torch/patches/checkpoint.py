@@ -4,7 +4,7 @@ import torch
 from torch import nn
 
 from smp_adapter.errors import SMPUsageError
-from smp_adapter.runtime.memory import _sequential_groups
+from smp_adapter.runtime.memory import sequential_groups
 
 
 def checkpoint(module, *args, preserve_rng_state=True, **kwargs):
@@ -30,7 +30,7 @@ def checkpoint_sequential(sequential_module, input, strategy="each", preserve_rn
         return segment
 
     out = input
-    for group in _sequential_groups(sequential_module, strategy):
+    for group in sequential_groups(sequential_module, strategy):
         if torch.is_grad_enabled():
             out = torch.utils.checkpoint.checkpoint(run(group), out, use_reentrant=False,
                                                     preserve_rng_state=preserve_rng_state)

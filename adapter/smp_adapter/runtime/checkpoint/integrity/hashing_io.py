@@ -9,8 +9,8 @@ import io
 import os
 from pathlib import Path
 
-from smp_adapter.runtime.checkpoint.integrity.records import (_PIECE, _record, chunk_bytes, default_algorithm,
-                                                              digest_file, hasher, hashes_unit)
+from smp_adapter.runtime.checkpoint.integrity.records import (PIECE, chunk_bytes, default_algorithm, digest_file,
+                                                              digest_record, hasher, hashes_unit)
 
 _BESIDE_BYTES = 1 << 20  # a write at least this large is hashed beside the write when a helper thread is given
 
@@ -47,7 +47,7 @@ class HashingFile(io.RawIOBase):
         else:
             start = 0
             while start < len(view):  # hash 1 MiB, write it while it is in the CPU's cache
-                piece = view[start:start + _PIECE]
+                piece = view[start:start + PIECE]
                 self._absorb(piece)
                 self._write_all(piece)
                 start += len(piece)
@@ -86,7 +86,7 @@ class HashingFile(io.RawIOBase):
         if not self._appended:
             return None
         tail = [self._hash.hexdigest()] if self._in_chunk or not self._chunks else []
-        return _record(self._algorithm, self._size, self._chunk, self._chunks + tail)
+        return digest_record(self._algorithm, self._size, self._chunk, self._chunks + tail)
 
 
 def write_hashed(path, write, algorithm: str | None = None, helper=None) -> dict:
@@ -117,7 +117,7 @@ class HashingReader(io.RawIOBase):
         file, by a dp group); this one hashes chunks ``position``, ``position + count``, ..."""
         super().__init__()
         self._raw = open(path, "rb", buffering=0)
-        self._algorithm, self._record, self._shared_by = algorithm, record, shared_by
+        self._algorithm, self.digest_record, self._shared_by = algorithm, record, shared_by
         self._step = record.get("chunk_bytes") or max(record["size"], 1)
         self._hash, self._cursor, self.checked = hasher(algorithm), 0, {}
 
@@ -128,7 +128,7 @@ class HashingReader(io.RawIOBase):
         return hashes_unit(index, self._shared_by)
 
     def _chunk_end(self, index: int) -> int:
-        return min((index + 1) * self._step, self._record["size"])
+        return min((index + 1) * self._step, self.digest_record["size"])
 
     def _skip_others(self, end: int) -> None:
         """Move the cursor past the chunks another rank hashes, up to ``end``."""
@@ -155,7 +155,7 @@ class HashingReader(io.RawIOBase):
         view, total = memoryview(buffer).cast("B"), 0
         position = self._raw.tell()
         while total < len(view):
-            got = self._raw.readinto(view[total:total + _PIECE])
+            got = self._raw.readinto(view[total:total + PIECE])
             if not got:
                 break
             self._absorb(position + total, view[total:total + got])
@@ -177,7 +177,7 @@ class HashingReader(io.RawIOBase):
         while self._cursor < end:
             self._skip_others(end)
             if self._cursor < end:
-                self._feed(os.pread(self._raw.fileno(), min(end - self._cursor, _PIECE), self._cursor) or b"\0")
+                self._feed(os.pread(self._raw.fileno(), min(end - self._cursor, PIECE), self._cursor) or b"\0")
 
     def _feed(self, data) -> None:
         while data:
@@ -191,13 +191,13 @@ class HashingReader(io.RawIOBase):
             data = data[room:]
             if self._cursor == end:
                 if mine:
-                    want = self._record["chunks"][index] if "chunks" in self._record else self._record["digest"]
-                    self.checked[index if "chunks" in self._record else None] = self._hash.hexdigest() == want
+                    want = self.digest_record["chunks"][index] if "chunks" in self.digest_record else self.digest_record["digest"]
+                    self.checked[index if "chunks" in self.digest_record else None] = self._hash.hexdigest() == want
                 self._hash = hasher(self._algorithm)
 
     def close(self) -> None:
         if not self.closed:
-            size = self._record["size"]
+            size = self.digest_record["size"]
             if self._cursor < size and size - self._cursor <= 2 * _GAP:
                 self._fill(size)  # the zip's directory, read first and served unhashed
             self._raw.close()

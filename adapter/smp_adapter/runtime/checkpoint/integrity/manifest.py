@@ -23,11 +23,11 @@ from __future__ import annotations
 
 import json
 import os
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 from smp_adapter.errors import SMPCheckpointError
+from smp_adapter.runtime.state import warn_once, warned as _warned  # noqa: F401  (_warned: tests clear it)
 from smp_adapter.runtime.checkpoint.integrity.records import (CHUNK_ENV, SKIP_ENV, default_algorithm, digest_file, hasher, unit_bytes,  # noqa: F401
                                                 damaged_units, unit_range, units)
 
@@ -41,7 +41,7 @@ def skipped() -> bool:
     return os.environ.get(SKIP_ENV, "").strip().lower() in ("1", "true", "yes")
 
 
-def _own_digest(manifest: dict, algorithm: str) -> str:
+def own_digest(manifest: dict, algorithm: str) -> str:
     h = hasher(algorithm)
     h.update(json.dumps({k: v for k, v in manifest.items() if k != SELF}, sort_keys=True).encode())
     return h.hexdigest()
@@ -71,7 +71,7 @@ def read_manifest(folder: Path) -> tuple[dict | None, list[Problem]]:
     if ALGORITHM in manifest or SELF in manifest:
         try:
             algorithm = manifest.get(ALGORITHM, "")
-            if manifest.get(SELF) != _own_digest(manifest, algorithm):
+            if manifest.get(SELF) != own_digest(manifest, algorithm):
                 return manifest, [Problem(MANIFEST, "its content does not match its own digest: edited or damaged "
                                                     "after the save")]
         except SMPCheckpointError as exc:
@@ -83,7 +83,7 @@ def has_digests(manifest: dict) -> bool:
     return FILES in manifest
 
 
-def _units(files: dict, items) -> list:
+def units_of(files: dict, items) -> list:
     """``items``: file names (every unit of each) or ``(name, chunk index)`` units, as units."""
     return [u for item in items for u in (units(item, files[item]) if isinstance(item, str) else [tuple(item)])]
 
@@ -92,7 +92,7 @@ def check_sizes(folder: Path, manifest: dict, items) -> list[Problem]:
     """The recorded files of ``items`` (names or units) are there with their recorded sizes (a stat
     each: a file cut short or missing is refused before any byte is read)."""
     problems, files = [], manifest[FILES]
-    for name in dict.fromkeys(u[0] for u in _units(files, items)):
+    for name in dict.fromkeys(u[0] for u in units_of(files, items)):
         path, want = Path(folder) / name, files[name]
         if not path.is_file():
             problems.append(Problem(name, "missing (recorded at the save, not in the folder now)"))
@@ -106,7 +106,7 @@ def check_contents(folder: Path, manifest: dict, items) -> list[Problem]:
     """The digests of ``items`` (names or units) of the recorded files (of the right size): one
     problem per file, naming its damaged chunks."""
     algorithm, files, by_file = manifest[ALGORITHM], manifest[FILES], {}
-    for name, index in _units(files, items):
+    for name, index in units_of(files, items):
         by_file.setdefault(name, []).append(index)
     problems = []
     for name, indices in by_file.items():
@@ -124,7 +124,7 @@ def differs(algorithm: str, record: dict, indices) -> str:
 def check_files(folder: Path, manifest: dict, items) -> list[Problem]:
     """Size, then digest, of the recorded files of ``items`` (names or units)."""
     by_file: dict = {}
-    for unit in _units(manifest[FILES], items):
+    for unit in units_of(manifest[FILES], items):
         by_file.setdefault(unit[0], []).append(unit)
     return [p for name, own in by_file.items() for p in (check_sizes(folder, manifest, [name]) or
                                                          check_contents(folder, manifest, own))]
@@ -156,7 +156,7 @@ def shares(files: dict, world_size: int) -> list[list[tuple]]:
     largest first to the least loaded (the same on every rank): one large file read by every rank
     (ZeRO 0's model file) is checked by all of them, a chunk each in turn."""
     load, out = [0] * world_size, [[] for _ in range(world_size)]
-    every = _units(files, sorted(files))
+    every = units_of(files, sorted(files))
     for name, index in sorted(every, key=lambda u: (-unit_bytes(files[u[0]], u[1]), u[0], u[1] or 0)):
         r = load.index(min(load))
         out[r].append((name, index))
@@ -164,36 +164,33 @@ def shares(files: dict, world_size: int) -> list[list[tuple]]:
     return out
 
 
-_warned: set = set()
-
-
-def _warn_once(message: str, rank: int) -> None:
-    if message not in _warned:
-        _warned.add(message)
-        if rank == 0:
-            warnings.warn(message, stacklevel=3)
+def problem_lines(folder: Path, problems, most: int = 20) -> list[str]:
+    """Each problem as ``<file>: <what>`` (at most ``most`` of them, then how many more)."""
+    lines = [f"{folder / p.file}: {p.what}" for p in problems[:most]]
+    return lines + ([f"... and {len(problems) - most} more"] if len(problems) > most else [])
 
 
 def refusal(folder: Path, problems, action: str) -> SMPCheckpointError:
-    lines = "\n".join(f"  {folder / p.file}: {p.what}" for p in problems[:20])
-    more = f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else ""
-    return SMPCheckpointError(
+    lines = "\n".join(f"  {line}" for line in problem_lines(folder, problems))
+    error = SMPCheckpointError(
         f"{folder} is damaged; refusing to {action} ({len(problems)} problem{'s' if len(problems) > 1 else ''}):\n"
-        f"{lines}{more}\n"
+        f"{lines}\n"
         f"Use an older complete checkpoint (another <tag>_partial beside it; pass its tag, or write it into the "
         f"'newest' file), or copy this one again from its source and run `smp-adapter checkpoint verify "
         f"{folder}`; to use it anyway, accepting wrong values, set {SKIP_ENV}=1")
+    error.damaged = problem_lines(folder, problems, most=5)  # what a fallback to an older checkpoint names
+    return error
 
 
-def _unchecked(folder: Path, manifest: dict, problems: list, rank: int) -> bool:
+def used_unchecked(folder: Path, manifest: dict, problems: list, rank: int) -> bool:
     """Whether the files are used without checking: the user's opt-out, or a checkpoint saved before
     digests existed (an intact manifest without them); one warning each."""
     if skipped():
-        _warn_once(f"{SKIP_ENV}=1: checkpoint files are used without checking their digests", rank)
+        warn_once([f"{SKIP_ENV}=1: checkpoint files are used without checking their digests"], rank)
         return True
     if not problems and not has_digests(manifest):
-        _warn_once(f"{folder} records no file digests (saved by an smp-adapter before they were added): it is "
-                   "used unchecked; a new save records them", rank)
+        warn_once([f"{folder} records no file digests (saved by an smp-adapter before they were added): it is "
+                   "used unchecked; a new save records them"], rank)
         return True
     return False
 
@@ -202,7 +199,7 @@ def require_intact(folder: Path, action: str) -> dict:
     """One process: the manifest, once every file checked out (else the error naming each problem)."""
     folder = Path(folder)
     manifest, problems = read_manifest(folder)
-    if manifest is not None and _unchecked(folder, manifest, problems, 0):
+    if manifest is not None and used_unchecked(folder, manifest, problems, 0):
         return manifest
     if not problems:
         manifest, problems = verify(folder)

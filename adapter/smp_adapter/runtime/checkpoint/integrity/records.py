@@ -29,7 +29,7 @@ from smp_adapter.errors import SMPCheckpointError, SMPUsageError
 SKIP_ENV = "SMP_ADAPTER_SKIP_CHECKPOINT_VERIFY"
 CHUNK_ENV = "SMP_ADAPTER_DIGEST_CHUNK_BYTES"
 DEFAULT_CHUNK_BYTES = 8 << 20  # a 200 MB file is 24 chunks: two ranks' shares differ by one at most (4 %)
-_PIECE = 1 << 20  # the writer hashes, then writes, 1 MiB at a time: the write copies bytes the hash just
+PIECE = 1 << 20  # the writer hashes, then writes, 1 MiB at a time: the write copies bytes the hash just
 #                   pulled into the CPU's cache; the reader reads, then hashes, as much (a core's L2 here)
 
 
@@ -75,7 +75,7 @@ def chunk_bytes() -> int:
     return value
 
 
-def _record(algorithm: str, size: int, chunk: int, chunks: list) -> dict:
+def digest_record(algorithm: str, size: int, chunk: int, chunks: list) -> dict:
     if len(chunks) <= 1:
         return {"size": size, "digest": chunks[0]}
     top = hasher(algorithm)
@@ -120,13 +120,13 @@ def digest_file(path, algorithm: str, chunk: int | None = None) -> dict:
     with open(path, "rb", buffering=0) as f:
         size = os.fstat(f.fileno()).st_size
         if not size:
-            return _record(algorithm, 0, chunk, [hasher(algorithm).hexdigest()])
+            return digest_record(algorithm, 0, chunk, [hasher(algorithm).hexdigest()])
         with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped, memoryview(mapped) as view:
             for start in range(0, size, chunk):
                 h = hasher(algorithm)
                 h.update(view[start:start + chunk])
                 chunks.append(h.hexdigest())
-    return _record(algorithm, size, chunk, chunks)
+    return digest_record(algorithm, size, chunk, chunks)
 
 
 def damaged_units(path, algorithm: str, record: dict, indices) -> list:

@@ -15,10 +15,10 @@ import contextlib
 from pathlib import Path
 
 from smp_adapter.errors import SMPCheckpointError
-from smp_adapter.runtime.checkpoint.integrity.manifest import (ALGORITHM, FILES, MANIFEST, Problem, _units, _unchecked, agree,
+from smp_adapter.runtime.checkpoint.integrity.manifest import (ALGORITHM, FILES, MANIFEST, Problem, agree,
                                                     check_contents, check_files, check_sizes, differs, extra_files,
                                                     has_digests, max_over_ranks, read_manifest, refusal, shares,
-                                                    skipped)
+                                                    skipped, units_of, used_unchecked)
 from smp_adapter.runtime.checkpoint.integrity.hashing_io import HashingReader
 from smp_adapter.runtime.checkpoint.integrity.records import due_units, hasher, small
 from smp_adapter.runtime.checkpoint.integrity.spare_cores import SpareCoreHasher, hashing_threads
@@ -106,7 +106,7 @@ class Check:
 
     def _verdict(self) -> list:
         files, algorithm = self.manifest[FILES], self.manifest[ALGORITHM]
-        every = _units(files, sorted(files))  # the same list on every rank: the manifest's
+        every = units_of(files, sorted(files))  # the same list on every rank: the manifest's
         state = {u: OK for u in every if u[0] in self.checked_before}
         if self.spare_cores is not None:
             self.spare_cores.wait()
@@ -140,14 +140,14 @@ def start_check(folder: Path, action: str, rank: int, world_size: int, local_ran
     folder = Path(folder)
     manifest, problems = read_manifest(folder)
     checked_units = 0
-    if manifest is not None and _unchecked(folder, manifest, problems, rank):
+    if manifest is not None and used_unchecked(folder, manifest, problems, rank):
         problems = []
     elif not problems:
         try:
             hasher(manifest[ALGORITHM])  # an algorithm this process cannot compute: refused now
             files = manifest[FILES]
             share = shares(files, world_size)[rank]
-            checked_units = len(_units(files, files))
+            checked_units = len(units_of(files, files))
             problems = check_sizes(folder, manifest, share) + (extra_files(folder, manifest) if rank == 0 else [])
             # this rank's small files are hashed now: reading one costs microseconds, less than finding
             # out after the load whether some rank's engine read it (no engine reads the RNG states

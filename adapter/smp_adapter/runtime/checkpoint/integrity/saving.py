@@ -17,7 +17,7 @@ import json
 from pathlib import Path
 
 from smp_adapter.runtime.checkpoint.integrity import hashing_io
-from smp_adapter.runtime.checkpoint.integrity.manifest import ALGORITHM, FILES, MANIFEST, SELF, _own_digest
+from smp_adapter.runtime.checkpoint.integrity.manifest import ALGORITHM, FILES, MANIFEST, SELF, own_digest
 from smp_adapter.runtime.checkpoint.integrity.records import default_algorithm, digest_file
 from smp_adapter.runtime.checkpoint.integrity.spare_cores import writer_helper
 
@@ -69,5 +69,5 @@ def complete(root: Path, recorded: dict, algorithm: str) -> dict:
 def write_manifest(folder: Path, manifest: dict) -> None:
     """The manifest, carrying its own digest when it records file digests."""
     if ALGORITHM in manifest:
-        manifest = {**manifest, SELF: _own_digest(manifest, manifest[ALGORITHM])}
+        manifest = {**manifest, SELF: own_digest(manifest, manifest[ALGORITHM])}
     (Path(folder) / MANIFEST).write_text(json.dumps(manifest, indent=1))

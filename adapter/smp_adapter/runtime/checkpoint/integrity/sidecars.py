@@ -6,10 +6,10 @@ runtime/checkpoint/integrity/manifest.py the checks and the refusal)."""
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 from smp_adapter.errors import SMPCheckpointError
+from smp_adapter.runtime.checkpoint.storage import atomic_write
 from smp_adapter.runtime.checkpoint.integrity.manifest import (ALGORITHM, FILES, Problem, agree, check_contents, check_files,
                                                     check_sizes, default_algorithm, digest_file, hasher, refusal,
                                                     shares, skipped)
@@ -22,9 +22,7 @@ def write_sidecar(path: str, written: dict | None = None) -> None:
     it (replaced atomically)."""
     algorithm = default_algorithm()
     record = {ALGORITHM: algorithm, **(written or digest_file(path, algorithm))}
-    tmp = f"{path}{SIDECAR}.tmp.{os.getpid()}"
-    Path(tmp).write_text(json.dumps(record))
-    os.replace(tmp, f"{path}{SIDECAR}")
+    atomic_write(f"{path}{SIDECAR}", lambda tmp: tmp.write_text(json.dumps(record)))
 
 
 def read_sidecar(path) -> tuple[dict | None, list[Problem]]:

@@ -6,7 +6,7 @@ neither computing nor in its step body, i.e. waiting for its neighbours' activat
 split-backward schedules, weight-gradient chunks, and the loss = the step body on the last stage)
 and the wall time of each schedule run. Per training step: idle fraction = 1 - busy / wall. It is
 always on (one perf_counter pair per action); the communication ledger records it per step
-(runtime/comm_ledger.py) and `smp-adapter report` prints it per rank next to the schedule's bubble
+(ledger/record.py) and `smp-adapter report` prints it per rank next to the schedule's bubble
 formula (config/pipeline_schedule.py).
 """
 

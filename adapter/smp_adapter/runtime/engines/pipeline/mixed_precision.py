@@ -1,6 +1,6 @@
 """fp16 / bf16 with pipeline_parallel_degree > 1: fp32 master weights and loss scaling.
 
-smp v1's fp16 is Apex fp16_utils (spec: ``fp16``): the model runs in fp16, the optimizer updates fp32
+smp v1's fp16 is Apex fp16_utils (smp v1's ``fp16`` option): the model runs in fp16, the optimizer updates fp32
 master copies, the loss is multiplied by a static or dynamic loss scale, and a step whose gradients
 overflow is skipped. At pp = 1 DeepSpeed's fp16 optimizer does this; pp > 1 has no DeepSpeed engine,
 so it is done here, with DeepSpeed's own loss scalers (same rules as at pp = 1):

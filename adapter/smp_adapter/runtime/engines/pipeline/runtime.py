@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from smp_adapter.errors import SMPUsageError
+from smp_adapter.errors import SMPUsageError, UnsupportedFeatureError
 from smp_adapter.runtime import cpu_attention
 from smp_adapter.runtime.engines.pipeline import surgery
 from smp_adapter.runtime.engines.pipeline.idle_time import ComputeClock
@@ -310,10 +310,22 @@ class PipelineRunner(StageBuilder):
         """The first stage's positional inputs: the model's forward arguments named by the traced
         graph's placeholders (torch.export names them after the parameters); unchanged if they do not map."""
         node = self._stage_calls[0]
+        signature = inspect.signature(self.model.module.forward)
         try:
-            bound = inspect.signature(self.model.module.forward).bind(*args, **kwargs)
+            bound = signature.bind(*args, **kwargs)
         except TypeError:
             return args, kwargs
+        traced = [a.target for a in node.args if isinstance(a, torch.fx.Node) and a.op == "placeholder"]
+        missing = [name for name in traced if name in signature.parameters and name not in bound.arguments]
+        if missing:
+            # the first stage's graph takes every input it was traced with; without one it would fail inside
+            # torch's stage (and the other stages with a lost connection)
+            raise UnsupportedFeatureError(
+                f"pipeline parallelism: this call of the model passes no {', '.join(map(repr, missing))}, which "
+                f"it was given at the first step, when the stages were traced with inputs "
+                f"{', '.join(map(repr, traced))}; the stages take the inputs they were traced with (docs/pipeline.md). "
+                "Pass the same inputs at every step (e.g. Trainer.predict on rows with labels), or predict "
+                "without labels at pipeline_parallel_degree 1")
         values = []
         for a in node.args:
             if not (isinstance(a, torch.fx.Node) and a.op == "placeholder" and a.target in bound.arguments):

@@ -147,7 +147,7 @@ class StageBuilder:
         try:
             pipe = pipeline(module, tuple(args), dict(kwargs), split_spec=spec)
         except Exception as e:  # noqa: BLE001 - export failures come in many types
-            from smp_adapter.runtime import comm_ledger
+            from smp_adapter.ledger import record as comm_ledger
 
             if comm_ledger.is_on() and state.dims.tp > 1:
                 # export maps torch.distributed's collectives to traceable ones by the function objects;

@@ -1,6 +1,6 @@
 """The script's own helper modules, as ``smp-adapter check`` sees them: which imports of the script and
 of those modules the environment ``check`` runs in cannot find (``missing_imports``; CUDA-only packages
-are named as such), and the file walk script_check_apex.py uses for the apex names they use.
+are named as such), and the file walk check/apex_names.py uses for the apex names they use.
 
 Why: the public AWS scripts import bundled helpers unconditionally (the GPT templates' ``fp16``
 package imports apex's ``amp_C`` and ``humanize``); the script itself names neither. Only modules
@@ -17,7 +17,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-APEX_ROOTS = ("apex", "amp_C", "apex_C", "torch._six")  # what the apex fallback provides (reported by script_check_apex)
+APEX_ROOTS = ("apex", "amp_C", "apex_C", "torch._six")  # what the apex fallback provides (reported by check/apex_names.py)
 _MAX_FILES = 50  # a helper package is small; a huge tree beside the script is not followed further
 
 

@@ -19,8 +19,8 @@ from collections import OrderedDict
 import torch
 from torch import nn
 
-from smp_adapter.apex_fallback import AMP_REPLACEMENT, DDP_REPLACEMENT
-from smp_adapter.apex_fallback.multi_tensor import flatten, unflatten
+from smp_adapter.compat.apex_fallback import AMP_REPLACEMENT, DDP_REPLACEMENT
+from smp_adapter.compat.apex_fallback.multi_tensor import flatten, unflatten
 from smp_adapter.errors import UnsupportedFeatureError
 
 

@@ -1,6 +1,6 @@
 """Adam, LAMB and NovoGrad with apex's semantics, in plain PyTorch (``smp.optimizers.FusedAdam`` /
 ``FusedLAMB`` / ``FusedLamb`` / ``FusedNovoGrad``, and ``apex.optimizers.FusedAdam`` / ``FusedLAMB``
-where NVIDIA apex is not installed: smp_adapter/apex_fallback).
+where NVIDIA apex is not installed: smp_adapter/compat/apex_fallback).
 
 smp v1's optimizers were apex's fused kernels. apex does not install without a CUDA toolchain, and
 DeepSpeed's ``FusedLamb`` kernel computes a different update (its trust ratio is clamped to
@@ -176,7 +176,7 @@ class FusedNovoGrad(torch.optim.Optimizer):
 class FusedAdam(torch.optim.AdamW):
     """apex FusedAdam semantics (decoupled weight decay, adam_w_mode=True) on torch's AdamW;
     adam_w_mode=False (L2 regularisation) is torch's Adam. torch's fused kernel where every parameter
-    is a floating CUDA tensor (runtime/kernels.py ``prefer_fused``), unless ``fused=`` / ``foreach=``
+    is a floating CUDA tensor (``prefer_fused`` below), unless ``fused=`` / ``foreach=``
     is given; on CPU torch's default implementation (translate/kernels.py says what each becomes)."""
 
     def __new__(cls, params, lr=1e-3, bias_correction=True, betas=(0.9, 0.999), eps=1e-8, adam_w_mode=True,
@@ -203,7 +203,36 @@ def _torch_kwargs(kwargs: dict) -> dict:
 
 
 def _fused_where_possible(optimizer):
-    from smp_adapter.runtime.kernels import prefer_fused
-
     prefer_fused(optimizer)
     return optimizer
+
+
+def fused_supported(params, device_types=("cuda",)) -> bool:
+    """torch's fused Adam kernel applies: every parameter a floating tensor on one of ``device_types``."""
+    from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
+
+    usable = set(device_types) & set(_get_fused_kernels_supported_devices())
+    params = list(params)
+    return bool(params) and all(p.device.type in usable and p.dtype.is_floating_point and not p.is_sparse
+                                for p in params)
+
+
+def prefer_fused(optimizer, device_types=("cuda",)) -> bool:
+    """Switch a torch Adam/AdamW (smp.optimizers.FusedAdam is one) whose groups left ``fused`` and
+    ``foreach`` unset to fused=True when every parameter is a floating tensor on a device in
+    ``device_types`` (CUDA), before its first step: the same update within float32 rounding, in one
+    kernel instead of torch's default there (foreach). smp.DistributedOptimizer calls it too, for the
+    optimizer a script built. True when switched."""
+    if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)) or optimizer.state:
+        return False
+    groups = optimizer.param_groups
+    if any(g.get("fused") is not None or g.get("foreach") is not None or g.get("differentiable") for g in groups):
+        return False  # the script chose (or differentiable, which fused refuses): keep it
+    if not fused_supported([p for g in groups for p in g["params"]], device_types):
+        return False
+    for g in groups:
+        g["fused"] = True
+    optimizer.defaults["fused"] = True
+    # not _step_supports_amp_scaling (Adam.__init__(fused=True) sets it): a GradScaler then unscales
+    # first, as for the optimizer the script built (and smp.amp.GradScaler agrees on overflows there)
+    return True

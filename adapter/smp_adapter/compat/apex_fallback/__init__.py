@@ -9,7 +9,7 @@ finder makes the names these scripts use importable from this package instead:
   ``amp_C``                    multi_tensor_scale, multi_tensor_l2norm, multi_tensor_axpby (multi_tensor.py)
   ``apex_C``                   flatten, unflatten
   ``apex.multi_tensor_apply``  multi_tensor_applier, MultiTensorApply
-  ``apex.optimizers``          FusedAdam, FusedLAMB (runtime/fused_optimizers.py, smp.optimizers' classes)
+  ``apex.optimizers``          FusedAdam, FusedLAMB (compat/fused_optimizers.py, smp.optimizers' classes)
   ``apex.normalization``       FusedLayerNorm
   ``apex.amp``                 initialize, scale_loss, master_params, _amp_state (modules.py: amp itself is
                                not carried out; the smp options that replace it are named in the error)
@@ -44,13 +44,13 @@ import importlib.util
 import os
 import sys
 
-from smp_adapter.libraries import is_library_module
+from smp_adapter.compat.libraries import is_library_module
 
 ENV = "SMP_ADAPTER_APEX_FALLBACK"
 ROOTS = ("apex", "amp_C", "apex_C")
-_MT = "smp_adapter.apex_fallback.multi_tensor"
-_MOD = "smp_adapter.apex_fallback.modules"
-_OPT = "smp_adapter.runtime.fused_optimizers"
+_MT = "smp_adapter.compat.apex_fallback.multi_tensor"
+_MOD = "smp_adapter.compat.apex_fallback.modules"
+_OPT = "smp_adapter.compat.fused_optimizers"
 _MT_OPS = ("multi_tensor_scale", "multi_tensor_l2norm", "multi_tensor_axpby")
 _AMP = ("initialize", "scale_loss", "master_params", "_amp_state", "state_dict", "load_state_dict")
 
@@ -72,7 +72,7 @@ MODULES: dict[str, tuple[str | None, tuple[str, ...]]] = {
     "apex.amp.frontend": (_MOD, ("initialize", "state_dict", "load_state_dict")),
     "apex.parallel": (_MOD, ("DistributedDataParallel",)),
     "apex.parallel.distributed": (_MOD, ("DistributedDataParallel", "flat_dist_call")),
-    "torch._six": ("smp_adapter.apex_fallback.torch_six", ("inf", "nan", "string_classes", "int_classes",
+    "torch._six": ("smp_adapter.compat.apex_fallback.torch_six", ("inf", "nan", "string_classes", "int_classes",
                                                             "container_abcs", "PY3", "PY37", "with_metaclass")),
 }
 _PACKAGES = {name.rpartition(".")[0] for name in MODULES if "." in name} - {"torch"}
@@ -139,7 +139,7 @@ class _Loader(importlib.abc.Loader):
     def exec_module(self, module) -> None:
         implementation, names = MODULES[module.__name__]
         module.__doc__ = (f"smp-adapter's apex fallback for {module.__name__} (NVIDIA apex is not installed): "
-                          f"see smp_adapter/apex_fallback; {ENV}=0 turns it off")
+                          f"see smp_adapter/compat/apex_fallback; {ENV}=0 turns it off")
         if implementation:
             source = importlib.import_module(implementation)
             for name in names:

@@ -148,7 +148,7 @@ def to_launch_plan(job: JobSpec, cfg: SMPConfig | None, script: str, script_args
         command, mpi_notes = _mpirun(hosts, nprocs, hostfile, custom, list(env), python, args)
         notes += mpi_notes
     elif launcher == "srun":
-        # Slurm picks the hosts; the ranks take the master from its nodelist (runtime/launch_env.py)
+        # Slurm picks the hosts; the ranks take the master from its nodelist (launch/rank_env.py)
         env["MASTER_PORT"] = str(port)
         command = ["srun", "--nodes", str(nnodes), "--ntasks-per-node", str(nprocs), "--kill-on-bad-exit=1",
                    "--label", "--export=ALL", python, *args]

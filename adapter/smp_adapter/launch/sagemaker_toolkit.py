@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 from smp_adapter.config.distribution import JobSpec
-from smp_adapter.translate.launch import BASE_MCA
+from smp_adapter.launch.command import BASE_MCA
 
 TOOLKIT = "sagemaker-training 5.1.x with sagemaker-pytorch-training 3.0.x"
 # the toolkit's own lists (sagemaker_training/__init__.py)

@@ -6,16 +6,16 @@ The script is parsed with ``ast``, never executed. Reported, with line numbers:
     ``smp.amp.GradScaler``, ``smp.optimizers.X``, ``...patches.checkpoint``;
   * every attribute read on objects made by ``smp.DistributedModel(...)`` / ``smp.DistributedOptimizer(...)``
     and on ``smp.state`` (also as ``state_mod.state`` or a name bound to it), against the real classes
-    (script_check_api.py: what the runtime provides);
+    (check/api.py: what the runtime provides);
   * keyword arguments of calls of smp callables and wrapper methods, against their real signatures;
     ``model_creation`` keywords the runtime accepts without carrying them out;
   * option dicts given to ``smp.init({...})`` (literal, or a name bound to a literal), validated
     with ``SMPConfig.from_dict``;
   * the NVIDIA apex names the script and its own modules beside it use (smp v1's containers had apex;
     smp-adapter does not install it), and whether the run gets real apex or smp-adapter's apex
-    fallback for each (script_check_apex.py);
+    fallback for each (check/apex_names.py);
   * imports of the script and of its own modules beside it that the environment ``check`` runs in
-    cannot find (script_check_local.missing_imports; CUDA-only packages such as flash_attn named so);
+    cannot find (check/local.py missing_imports; CUDA-only packages such as flash_attn named so);
   * CPU blockers (``torch.cuda.set_device``, ``torch.device("cuda")``, ``.cuda()``) not guarded by
     ``torch.cuda.is_available()``, and known slips (``vit.encoder.layer``, ``optim.AdaDelta``).
 """
@@ -27,11 +27,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from smp_adapter import script_check_api as provided
+from smp_adapter.check import api as provided
 from smp_adapter.parallel.hf_hooks import HOOKED as HF_HOOKED
-from smp_adapter.script_check_apex import helper_uses, status as apex_status, uses_in as apex_uses_in
+from smp_adapter.check.apex_names import helper_uses, status as apex_status, uses_in as apex_uses_in
+from smp_adapter.check.local import APEX_ROOTS, GPU_ONLY_PACKAGES, imported_roots, missing_imports, module_files
 from smp_adapter.translate.kernels import SWITCHES, model_creation_switch
-from smp_adapter.script_check_local import APEX_ROOTS, GPU_ONLY_PACKAGES, imported_roots, missing_imports, module_files
 
 SMP = "smdistributed.modelparallel.torch"
 SMP_ROOT = "smdistributed.modelparallel"

@@ -23,12 +23,18 @@ wraps the model before it creates the optimizer and before any evaluation or sav
   smp.DistributedModel per script"). Shim: ``_wrap_model`` returns the existing DistributedModel
   when given the model it wraps.
 * a release whose Trainer wraps smp's optimizer in accelerate's ``AcceleratedOptimizer`` on this path
-  (4.57, as reported in issue 53; 5.24 does not wrap it, and 4.38 with accelerate >= 1.0 cannot start a
-  Trainer at all: ``Accelerator(dispatch_batches=...)``; not run here): ``_save_optimizer_and_scheduler`` then calls
+  (4.57, CI's transformers-4.57 point; 5.24 does not wrap it, and 4.38 with accelerate >= 1.0 cannot start a
+  Trainer at all, smp or not: ``Accelerator(dispatch_batches=...)``): ``_save_optimizer_and_scheduler`` then calls
   ``self.optimizer.local_state_dict(gather_if_shard=False)``, an ``smp.DistributedOptimizer`` method,
   on accelerate's wrapper: ``'AcceleratedOptimizer' object has no attribute 'local_state_dict'`` at
   every checkpoint save (the end of training among them). Shim: ``AcceleratedOptimizer`` gets
   ``local_state_dict``, answered by the optimizer it wraps when that is smp's.
+* the same releases (4.57 with accelerate 1.15): ``AcceleratedOptimizer.__init__`` moves the optimizer's
+  state to accelerate's device through a full ``state_dict()`` / ``load_state_dict()`` round trip. Under
+  optimizer-state sharding (tp or sdp with ``ddp``) a full optimizer state_dict is refused, as in smp v1,
+  and the Trainer dies before its first step; without sharding the round trip would only copy state smp
+  already placed. Shim: accelerate's wrapper of an ``smp.DistributedOptimizer`` is made with
+  ``device_placement=False`` (smp's engines place the optimizer state on the rank's device themselves).
 """
 
 from __future__ import annotations
@@ -39,10 +45,13 @@ import sys
 _MARK = "_smp_adapter_creates_missing_optimizer"
 
 
-def patch_trainer() -> None:
+def patch_trainer(model_cls: type, optimizer_cls: type) -> None:
+    """``model_cls``, ``optimizer_cls``: smp's DistributedModel and DistributedOptimizer, handed in by the
+    runtime so that this module imports nothing of it (the runtime imports this one)."""
     restore_trainer_optimizer_creation()
-    wrap_model_once()
-    local_state_dict_through_accelerate()
+    wrap_model_once(model_cls)
+    local_state_dict_through_accelerate(optimizer_cls)
+    no_device_placement_round_trip(optimizer_cls)
 
 
 def _patch_trainer(name: str, make) -> None:
@@ -70,13 +79,11 @@ def restore_trainer_optimizer_creation() -> None:
     _patch_trainer("create_scheduler", make)
 
 
-def wrap_model_once() -> None:
+def wrap_model_once(model_cls: type) -> None:
     def make(original, trainer_module):
         def _wrap_model(self, model, *args, **kwargs):
-            from smp_adapter.runtime.model import DistributedModel
-
             wrapped = self.model_wrapped
-            if (isinstance(wrapped, DistributedModel) and model is wrapped.module
+            if (isinstance(wrapped, model_cls) and model is wrapped.module
                     and trainer_module.is_sagemaker_mp_enabled()):
                 return wrapped
             return original(self, model, *args, **kwargs)
@@ -86,18 +93,34 @@ def wrap_model_once() -> None:
     _patch_trainer("_wrap_model", make)
 
 
-def local_state_dict_through_accelerate() -> None:
+def local_state_dict_through_accelerate(optimizer_cls: type) -> None:
     accelerate_optimizer = sys.modules.get("accelerate.optimizer")
     wrapper_cls = getattr(accelerate_optimizer, "AcceleratedOptimizer", None)
     if wrapper_cls is None or hasattr(wrapper_cls, "local_state_dict"):
         return
 
     def local_state_dict(self, *args, **kwargs):
-        from smp_adapter.runtime.optimizer import DistributedOptimizer
-
-        if not isinstance(self.optimizer, DistributedOptimizer):
+        if not isinstance(self.optimizer, optimizer_cls):
             raise AttributeError(f"'{type(self).__name__}' object has no attribute 'local_state_dict' (it wraps "
                                  f"{type(self.optimizer).__name__}, not smp.DistributedOptimizer)")
         return self.optimizer.local_state_dict(*args, **kwargs)
 
     wrapper_cls.local_state_dict = local_state_dict
+
+
+def no_device_placement_round_trip(optimizer_cls: type) -> None:
+    accelerate_optimizer = sys.modules.get("accelerate.optimizer")
+    wrapper_cls = getattr(accelerate_optimizer, "AcceleratedOptimizer", None)
+    if wrapper_cls is None or getattr(wrapper_cls.__init__, _MARK, False):
+        return
+    original = wrapper_cls.__init__
+
+    @functools.wraps(original)
+    def __init__(self, optimizer, *args, **kwargs):
+        if isinstance(optimizer, optimizer_cls):
+            args, kwargs = (), {**kwargs, "device_placement": False,
+                                **({"scaler": args[1]} if len(args) > 1 else {})}
+        original(self, optimizer, *args, **kwargs)
+
+    setattr(__init__, _MARK, True)
+    wrapper_cls.__init__ = __init__

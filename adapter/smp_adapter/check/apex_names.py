@@ -7,7 +7,7 @@ multi_tensor_applier`` uses ``apex.multi_tensor_apply.multi_tensor_applier``; ``
 (removed in torch 2.0; the same fallback provides it) uses ``torch._six.inf``. What the run gets:
 
 * real apex, where Python finds an ``apex`` package in this environment (``supported``);
-* otherwise smp-adapter's apex fallback (smp_adapter/apex_fallback: plain PyTorch, apex's semantics):
+* otherwise smp-adapter's apex fallback (smp_adapter/compat/apex_fallback: plain PyTorch, apex's semantics):
   ``supported`` for the names it carries out; ``partial`` for the names it refuses when used
   (``apex.amp.initialize``, ``apex.parallel.DistributedDataParallel``) where the script only imports
   them or uses them under an ``if``; ``unsupported`` where used unconditionally, and for names it does
@@ -24,8 +24,8 @@ import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 
-from smp_adapter import apex_fallback
-from smp_adapter.script_check_local import imported_roots, module_files, parsed_files
+from smp_adapter.compat import apex_fallback
+from smp_adapter.check.local import imported_roots, module_files, parsed_files
 
 ROOTS = (*apex_fallback.ROOTS, "torch._six")
 

@@ -51,7 +51,7 @@ from types import SimpleNamespace
 
 import torch
 
-from smp_adapter.libraries import is_library_module  # callers that must keep seeing the real machine
+from smp_adapter.compat.libraries import is_library_module  # callers that must keep seeing the real machine
 
 ENV = "SMP_ADAPTER_CUDA_ON_CPU"
 _installed = False

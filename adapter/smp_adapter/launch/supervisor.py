@@ -23,7 +23,7 @@ stop the whole job when a rank fails, and never hang.
 * Other nodes (multi-node torchrun: ``heartbeat``, node_heartbeat.py): a node found unreachable, or one whose job
   failed first, is treated as a failure seen here (the launcher's HEAD_START, then SIGTERM, SIGKILL after
   ``grace``); the report names that node. The launcher is started with PR_SET_PDEATHSIG (SIGKILL), and the
-  ranks watch this process (launch_watch.py): a SIGKILL of this process leaves no rank running.
+  ranks watch this process (rank_watch.py): a SIGKILL of this process leaves no rank running.
 * Exit status: the failing rank's code (128 + N for a rank killed by signal N), 124 on
   ``timeout``, 125 when another node became unreachable, 128 + N when the supervisor itself got SIGINT/SIGTERM
   (forwarded to the group).

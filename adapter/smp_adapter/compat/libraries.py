@@ -2,7 +2,7 @@
 torch import).
 
 Two shims answer the script differently from the libraries: CUDA on CPU ranks
-(runtime/cuda_on_cpu.py: capability queries say "one GPU per rank" to the script only) and the apex
+(compat/cuda_on_cpu.py: capability queries say "one GPU per rank" to the script only) and the apex
 fallback (apex_fallback/: ``import apex`` finds the fallback for the script only). Libraries keep
 seeing the real machine, so they keep choosing their own CPU and no-apex paths (Megatron-core picks
 its norm and optimizer implementations by whether ``import apex`` succeeds; DeepSpeed counts apex's

@@ -1,4 +1,4 @@
-"""Summary of a communication ledger (runtime/comm_ledger.py): ``smp-adapter report RUN_DIR`` prints
+"""Summary of a communication ledger (ledger/record.py): ``smp-adapter report RUN_DIR`` prints
 it when RUN_DIR (or RUN_DIR/comm_ledger) holds rank<r>.jsonl files. Pure: no torch.
 
 Per group and link class (intra-node / inter-node): calls and bytes per training step (mean over

@@ -1,6 +1,6 @@
 """Put on ``PYTHONPATH`` by ``smp-adapter launch`` for the processes it starts: Python runs a module
 named ``sitecustomize`` at start-up, before the training script's first line, so the apex fallback's
-import finder is in place even for scripts that import apex before smp (smp_adapter/apex_fallback).
+import finder is in place even for scripts that import apex before smp (smp_adapter/compat/apex_fallback).
 
 Then the ``sitecustomize`` this one shadows (a distribution's or a virtual environment's, later on
 ``sys.path``) runs as it would have without us. Nothing here imports torch.
@@ -14,7 +14,7 @@ import sys
 
 def _install_apex_fallback() -> None:
     try:
-        from smp_adapter.apex_fallback import install
+        from smp_adapter.compat.apex_fallback import install
     except ImportError:  # an interpreter without smp-adapter (a helper the launcher runs): nothing to do
         return
     install()

@@ -10,7 +10,7 @@ every rank in a session of its own, so its data-loader workers go too). A variab
 boot id differs: mpirun's ``-x`` and the deepspeed runner carry the environment to other hosts) is ignored.
 A launch process already gone by the time of the import (the rank was still importing torch) ends the rank at
 once. The launcher between the two (torchrun, deepspeed's launch.py, mpirun) is stopped by the launch process
-itself: it starts it with ``PR_SET_PDEATHSIG`` (launcher.py). Standard library only; Linux (elsewhere, and
+itself: it starts it with ``PR_SET_PDEATHSIG`` (supervisor.py). Standard library only; Linux (elsewhere, and
 on kernels without pidfd_open, the watch is not started)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""What the smp-adapter runtime provides, as ``smp-adapter check`` (script_check.py) sees it.
+"""What the smp-adapter runtime provides, as ``smp-adapter check`` (check/script.py) sees it.
 
 Read from the runtime itself rather than from hand-written lists, so the check cannot drift from
 it: the attributes of ``smp.DistributedModel`` / ``smp.DistributedOptimizer`` objects and of
