@@ -104,7 +104,7 @@ def test_fused_layer_norm_is_torchs_single_kernel(dtype, tol):
         norm.weight.normal_()
         norm.bias.normal_()
     x = torch.randn(3, 5, 64, dtype=dtype)
-    mode = kernels._op_names_mode()
+    mode = kernels.op_names_mode()
     with mode:
         out = norm(x)
     assert [n for n in mode.names if "norm" in n] == ["native_layer_norm.default"], mode.names
@@ -230,12 +230,12 @@ def test_compile_refused_by_name_where_it_cannot_run_and_explain_says_so():
 def test_smp_init_refuses_compile_on_a_layout_it_cannot_run(fresh, monkeypatch):
     """smp.init's check, before any model or process group (one process cannot hold tp 2, so the
     check runs on the layout smp.init would build); a bad value stops smp.init itself."""
-    from smp_adapter.runtime.init import _kernel_switches
+    from smp_adapter.runtime.init import kernel_switches
 
     monkeypatch.setenv(COMPILE_ENV, "blocks")
     with pytest.raises(UnsupportedFeatureError, match="tensor_parallel_degree 2"):
-        _kernel_switches(_dims({"tensor_parallel_degree": 2, "ddp": True}, 2), 0)
-    _kernel_switches(_dims({"ddp": True}, 2), 0)
+        kernel_switches(_dims({"tensor_parallel_degree": 2, "ddp": True}, 2), 0)
+    kernel_switches(_dims({"ddp": True}, 2), 0)
     monkeypatch.setenv(COMPILE_ENV, "yes")
     with pytest.raises(SMPConfigError, match=COMPILE_ENV):
         smp.init({})

@@ -61,7 +61,7 @@ def init(config: Mapping[str, Any] | None = None) -> None:
     environ_before = dict(os.environ)
     cfg, dims, launch = place_options(cfg, os.environ)
     warn_once(cfg.warnings, launch.rank)
-    _kernel_switches(dims, launch.rank)
+    kernel_switches(dims, launch.rank)
     import torch
 
     use_cuda = torch.cuda.is_available()
@@ -101,7 +101,7 @@ def init(config: Mapping[str, Any] | None = None) -> None:
         process_exit.leave_together_at_exit()
 
 
-def _kernel_switches(dims: ParallelDims, rank: int) -> None:
+def kernel_switches(dims: ParallelDims, rank: int) -> None:
     """SMP_ADAPTER_COMPILE read (a bad value, or blocks on a layout it cannot run, stops here, before
     any model exists) and the attention recorder installed (runtime/kernels.py)."""
     from smp_adapter.runtime import kernels

@@ -64,7 +64,7 @@ def backend_of(op_names) -> str:
     return MATH
 
 
-def _op_names_mode():
+def op_names_mode():
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class OpNames(TorchDispatchMode):
@@ -98,7 +98,7 @@ def install_attention_recorder(rank: int) -> bool:
             kind = (query.device.type, str(query.dtype).removeprefix("torch."),
                     "mask" if attn_mask is not None else "causal" if is_causal else "none", dropout_p > 0)
             if kind not in _seen:
-                mode = _op_names_mode()
+                mode = op_names_mode()
                 with mode:
                     out = inner(query, key, value, attn_mask, dropout_p, is_causal, **kwargs)
                 _seen[kind] = backend_of(mode.names)
