@@ -11,7 +11,9 @@ that has done the imports: SMP_BENCH_FORK_RANKS, benchmarks/_common.py):
   second under another layout), keep working; so do `--digests`' saves and resumes with and without
   the file digests, hashed either way (as read, on a spare-core thread);
 * memory.py: per-rank bytes within the issue's targets (ZeRO-3 and TP within 5 % of the ideal, PP
-  stages within 10 %, also with shard_optimizer_state halving each stage's optimizer state)."""
+  stages within 10 %, also with shard_optimizer_state halving each stage's optimizer state);
+* gpu_throughput.py --cpu-smoke: the kernel switches' settings run on both sides and --json writes a
+  row per side and setting (~15 s of CPU: its device run is too costly to find a broken path in)."""
 
 from __future__ import annotations
 
@@ -117,3 +119,20 @@ def test_checkpoint_digest_costs_run_both_ways_of_hashing(tmp_path, monkeypatch,
     assert f["hashing_threads"] == int(threads)
     assert all(f["save_s"][k] > 0 for k in ("off", "on")) and all(f["resume_s"][k] > 0 for k in ("off", "on"))
     assert len(f["resume_all"]["on"]) == len(f["resume_all"]["off"]) == 1
+
+
+def test_gpu_throughput_cpu_smoke_writes_one_row_per_side_and_setting(tmp_path):
+    """The GPU benchmark's program on CPU (tiny Llama, one rank): one setting with every switch away
+    from its default (compile per block with aot_eager, inductor being tens of seconds on CPU; fused
+    AdamW, which torch also has for CPU tensors; activation checkpointing; micro-batch 2) and --profile:
+    both sides run it and --json holds a row per side with the fields the device run's results are
+    read from."""
+    out = run_benchmark("gpu_throughput", "--cpu-smoke", "--nprocs", 1, "--compile", "blocks:aot_eager",
+                        "--optimizer", "fused", "--checkpointing", "on", "--micro-batch", 2, "--profile",
+                        tmp_path=tmp_path)
+    setting = "compile=blocks:aot_eager opt=fused ac=on mb=2"
+    assert [(r["setting"], r["side"]) for r in out["rows"]] == [(setting, "adapter"), (setting, "native")]
+    for r in out["rows"]:
+        assert r["mfu"] is None and r["tokens_per_s"] > 0 and r["per_rank_batch"] == 4  # 2 rows x 2 microbatches
+        assert r["profile"]["by_kind"]["matmul"] > 0 and len(r["profile"]["top"]) > 0  # the profiled step
+    assert out["meta"]["model"] == "smoke" and out["meta"]["torch"]

@@ -41,19 +41,25 @@ def _matches(results, optimizer, init_weights, steps=4, per_rank_batch=4):
         assert r["losses"] == pytest.approx(r0["losses"], rel=1e-6)
 
 
-@pytest.mark.parametrize("sdp, nprocs, microbatches, optimizer, delayed", [
-    (2, 4, 1, "sgd", False), (2, 4, 2, "adam", False), (2, 6, 2, "sgd", True), (2, 6, 1, "adam", True)],
-    ids=["sdp2_rdp4_mb1", "sdp2_rdp4_mb2_adam", "sdp2_rdp6_mb2_delayed", "sdp2_rdp6_mb1_adam_delayed"])
-def test_mics_matches_one_process(tmp_path, init_weights, sdp, nprocs, microbatches, optimizer, delayed):
+@pytest.mark.parametrize("sdp, nprocs, microbatches, optimizer, delayed, compiled", [
+    (2, 4, 1, "sgd", False, False), (2, 4, 2, "adam", False, False), (2, 6, 2, "sgd", True, False),
+    (2, 6, 1, "adam", True, False), (2, 4, 2, "adam", False, True)],
+    ids=["sdp2_rdp4_mb1", "sdp2_rdp4_mb2_adam", "sdp2_rdp6_mb2_delayed", "sdp2_rdp6_mb1_adam_delayed",
+         "sdp2_rdp4_mb2_adam_compiled"])
+def test_mics_matches_one_process(tmp_path, init_weights, sdp, nprocs, microbatches, optimizer, delayed, compiled):
     """Losses equal one process; each rank holds 1/sdp of the parameters, gradients and Adam moments
     (within 5 %: the shards of tensors whose first dimension does not divide by sdp differ by a row).
     delayed: no weights loaded after wrapping, so the run starts from what smp.model_creation's
     delayed initialisation made, which must be tiny_vit()'s eager weights. Microbatches 2: with
-    activation checkpointing on every encoder layer."""
+    activation checkpointing on every encoder layer. compiled: SMP_ADAPTER_COMPILE=blocks, each encoder
+    layer compiled before FSDP2 shards it (aot_eager: the traced graph run eagerly, seconds instead of
+    inductor's tens of seconds per rank on a shared 2-core machine; the same aten ops, same tolerance)."""
     args = ["--optimizer", optimizer, "--lr", LR[optimizer]] + ([] if delayed else ["--init-weights", init_weights])
     if microbatches == 2:  # smp.set_activation_checkpointing on each encoder layer (a unit of its own)
         args.append("--checkpoint-activations")
-    results = _run(tmp_path, {"sharded_data_parallel_degree": sdp, "microbatches": microbatches}, nprocs, *args)
+    results = _run(tmp_path, {"sharded_data_parallel_degree": sdp, "microbatches": microbatches}, nprocs, *args,
+                   env={"SMP_ADAPTER_COMPILE": "blocks:aot_eager"} if compiled else None)
+    assert (results[0]["dynamo_graphs"] > 0) == compiled
     assert results[0]["zero_stage"] == "mics"  # DeepSpeed's engine is not there: model.engine is None
     _matches(results, optimizer, None if delayed else init_weights)
     whole = results[0]["total_param_bytes"]

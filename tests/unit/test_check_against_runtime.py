@@ -200,9 +200,11 @@ smp.state.cfg.fp16
 
 def test_model_creation_keywords_not_carried_out_are_partial():
     from smp_adapter.runtime.memory import MODEL_CREATION_NOT_CARRIED_OUT
+    from smp_adapter.translate.kernels import SWITCHES
 
+    # flash_attention and fused_softmax are carried out (translate/kernels.py); the rest are not
     assert set(MODEL_CREATION_NOT_CARRIED_OUT) == {
-        "flash_attention", "fused_softmax", "fused_dropout", "fused_bias_gelu", "attention_in_fp32",
+        "fused_dropout", "fused_bias_gelu", "attention_in_fp32",
         "query_key_layer_scaling", "fp32_residual_addition", "use_alibi", "zero_init"}
     src = """
 import torch
@@ -214,10 +216,10 @@ with smp.model_creation(tensor_parallelism=True, dtype=torch.bfloat16, flash_att
 """
     report = check_source(src)
     got = [(u.line, u.name, u.status, u.expr, u.note) for u in report.uses if u.kind == "keyword"]
-    # asked for (True, 1, not a literal): partial; literally off (False, None): nothing to say
-    assert got == [(5, f"model_creation({k}=)", "partial", expr,
-                    f"smp.model_creation({k}=...) is not carried out: {MODEL_CREATION_NOT_CARRIED_OUT[k]}")
-                   for k, expr in (("flash_attention", "flash_attention=True"),)] + [
+    # asked for (True, 1, not a literal): partial, or supported with what the kernel switch becomes;
+    # literally off (False, None): nothing to say
+    assert got == [(5, "model_creation(flash_attention=)", "supported", "flash_attention=True",
+                    SWITCHES["model_creation(flash_attention=)"].note())] + [
                    (6, f"model_creation({k}=)", "partial", expr,
                     f"smp.model_creation({k}=...) is not carried out: {MODEL_CREATION_NOT_CARRIED_OUT[k]}")
                    for k, expr in (("zero_init", "zero_init=args.zero_init"), ("use_alibi", "use_alibi=1"))]

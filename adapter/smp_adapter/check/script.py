@@ -31,6 +31,7 @@ from smp_adapter.check import api as provided
 from smp_adapter.parallel.hf_hooks import HOOKED as HF_HOOKED
 from smp_adapter.check.apex_names import helper_uses, status as apex_status, uses_in as apex_uses_in
 from smp_adapter.check.local import APEX_ROOTS, GPU_ONLY_PACKAGES, imported_roots, missing_imports, module_files
+from smp_adapter.translate.kernels import SWITCHES, model_creation_switch
 
 SMP = "smdistributed.modelparallel.torch"
 SMP_ROOT = "smdistributed.modelparallel"
@@ -62,6 +63,13 @@ _TP = "Megatron-core tensor-parallel layers; see docs"
 _PP = "stage marks for pipeline_parallel_degree > 1, carried out by torch.distributed.pipelining (see docs/pipeline.md)"
 _S, _P, _U = SUPPORTED, PARTIAL, UNSUPPORTED
 
+
+def _kernel(name: str) -> str:
+    """What an smp kernel switch becomes, in translate/kernels.py's words (the one home)."""
+    return SWITCHES[name].note()
+
+
+
 # THE support table: API name (relative to smdistributed.modelparallel.torch) -> (status, note).
 # "DistributedModel.x" / "DistributedOptimizer.x" are methods of the wrapped objects.
 SUPPORT: dict[str, tuple[str, str]] = {
@@ -88,8 +96,9 @@ SUPPORT: dict[str, tuple[str, str]] = {
                                        "DistributedTransformerLMHead", "DistributedTransformer",
                                        "DistributedTransformerLayer", "DistributedAttentionLayer",
                                        "DistributedTransformerOutputLayer")},
-    "nn.FusedLayerNorm": (_S, "torch.nn.LayerNorm (isinstance accepts any nn.LayerNorm, as smp's own layers were FusedLayerNorm)"),
-    "nn.FlashAttentionLayer": (_S, "torch.nn.functional.scaled_dot_product_attention (use_alibi raises)"),
+    "nn.FusedLayerNorm": (_S, "torch.nn.LayerNorm (isinstance accepts any nn.LayerNorm, as smp's own layers were "
+                              "FusedLayerNorm); " + _kernel("nn.FusedLayerNorm")),
+    "nn.FlashAttentionLayer": (_S, _kernel("nn.FlashAttentionLayer")),
     "nn.huggingface.t5": (_S, "translation functions validate and pass through"),
     "utils": (_S, ""), "utils.rmsg": (_S, "'[rank] message'"),
     "utils.get_distribution_axis": (_S, "split axis of a TP parameter, None otherwise"),
@@ -104,10 +113,10 @@ SUPPORT: dict[str, tuple[str, str]] = {
        for (family, getter), (_, cls) in HF_HOOKED.items()},
     "model": (_S, "smp.model.DistributedModel, the module path transformers' Trainer checks"),
     "amp": (_S, ""), "amp.GradScaler": (_S, "torch.amp.GradScaler, overflow agreed over all ranks (pipeline stages too)"),
-    "optimizers": (_S, ""), "optimizers.FusedAdam": (_S, "torch.optim.AdamW (fused kernel on CUDA)"),
-    "optimizers.FusedLamb": (_S, "apex LAMB semantics in plain PyTorch"),
-    "optimizers.FusedLAMB": (_S, "apex LAMB semantics in plain PyTorch"),
-    "optimizers.FusedNovoGrad": (_S, "apex NovoGrad semantics in plain PyTorch"),
+    "optimizers": (_S, ""), "optimizers.FusedAdam": (_S, _kernel("optimizers.FusedAdam")),
+    "optimizers.FusedLamb": (_S, _kernel("optimizers.FusedLAMB")),
+    "optimizers.FusedLAMB": (_S, _kernel("optimizers.FusedLAMB")),
+    "optimizers.FusedNovoGrad": (_S, _kernel("optimizers.FusedNovoGrad")),
     "patches": (_S, ""), "patches.checkpoint": (_S, ""),
     "patches.checkpoint.checkpoint": (_S, "torch.utils.checkpoint (non-reentrant)"),
     "patches.checkpoint.checkpoint_sequential": (_S, "torch.utils.checkpoint per segment"),
@@ -342,6 +351,10 @@ class _Checker:
             where = keywords[kw] if kw else call
             self.add(where, ast.unparse(where), f"{name}({kw}=)" if kw else f"{name}()", "keyword", ERROR, note)
         if api == "model_creation":
+            for kw, node in keywords.items():  # kernel switches carried out: say what each becomes
+                switch = model_creation_switch(kw) if kw else None
+                if switch and switch.carried_out and not (isinstance(node.value, ast.Constant) and not node.value.value):
+                    self.add(node, ast.unparse(node), f"model_creation({kw}=)", "keyword", SUPPORTED, switch.note())
             for kw, reason in provided.model_creation_not_carried_out().items():
                 value = keywords[kw].value if kw in keywords else None
                 if value is not None and not (isinstance(value, ast.Constant) and not value.value):  # asked for

@@ -26,6 +26,7 @@ from smp_adapter.errors import SMPAdapterError
 from smp_adapter.translate.deepspeed import to_deepspeed_config
 from smp_adapter.translate.explain import ExplainRow, explain, format_table
 from smp_adapter.launch.command import DEFAULT_MASTER_PORT, LAUNCHERS, LaunchPlan, resolve_processes, to_launch_plan
+from smp_adapter.translate.kernels import compile_setting_from
 from smp_adapter.translate.megatron import to_megatron_plan
 from smp_adapter.launch.sagemaker_toolkit import TOOLKIT, toolkit_command
 
@@ -89,7 +90,7 @@ def translation_bundle(job: JobSpec, world_size: int | None = None, instance_cou
         "megatron": {**plan.to_dict(), "megatron_lm_args": plan.to_megatron_lm_args(),
                      "megatron_lm_note": plan.megatron_lm_note()},
         "launch": launch,
-        "explain": [row.to_dict() for row in explain(job, dims, ds, plan)],
+        "explain": [row.to_dict() for row in explain(job, dims, ds, plan, compile_setting_from(os.environ))],
     }
 
 

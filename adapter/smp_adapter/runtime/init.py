@@ -15,7 +15,7 @@ from typing import Any, Mapping
 from smp_adapter import run_shutdown_resets
 from smp_adapter.config.dims import ParallelDims, sdp_engine_from
 from smp_adapter.config.options import SMPConfig
-from smp_adapter.errors import SMPUsageError
+from smp_adapter.errors import SMPUsageError, UnsupportedFeatureError
 from smp_adapter.launch.free_port import free_port
 from smp_adapter.ledger import record as comm_ledger
 from smp_adapter.runtime import process_exit
@@ -61,6 +61,7 @@ def init(config: Mapping[str, Any] | None = None) -> None:
     environ_before = dict(os.environ)
     cfg, dims, launch = place_options(cfg, os.environ)
     warn_once(cfg.warnings, launch.rank)
+    kernel_switches(dims, launch.rank)
     import torch
 
     use_cuda = torch.cuda.is_available()
@@ -98,6 +99,17 @@ def init(config: Mapping[str, Any] | None = None) -> None:
                              if environ_before.get(k) != os.environ.get(k)}
     if state.owns_process_group:
         process_exit.leave_together_at_exit()
+
+
+def kernel_switches(dims: ParallelDims, rank: int) -> None:
+    """SMP_ADAPTER_COMPILE read (a bad value, or blocks on a layout it cannot run, stops here, before
+    any model exists) and the attention recorder installed (runtime/kernels.py)."""
+    from smp_adapter.runtime import kernels
+    from smp_adapter.translate.kernels import compile_refusal, compile_setting_from
+
+    if compile_setting_from(os.environ).on and compile_refusal(dims):
+        raise UnsupportedFeatureError(compile_refusal(dims))
+    kernels.install_attention_recorder(rank)
 
 
 def _choose_backend(requested: str, use_cuda: bool) -> str:

@@ -16,14 +16,17 @@ checkpointing, register_parameter.
 from __future__ import annotations
 
 import contextlib
+import os
 import re
 
 import torch
 from torch import nn
 
 from smp_adapter.errors import SMPUsageError
+from smp_adapter.runtime import kernels
 from smp_adapter.runtime.activation_checkpoint import checkpoint_forward
 from smp_adapter.runtime.state import require_initialized, state
+from smp_adapter.translate.kernels import compile_setting_from, model_creation_switch
 
 
 @contextlib.contextmanager
@@ -43,16 +46,17 @@ def _param_dtype():
     return torch.float16 if cfg.fp16 else torch.bfloat16 if cfg.bf16 else torch.get_default_dtype()
 
 
-_KERNEL = "a fused-kernel switch (speed only, same math): Hugging Face layers keep their own kernels"
 _FP16_GUARD = ("an fp16 overflow guard of smp's own attention (numerics only): Hugging Face layers keep "
                "their attention math; use bf16 if fp16 attention overflows")
 # smp v1's model_creation keywords for its own distributed transformer. smp-adapter splits Hugging Face
-# layers in place, so on those layers they are not carried out; an smp.nn module built from a
+# layers in place, so on those layers these are not carried out; an smp.nn module built from a
 # tp_register'ed module still receives the ones its __init__ accepts (parallel/nn.build_registered).
-# One home: `smp-adapter check` reads this table too.
+# The kernel switches (flash_attention, fused_softmax: carried out; fused_bias_gelu, fused_dropout: only
+# with SMP_ADAPTER_COMPILE=blocks) are worded in translate/kernels.py. One home: `smp-adapter check`
+# reads this table too.
 MODEL_CREATION_NOT_CARRIED_OUT = {
-    "flash_attention": _KERNEL + " (transformers' scaled_dot_product_attention where the model supports it)",
-    "fused_softmax": _KERNEL, "fused_dropout": _KERNEL, "fused_bias_gelu": _KERNEL,
+    **{k: _switch.cuda for k in ("fused_bias_gelu", "fused_dropout")
+       if not (_switch := model_creation_switch(k)).carried_out},
     "attention_in_fp32": _FP16_GUARD, "query_key_layer_scaling": _FP16_GUARD,
     "fp32_residual_addition": "residual sums in fp32 under fp16 (numerics only): not applied to Hugging Face layers",
     "use_alibi": "ALiBi attention bias: not added to Hugging Face layers (models built with ALiBi, such as BLOOM "
@@ -66,8 +70,10 @@ def _say_not_carried_out(config: dict) -> None:
     """Warn once (rank 0) for each smp-transformer keyword asked for with a non-default value."""
     from smp_adapter.runtime.state import warn_once
 
+    compiled = compile_setting_from(os.environ).on  # fused_bias_gelu / fused_dropout: inductor fuses them
     warn_once([f"smp.model_creation({key}={config[key]!r}) is not carried out: {MODEL_CREATION_NOT_CARRIED_OUT[key]}"
-               for key in sorted(config) if key in MODEL_CREATION_NOT_CARRIED_OUT and config[key]], state.rank)
+               for key in sorted(config) if key in MODEL_CREATION_NOT_CARRIED_OUT and config[key]
+               and not (compiled and key in ("fused_bias_gelu", "fused_dropout"))], state.rank)
 
 
 @contextlib.contextmanager
@@ -77,6 +83,7 @@ def model_creation(tensor_parallelism: bool = False, dtype=None, distribute_embe
     smp's own-transformer keywords are said once not to be carried out (MODEL_CREATION_NOT_CARRIED_OUT)."""
     s = require_initialized("model_creation")
     _say_not_carried_out(tensor_parallel_config)
+    kernels.request(tensor_parallel_config)  # flash_attention: carried out at smp.DistributedModel
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise SMPUsageError(f"model_creation(dtype=...) must be a floating torch.dtype, got {dtype!r}")
     previous = torch.get_default_dtype()

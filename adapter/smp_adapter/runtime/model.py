@@ -78,6 +78,11 @@ class DistributedModel(nn.Module):
                     "(transformers' Trainer creates no module under those: create the model so before "
                     "giving it to Trainer)")
         engine.materialize_kept(module, s.device)  # delayed init: what this rank keeps gets storage now
+        from smp_adapter.runtime.kernels import apply_at_wrap
+        from smp_adapter.translate.kernels import compile_setting_from
+
+        # flash_attention's SDPA switch; SMP_ADAPTER_COMPILE=blocks compiles each block before the engine shards it
+        apply_at_wrap(module, s.dims, compile_setting_from(os.environ), s.rank)
         #: the engine that executes this model (runtime/engines); chosen once, here
         self.runtime_engine = create_engine(self, s.dims, {n: before[n] for n in self._distributed_modules})
         from smp_adapter.runtime.finiteness import StepGuard, check_initial_weights, policy_from_env

@@ -34,6 +34,12 @@ def _loss_scale_args(static_loss_scale, dynamic_loss_scale, dynamic_loss_args, e
 
 
 class DistributedOptimizer(torch.optim.Optimizer):
+    # torch's GradScaler.step hands a fused optimizer the scale to unscale by itself (``grad_scale`` /
+    # ``found_inf`` set as attributes of the object it is given) when this answers True. Given this
+    # wrapper, those land here, not on the torch optimizer, whose step would then apply scaled gradients;
+    # and smp.amp.GradScaler's unscale_ is where ranks agree on overflows. False: unscale_, then step.
+    _step_supports_amp_scaling = False
+
     def __init__(self, optimizer, static_loss_scale=1.0, dynamic_loss_scale=False, dynamic_loss_args=None, **kwargs):
         s = require_initialized("DistributedOptimizer")
         if not isinstance(optimizer, torch.optim.Optimizer):
@@ -53,6 +59,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.__dict__["optimizer"] = optimizer
         self.__dict__["_model"] = s.model
         self.__dict__["_engine"] = s.model.runtime_engine
+        from smp_adapter.compat.fused_optimizers import prefer_fused
+
+        prefer_fused(optimizer)  # torch Adam/AdamW on CUDA: the fused kernel where the script chose none
         self._engine.attach_optimizer(optimizer, loss_scale)  # DeepSpeed: builds its engine now
         self.__dict__["_clip_norm"] = None
         s.optimizer = self

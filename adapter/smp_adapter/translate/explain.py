@@ -5,6 +5,8 @@ Status of a row:
   approximated  the engine does something close; the note says how it differs
   ignored       accepted without effect; the note says why (the policy note from keys.py)
   default       the user did not give the key; its default is in effect and maps as shown
+  refused       smp.init stops with an error naming what to use instead (an adapter setting this layout
+                cannot run: SMP_ADAPTER_COMPILE=blocks with pipeline parallelism, say)
 Rows come for every key the user gave, for the main keys left at their default, and for the
 derived settings (world and rdp size, ZeRO stage, hpZ, batch arithmetic, gradient clipping).
 """
@@ -21,10 +23,11 @@ from smp_adapter.config.keys import KEYS, Policy
 from smp_adapter.config.options import SMPConfig
 from smp_adapter.config.pipeline_schedule import EXTENSION_SCHEDULES, TORCH_CLASS, V_SHAPED, bubble_formula
 from smp_adapter.translate.deepspeed import DEEPSPEED_KEYS, SDP_COPIED, deepspeed_value
+from smp_adapter.translate.kernels import CompileSetting, explain_rows as kernel_rows
 from smp_adapter.translate.megatron import MegatronPlan
 from smp_adapter.translate.mics import ENGINE as MICS_ENGINE, MICS_KEYS, layout_note as mics_layout_note
 
-STATUSES = ("exact", "approximated", "ignored", "default")
+STATUSES = ("exact", "approximated", "ignored", "default", "refused")
 # Keys shown even when left at their default: they decide the layout and the engines.
 CORE_KEYS = ("pipeline_parallel_degree", "tensor_parallel_degree", "microbatches", "placement_strategy", "ddp",
              "shard_optimizer_state", "sharded_data_parallel_degree", "prescaled_batch", "fp16", "bf16")
@@ -47,7 +50,7 @@ class ExplainRow:
 
 
 def explain(job_or_cfg: JobSpec | SMPConfig, dims: ParallelDims, ds_config: Mapping[str, Any],
-            megatron_plan: MegatronPlan) -> list[ExplainRow]:
+            megatron_plan: MegatronPlan, compile_setting: CompileSetting = CompileSetting()) -> list[ExplainRow]:
     given = dict(job_or_cfg.options if isinstance(job_or_cfg, JobSpec) else job_or_cfg.given)
     cfg = dims.cfg
     rows: list[ExplainRow] = []
@@ -72,6 +75,9 @@ def explain(job_or_cfg: JobSpec | SMPConfig, dims: ParallelDims, ds_config: Mapp
     if isinstance(job_or_cfg, JobSpec):
         rows += _mpi_rows(job_or_cfg)
     rows += _derived_rows(dims, ds_config, megatron_plan)
+    # the compile setting and what each kernel switch a script may use becomes (translate/kernels.py)
+    rows += [ExplainRow(key, value, "derived", engine_key, engine_value, status, note)
+             for key, value, engine_key, engine_value, status, note in kernel_rows(dims, compile_setting)]
     return rows
 
 

@@ -149,4 +149,7 @@ write_result({"losses": losses, "squares": squares, "first_params": first_params
               "opt_bytes": opt_bytes,
               "adam_moment_bytes": sum(t.numel() * t.element_size() for t in moments), "total_param_bytes": total_params * 4, "dp_size": smp.dp_size(),
               "grad_bytes": grad_bytes,
-              "hpz": engine.zero_hpz_partition_size() if stage == 3 else 1})
+              "hpz": engine.zero_hpz_partition_size() if stage == 3 else 1,
+              # graphs torch.compile captured (SMP_ADAPTER_COMPILE=blocks); 0 when dynamo never ran
+              "dynamo_graphs": (sys.modules["torch._dynamo.utils"].counters["stats"]["unique_graphs"]
+                                if "torch._dynamo.utils" in sys.modules else 0)})

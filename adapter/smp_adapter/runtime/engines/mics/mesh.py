@@ -48,22 +48,10 @@ def mics_mesh(dims, rank: int, shard_group, replicate_group, device_type: str):
 
 
 def sharding_units(module: nn.Module) -> list[nn.Module]:
-    """The submodules FSDP2 gathers one at a time: every element of an ``nn.ModuleList`` that holds
-    parameters (a transformer's layers: Hugging Face's ``h`` / ``layers`` / ``layer``, smp's
-    ``seq_layers``), innermost lists left to their outer element. The root module is the last unit
-    and holds what is left (embeddings, heads, norms). A model without a ModuleList is one unit."""
-    units: list[nn.Module] = []
-    claimed: set[int] = set()
+    """The submodules FSDP2 gathers one at a time: the model's repeated blocks (runtime/kernels.py
+    ``repeated_blocks``: every parameter-holding element of an ``nn.ModuleList``, the same blocks
+    SMP_ADAPTER_COMPILE=blocks compiles). The root module is the last unit and holds what is left
+    (embeddings, heads, norms). A model without a ModuleList is one unit."""
+    from smp_adapter.runtime.kernels import repeated_blocks
 
-    def visit(m: nn.Module) -> None:
-        for child in m.children():
-            if isinstance(child, nn.ModuleList):
-                for element in child:
-                    if id(element) not in claimed and any(True for _ in element.parameters()):
-                        units.append(element)
-                        claimed.add(id(element))
-                continue
-            visit(child)
-
-    visit(module)
-    return units
+    return repeated_blocks(module)
