@@ -8,8 +8,9 @@ arithmetic: no torch.
 from __future__ import annotations
 
 COMM_EFFICIENCY = 0.70  # achieved / link bandwidth of large NCCL collectives (bus bandwidth): stated, not calibrated
-# gloo over TCP between CPU ranks: achieved / the link's rate, calibrated on namespaced nodes with a tbf-shaped
-# link (benchmarks/cluster_comm.py --plan, RESULTS.md §16)
+# gloo over TCP between CPU ranks: achieved / the link's rate. Stated before measuring (TCP reaches ~0.96 of a
+# tbf-shaped link, gloo's rings less); the jobs of benchmarks/cluster_comm.py --plan then moved their link
+# bytes at 0.87-0.92 of the rate beside their compute (RESULTS.md §16)
 GLOO_COMM_EFFICIENCY = 0.85
 
 # Achieved / peak FLOP/s of the compute of a transformer training step, recompute included (hardware
@@ -29,9 +30,10 @@ COMPUTE_EFFICIENCY = {
     ("V100-SXM2-16GB", "fp16"): 0.48, ("V100-SXM2-32GB", "fp16"): 0.48,
 }
 # CPU ranks (a cluster described with --collectives gloo), fp32, against the rate of a 1024 x 1024 fp32
-# matmul measured with as many processes computing at once as the node has ranks: calibrated on the GPT-2 of
-# benchmarks/cluster_comm.py --plan (a single-process step of the model beside that probe, RESULTS.md §16)
-COMPUTE_EFFICIENCY[("cpu", "fp32")] = 0.90
+# matmul measured with as many processes computing at once as the job has ranks on the machine: calibrated on
+# the GPT-2 of benchmarks/cluster_comm.py --plan, whose training step alone in one process (4 at once) ran at
+# 0.80 of that probe's rate (0.586 s against 0.469 s at the probe's 35.2 GFLOP/s; RESULTS.md §16)
+COMPUTE_EFFICIENCY[("cpu", "fp32")] = 0.80
 # not calibrated: fp32 matmuls without tensor cores reach a larger share of their (much lower) peak
 ASSUMED_EFFICIENCY = {"fp32": 0.60, "fp16": 0.40, "bf16": 0.40}
 
