@@ -6,7 +6,7 @@ keeps this rank's stage module, re-points the stage at the model's own Parameter
 user's optimizer, built from ``model.parameters()`` before partitioning, updates them), swaps the
 replaced tensor-parallel modules back in (Hugging Face units split in place are traced with their
 collectives), and builds a traced ``PipelineStage`` over smp's PP group: that first-step build is
-stage_builder.py's ``StageBuilder``, which ``PipelineRunner`` extends; this module runs the steps.
+stage_builder.py's ``StageBuilder``, which ``PipelineRunner`` holds and runs once; this module runs the steps.
 
 Each step call:
   1. the first stage learns the model inputs of every microbatch by running the step body up to its
@@ -48,18 +48,16 @@ class _Captured(Exception):
         self.args, self.kwargs = args, kwargs
 
 
-class PipelineRunner(StageBuilder):
+class PipelineRunner:
     def __init__(self, model, tp_originals: dict | None = None):
         self.model = model
-        # qualified name -> module before the TP swap. Modules replaced by a split one (smp.nn layers,
-        # marked nn.Linear / nn.Embedding) are traced as their originals and put back into the stage;
-        # Hugging Face units split in place (parallel/hf.py) are traced as they are, collectives
-        # included (parallel/comm.py, "traced forms")
-        self.tp_originals = {n: m for n, m in (tp_originals or {}).items() if m is not model.module.get_submodule(n)}
         self.num_stages = state.dims.pp  # pipeline ranks; each holds layout.v stages (virtual_stages.py)
         self.stage_index = state.coord.pp  # this rank's position in the pipeline group
         self.layout = StageLayout.from_config(state.cfg, self.num_stages)
         self.group = state.groups.pp
+        self._builder = StageBuilder(model, self.layout, self.stage_index, self.num_stages, self.group,
+                                     tp_originals or {})  # used once, at the first step
+        self._stage_calls: list = []
         self.built = False
         self.stages: list = []  # this rank's torch PipelineStages, in stage order
         self.clock = ComputeClock([])  # this rank's compute and schedule time per step (idle_time.py)
@@ -81,6 +79,16 @@ class PipelineRunner(StageBuilder):
     @property
     def module(self) -> nn.Module:
         return self.model.module
+
+    def _build(self, args, kwargs) -> None:
+        """Cut the model into stages (stage_builder.py) and keep what this rank runs."""
+        built = self._builder.build(args, kwargs)
+        self._builder = None
+        self.stages, self.stage_modules, self.stage_units = built.stages, built.stage_modules, built.stage_units
+        self._stage_calls, self.local_params, self.local_keys = built.stage_calls, built.local_params, built.local_keys
+        self.tied, self.out_spec, self.clock = built.tied, built.out_spec, built.clock
+        self.built = True
+        self.model.mark_partitioned()
 
     def on_partitioned(self, callback) -> None:
         """Run ``callback()`` once the stages exist (now, if they already do)."""

@@ -1,15 +1,15 @@
-"""Building a pipeline rank's stages at the first ``@smp.step`` (``StageBuilder``, the part of
-runtime.py's ``PipelineRunner`` that runs once): profile and partition the model on fake stand-ins
-(stage_memory.py), cut it with ``pipeline()`` (torch.export), thread values read past the next stage
-(pass_through.py), keep this rank's stage(s) on its device and release the rest, put the
-tensor-parallel modules back, and build torch's ``PipelineStage`` objects over smp's PP group.
-Everything here reads and sets the runner's attributes (``model``, ``layout``, ``stage_index``,
-``tp_originals``, ``group``); the steps themselves run in runtime.py.
+"""Building a pipeline rank's stages at the first ``@smp.step`` (``StageBuilder``, held by runtime.py's
+``PipelineRunner`` and run once): profile and partition the model on fake stand-ins (stage_memory.py),
+cut it with ``pipeline()`` (torch.export), thread values read past the next stage (pass_through.py),
+keep this rank's stage(s) on its device and release the rest, put the tensor-parallel modules back, and
+build torch's ``PipelineStage`` objects over smp's PP group. ``build`` returns what the runner keeps
+(``BuiltStages``); the steps themselves run in runtime.py.
 """
 
 from __future__ import annotations
 
 import warnings
+from dataclasses import dataclass
 
 import torch
 
@@ -45,10 +45,36 @@ def _profiling_failed(module, e: Exception) -> UnsupportedFeatureError:
         "tensor_parallel_degree or sharded_data_parallel_degree")
 
 
+@dataclass
+class BuiltStages:
+    """What the first step's build leaves to the runner."""
+
+    stages: list  # this rank's torch PipelineStages, in stage order
+    stage_modules: list  # their modules (graph modules cut from the model)
+    stage_units: list  # every stage's units (module names), the partition
+    stage_calls: list  # the split graph's stage calls (the first one's placeholders: the model inputs it takes)
+    local_params: list  # this rank's parameters
+    local_keys: set  # this rank's state_dict keys
+    tied: list  # (parameter, group of the stages holding it)
+    out_spec: object  # the model output's pytree structure
+    clock: ComputeClock
+
+
 class StageBuilder:
     """The first step's build of a ``PipelineRunner``'s stages (the module docstring)."""
 
-    def _build(self, args, kwargs) -> None:
+    def __init__(self, model, layout, stage_index: int, num_stages: int, group, tp_originals: dict):
+        self.model, self.layout, self.stage_index, self.num_stages, self.group = (model, layout, stage_index,
+                                                                                   num_stages, group)
+        # qualified name -> module before the TP swap. Modules replaced by a split one (smp.nn layers,
+        # marked nn.Linear / nn.Embedding) are traced as their originals and put back into the stage;
+        # Hugging Face units split in place (parallel/hf.py) are traced as they are, collectives
+        # included (parallel/comm.py, "traced forms")
+        self.tp_originals = {n: m for n, m in tp_originals.items() if m is not model.module.get_submodule(n)}
+        self.stage_units: list = []
+        self._stage_calls: list = []
+
+    def build(self, args, kwargs) -> BuiltStages:
         from torch.distributed.pipelining import pipeline
         from torch.distributed.pipelining.stage import build_stage
 
@@ -72,7 +98,7 @@ class StageBuilder:
                 if isinstance(e, (SMPUsageError, UnsupportedFeatureError)):
                     raise
                 raise _profiling_failed(module, e) from e
-            self.out_spec = torch.utils._pytree.tree_flatten(example_out)[1]
+            out_spec = torch.utils._pytree.tree_flatten(example_out)[1]
             if cfg.auto_partition:
                 marked = [n for n, m in module.named_modules() if partition_mark(m) is not None]
                 if marked and state.rank == 0:
@@ -98,8 +124,8 @@ class StageBuilder:
             stage_mods = [pipe.get_stage_module(i) for i in range(self.layout.total)]
         owners = tied.point_stages_at_model(module, stage_mods)
         ids = self.layout.stages_of(self.stage_index)
-        self.stage_modules = [stage_mods[i] for i in ids]
-        for i, mine in zip(ids, self.stage_modules):
+        stage_modules = [stage_mods[i] for i in ids]
+        for i, mine in zip(ids, stage_modules):
             surgery.run_generated_code(mine)
             surgery.contiguous_crossing_metadata(mine)
             for name, original in self.tp_originals.items():  # the split (TP) modules go back in
@@ -115,29 +141,28 @@ class StageBuilder:
                 surgery.own_outputs_read_inside(mine)
                 mine.register_forward_hook(surgery.OwnViewOutputs())
         # this rank's stage(s) get their values on its device; every other tensor is released
-        stage_memory.keep_stage(module, stage_memory.stage_tensors(self.stage_modules), record, state.device)
+        stage_memory.keep_stage(module, stage_memory.stage_tensors(stage_modules), record, state.device)
         del record  # the other stages' creation records are released with it
-        marked = [n for mine in self.stage_modules for n in surgery.checkpoint_marked(module, mine)]
+        marked = [n for mine in stage_modules for n in surgery.checkpoint_marked(module, mine)]
         if marked:  # set_activation_checkpointing, lost by torch.export, applied again to the stages
             print(f"Activation checkpointing in the stage(s) of pipeline rank {self.stage_index}: {', '.join(marked)}")
-        self.local_params = list({id(p): p for m in self.stage_modules for p in m.parameters()}.values())
-        self.local_keys = {k for m in self.stage_modules for k in m.state_dict().keys()}
-        self.tied = tied.tie_groups(self, owners)
-        self.stages = [build_stage(mine, i, pipe.info(), state.device, group=self.group)
-                       for i, mine in zip(ids, self.stage_modules)]
-        for stage in self.stages:
+        stages = [build_stage(mine, i, pipe.info(), state.device, group=self.group)
+                  for i, mine in zip(ids, stage_modules)]
+        for stage in stages:
             torch_compat.receive_integers(stage)
         if cfg.pipeline in SPLIT_BACKWARD:
-            for stage in self.stages:
+            for stage in stages:
                 surgery.merge_weight_groups(stage)
         if self.layout.v_shaped:
-            for stage in self.stages:
+            for stage in stages:
                 stage.stage_index_to_group_rank = dict(enumerate(self.layout.ranks))
                 skip_self_warmup(stage)
-        self.clock = ComputeClock(self.stages)
-        self.tp_originals = {}
-        self.built = True
-        self.model.mark_partitioned()
+        self.tp_originals = {}  # the originals are no longer needed: release them
+        return BuiltStages(
+            stages=stages, stage_modules=stage_modules, stage_units=self.stage_units, stage_calls=self._stage_calls,
+            local_params=list({id(p): p for m in stage_modules for p in m.parameters()}.values()),
+            local_keys={k for m in stage_modules for k in m.state_dict().keys()},
+            tied=tied.tie_groups(self, owners), out_spec=out_spec, clock=ComputeClock(stages))
 
     def _split(self, pipeline, module, args, kwargs):
         spec = part.split_spec(self.stage_units)
