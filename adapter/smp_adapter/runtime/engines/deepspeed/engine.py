@@ -85,7 +85,7 @@ class DeepSpeedEngine(StartsThroughDeepSpeed, Engine):
         are made from them at the first gather); buffers (never sharded) over the DP group."""
         if not cls.holds_shards(module):
             return super().sync_initial_state(module)
-        from smp_adapter.runtime.engines.base import broadcast_from_first_rank
+        from smp_adapter.runtime.engines.whole_tensors import broadcast_from_first_rank
         from smp_adapter.runtime.engines.deepspeed.zero3 import is_zero3_parameter
 
         broadcast_from_first_rank([p.ds_tensor if is_zero3_parameter(p) else p for p in module.parameters()],
@@ -384,6 +384,6 @@ def _shared_by(path) -> tuple[int, int]:
 def _broadcast_buffers(buffers) -> None:
     """broadcast_buffers=True (DDP behaviour, smp v1's ddp option): floating buffers (BatchNorm statistics)
     follow dp rank 0 at every training forward."""
-    from smp_adapter.runtime.engines.base import broadcast_from_first_rank
+    from smp_adapter.runtime.engines.whole_tensors import broadcast_from_first_rank
 
     broadcast_from_first_rank(buffers, state.groups.dp)
