@@ -124,15 +124,15 @@ def test_checkpoint_digest_costs_run_both_ways_of_hashing(tmp_path, monkeypatch,
 def test_gpu_throughput_cpu_smoke_writes_one_row_per_side_and_setting(tmp_path):
     """The GPU benchmark's program on CPU (tiny Llama, one rank): one setting with every switch away
     from its default (compile per block with aot_eager, inductor being tens of seconds on CPU; fused
-    AdamW, which torch also has for CPU tensors; activation checkpointing; micro-batch 2) and --profile:
-    both sides run it and --json holds a row per side with the fields the device run's results are
-    read from."""
+    AdamW, which torch also has for CPU tensors; activation checkpointing; micro-batch 2): both sides
+    run it and --json holds a row per side with the fields the device run's results are read from.
+    Without --profile: profiling the compiled step took 118 s of the suite's time on 2 loaded cores
+    (15 s without it); the profiler's rows are read on the device run only."""
     out = run_benchmark("gpu_throughput", "--cpu-smoke", "--nprocs", 1, "--compile", "blocks:aot_eager",
-                        "--optimizer", "fused", "--checkpointing", "on", "--micro-batch", 2, "--profile",
+                        "--optimizer", "fused", "--checkpointing", "on", "--micro-batch", 2,
                         tmp_path=tmp_path)
     setting = "compile=blocks:aot_eager opt=fused ac=on mb=2"
     assert [(r["setting"], r["side"]) for r in out["rows"]] == [(setting, "adapter"), (setting, "native")]
     for r in out["rows"]:
         assert r["mfu"] is None and r["tokens_per_s"] > 0 and r["per_rank_batch"] == 4  # 2 rows x 2 microbatches
-        assert r["profile"]["by_kind"]["matmul"] > 0 and len(r["profile"]["top"]) > 0  # the profiled step
     assert out["meta"]["model"] == "smoke" and out["meta"]["torch"]

@@ -132,11 +132,40 @@ def use_sdpa_attention(module: nn.Module) -> list[str]:
     switched = []
     for m in module.modules():
         config = getattr(m, "config", None)
-        if (getattr(config, "_attn_implementation", None) == "eager" and getattr(m, "_supports_sdpa", False)
-                and hasattr(m, "set_attn_implementation")):
+        if getattr(config, "_attn_implementation", None) != "eager" or not getattr(m, "_supports_sdpa", False):
+            continue
+        if hasattr(m, "set_attn_implementation"):
             m.set_attn_implementation("sdpa")
             switched.append(type(m).__name__)
+        elif _swap_attention_classes(m, config):
+            switched.append(type(m).__name__)
     return switched
+
+
+def _swap_attention_classes(model: nn.Module, config) -> bool:
+    """transformers 4.x before ``set_attn_implementation`` (4.38 among them): the attention class is chosen
+    when a layer is built, from the modeling file's ``<FAMILY>_ATTENTION_CLASSES`` table ({"eager": ...,
+    "sdpa": ...}, the SDPA class a subclass of the eager one with the same parameters); the masks follow
+    ``config._attn_implementation`` (or a ``_use_sdpa`` flag set from it) at every forward. So: each eager
+    attention module takes its table's SDPA class, and the config and flags say 'sdpa'. False (nothing
+    changed) where the modeling file has no such table."""
+    swaps = []
+    for sub in model.modules():
+        tables = [v for k, v in vars(sys.modules.get(type(sub).__module__, object)).items()
+                  if k.endswith("_ATTENTION_CLASSES") and isinstance(v, dict)]
+        for table in tables:
+            eager, sdpa = table.get("eager"), table.get("sdpa")
+            if type(sub) is eager and sdpa is not None and issubclass(sdpa, eager):
+                swaps.append((sub, sdpa))
+    if not swaps:
+        return False
+    for sub, sdpa in swaps:
+        sub.__class__ = sdpa
+    config._attn_implementation = "sdpa"
+    for sub in model.modules():
+        if hasattr(sub, "_use_sdpa"):
+            sub._use_sdpa = True
+    return True
 
 
 # -- compile per block -------------------------------------------------------------------------------
@@ -176,6 +205,12 @@ def apply_at_wrap(module: nn.Module, dims, setting: CompileSetting, rank: int) -
     before the engine (MiCS shards the compiled blocks, as torchtitan compiles before fully_shard)."""
     if _requested & {"flash_attention", "fused_softmax"}:
         use_sdpa_attention(module)
+        kept = sorted({type(m).__name__ for m in module.modules()
+                       if getattr(getattr(m, "config", None), "_attn_implementation", None) == "eager"
+                       and hasattr(m, "_supports_sdpa")})
+        if kept and rank == 0:  # said, not silent: explain and check promise SDPA for these keywords
+            print(f"smp-adapter: model_creation({'/'.join(sorted(_requested))}=True): this transformers release has "
+                  f"no SDPA attention for {', '.join(kept)}: eager attention kept", file=sys.stderr, flush=True)
     if setting.on:
         refusal = compile_refusal(dims)
         if refusal:
