@@ -88,9 +88,9 @@ def check_arguments(args) -> None:
 def cluster_from_args(args):
     from smp_adapter.plan.instances import GB as _GB, Cluster, instance_cluster
 
+    collectives = args.collectives
     if args.instance_type:
-        return dataclasses.replace(instance_cluster(args.instance_type, args.instance_count),
-                                   collectives=getattr(args, "collectives", "nccl"))
+        return dataclasses.replace(instance_cluster(args.instance_type, args.instance_count), collectives=collectives)
     explicit = [getattr(args, f) for f in HARDWARE_FLAGS]
     if any(v is None for v in explicit):
         _bad("hardware", "--instance-type", "is missing and the hardware is not fully described",
@@ -102,8 +102,8 @@ def cluster_from_args(args):
     flops = args.gpu_flops * 1e12
     return Cluster("custom", args.gpus_per_node, args.instance_count, int(args.gpu_memory * GiB),
                    {"fp32": flops, "fp16": flops, "bf16": flops}, args.intra_node_bandwidth * _GB,
-                   args.inter_node_bandwidth * _GB, collectives=getattr(args, "collectives", "nccl"),
-                   gpu="cpu" if getattr(args, "collectives", "nccl") == "gloo" else "")
+                   args.inter_node_bandwidth * _GB, collectives=collectives,
+                   gpu="cpu" if collectives == "gloo" else "")  # the compute-efficiency table's key for CPU ranks
 
 
 def read_options(text: str):
