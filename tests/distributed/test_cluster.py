@@ -67,11 +67,17 @@ def _ok(runs):
 @pytest.mark.parametrize("rate, mbit", [("100mbit", 100), ("20mbit", 20)])
 def test_the_link_runs_at_its_shaped_rate(rate, mbit):
     """tbf shapes the link: 2 s of TCP from node 1 to node 0 arrive at 80-100 % of the rate (measured 96 % at
-    100 Mbit/s), and the veth's counter saw at least those bytes leave node 1."""
+    100 Mbit/s), and the veth's counter saw at least those bytes leave node 1. The best of up to three
+    transfers: a sender starved of CPU by the other tests' ranks sends less than the link carries (57 Mbit/s
+    once, on a loaded fresh-clone run), which says nothing about the shaping; no transfer may exceed it."""
     with cluster(nodes=2, rate=rate) as c:
-        before = c.tx_bytes(1)
-        measured = c.throughput(1, 0, seconds=2.0)
-        sent = c.tx_bytes(1) - before
+        for _ in range(3):
+            before = c.tx_bytes(1)
+            measured = c.throughput(1, 0, seconds=2.0)
+            sent = c.tx_bytes(1) - before
+            assert measured <= 1.02 * mbit, f"{measured:.1f} Mbit/s through a {rate} link"
+            if measured > 0.8 * mbit:
+                break
     assert 0.8 * mbit < measured <= 1.02 * mbit, f"{measured:.1f} Mbit/s through a {rate} link"
     assert sent >= measured * 1e6 / 8 * 1.9, f"node 1's veth counted {sent} bytes for {measured:.1f} Mbit/s over 2 s"
 
@@ -119,9 +125,13 @@ def test_a_failing_job_ends_both_nodes_and_leaves_nothing(tmp_path, monkeypatch)
     assert "smp-adapter launch: rank 1 failed (exit code 1): RuntimeError: injected failure in rank 1 at step 1" \
         in node1.err
     assert node0.proc.returncode != 0, node0.err[-3000:]
-    # node 0's ranks only lost their peer; node 1's launch told node 0's (the heartbeat channel) what failed
-    assert "smp-adapter launch: node 1 (10.213.54.2)'s job failed first: rank 1 failed (exit code 1): RuntimeError: " \
-           "injected failure in rank 1 at step 1" in node0.err, node0.err[-3000:]
+    # node 0's ranks only lost their peer; node 1's launch tells node 0's (the heartbeat channel) what failed, within
+    # the launcher's wait for a peer's report (PEER_REPORT_WAIT); on a loaded machine node 1's report can come later
+    # (seen once on a fresh-clone run), and node 0 then says where to look instead
+    told = ("smp-adapter launch: node 1 (10.213.54.2)'s job failed first: rank 1 failed (exit code 1): RuntimeError: "
+            "injected failure in rank 1 at step 1")
+    pointed = "lost its connection to another rank, which failed first and is not one of this launcher's"
+    assert told in node0.err or pointed in node0.err, node0.err[-3000:]
     assert during == [[], []], f"processes still running in the nodes after their launches ended: {during}"
 
 
