@@ -30,8 +30,8 @@ from smp_adapter.compat.cuda_on_cpu import install_if_requested as _install_cuda
 
 _install_cuda_on_cpu()
 
-# float16 attention on CPUs without AVX512, where torch's CPU flash kernel raises: the math kernel
-# for that case only, in every process (smp_adapter/runtime/cpu_attention.py)
-from smp_adapter.runtime.cpu_attention import install as _install_cpu_fp16_attention  # noqa: E402
+# CPU attention of the dtypes whose torch kernel raises on this CPU (probed once per process): the
+# math kernel for those only, in every process (smp_adapter/runtime/cpu_attention.py)
+from smp_adapter.runtime.cpu_attention import install as _install_cpu_attention  # noqa: E402
 
-_install_cpu_fp16_attention()
+_install_cpu_attention()

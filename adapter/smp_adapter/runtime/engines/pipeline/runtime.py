@@ -32,6 +32,7 @@ from torch import nn
 
 from smp_adapter.errors import SMPUsageError, UnsupportedFeatureError
 from smp_adapter.runtime import cpu_attention
+from smp_adapter.runtime.engines.base import model_dtype
 from smp_adapter.runtime.engines.pipeline import surgery
 from smp_adapter.runtime.engines.pipeline.idle_time import ComputeClock
 from smp_adapter.runtime.engines.pipeline.stage_builder import StageBuilder
@@ -153,9 +154,9 @@ class PipelineRunner:
         group = active if smp_schedule and (simple or active < self.num_stages) else m
         self._mode, self._detach_results = "replay", detach
         # a traced stage calls attention's aten op, past the functional cpu_attention wraps
-        fp16 = torch.float16 if state.cfg.fp16 else None
+        compute_dtype = model_dtype(state.cfg) or torch.get_default_dtype()
         try:
-            with cpu_attention.math_kernel_for(fp16, state.device):
+            with cpu_attention.math_kernel_for(compute_dtype, state.device):
                 for start in range(0, m, group):
                     idx = list(range(start, min(start + group, m)))
                     self._run_group(func, bound_mbs, inputs, idx, m, training, simple, results)
