@@ -42,14 +42,15 @@ class DeepSpeedEngine(StartsThroughDeepSpeed, Engine):
         return build_job_config(dims, backend)
 
     @classmethod
-    def module_init_context(cls, dtype):
-        """zero.Init under sharded data parallel; without it parameters are created normally and
-        placed at wrap time (our documented choice)."""
+    def materialize_kept(cls, module, device) -> None:
+        """ZeRO-3: the delayed model is materialised module by module, each partitioned at once
+        (zero3.materialize_into_shards); otherwise every tensor, as on any whole-tensor engine."""
         if state.dims.zero_stage != 3:
-            return super().module_init_context(dtype)
-        from smp_adapter.runtime.engines.deepspeed import zero3
+            return super().materialize_kept(module, device)
+        from smp_adapter.runtime.engines.base import model_dtype
+        from smp_adapter.runtime.engines.deepspeed.zero3 import materialize_into_shards
 
-        return zero3.module_init_context(dtype)
+        materialize_into_shards(module, device, model_dtype(state.cfg) or torch.get_default_dtype())
 
     @classmethod
     def register_external_parameter(cls, module, parameter) -> None:

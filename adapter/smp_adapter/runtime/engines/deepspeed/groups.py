@@ -147,6 +147,18 @@ def partition_module(module) -> None:
     deepspeed.zero.Init(module=module, config_dict_or_path=job_config(), dtype=None, **_zero_init_groups())
 
 
+def zero3_partitioner():
+    """A function that makes the given whole parameters ZeRO-3 shards (each broadcast from its ZeRO
+    group's first rank, then partitioned: this rank keeps its slice and frees the rest), with the job's
+    config and groups. One ``zero.Init`` serves every call: building one parses the whole DeepSpeed
+    config, and delayed initialisation partitions module by module. ``_convert_to_zero_parameters`` is
+    what ``zero.Init(module=...)`` runs over a module's parameters (DeepSpeed 0.19.8), skipping shards."""
+    import deepspeed
+
+    init = deepspeed.zero.Init(module=None, config_dict_or_path=job_config(), dtype=None, **_zero_init_groups())
+    return init._convert_to_zero_parameters
+
+
 def _zero_init_groups() -> dict:
     """The process-group arguments of ``deepspeed.zero.Init``: the ones DeepSpeed's engine uses."""
     adopt_smp_hpz_group()

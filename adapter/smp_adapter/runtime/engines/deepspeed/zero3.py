@@ -214,6 +214,33 @@ def partition_for_zero3(module, dtype) -> None:
                 p.ds_tensor.data[shard_values(p).numel():].zero_()
 
 
+def materialize_into_shards(module, device, dtype) -> None:
+    """Delayed initialisation under ZeRO-3: module by module, the tensors created without storage get
+    the values the script would have got without delaying (the record's replay, runtime/deferred_init/),
+    floating parameters are cast to the job's dtype, and the parameters become ZeRO-3 shards at once.
+    So a rank never holds more than its shards plus one module's whole tensors, and the weights are the
+    undelayed ones whatever the model's init does (transformers' ``_init_weights``, tied embeddings):
+    zero.Init at creation ran that init on empty shards, so embeddings kept ``nn.Embedding``'s N(0, 1)
+    and a tied GPT-2 started at loss 577 instead of 9.2. Every rank of a replica group replays its
+    first rank's random states (``sync_initial_state``), and each parameter is broadcast from its ZeRO
+    group's first rank before partitioning, so every shard is a slice of one model."""
+    from smp_adapter.runtime.deferred_init import materialize_in_place, record_of
+    from smp_adapter.runtime.engines.deepspeed.groups import zero3_partitioner
+
+    record = record_of(module)
+    if record is None:
+        return
+    partition = zero3_partitioner()
+    for m in module.modules():
+        own = [t for t in list(m._parameters.values()) + list(m._buffers.values()) if t is not None]
+        materialize_in_place(record, own, device)
+        whole = [p for p in m.parameters(recurse=False) if not is_zero3_parameter(p)]
+        for p in whole:
+            if p.is_floating_point() and p.dtype != dtype:
+                p.data = p.data.to(dtype)
+        partition(whole)
+
+
 def local_tensors(module) -> dict:
     """This rank's shards of a ZeRO-3 module (copies), with its buffers."""
     sd = {n: p.ds_tensor.detach().clone().cpu() for n, p in module.named_parameters()}
