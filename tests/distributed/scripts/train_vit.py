@@ -38,17 +38,28 @@ parser.add_argument("--die-in-save", action="store_true", help="failure test: ra
 args, _ = parser.parse_known_args()
 
 smp.init({"ddp": True})
-with smp.model_creation():  # delayed parameter initialization under sdp (zero.Init)
+if args.nan_in_shard_padding:
+    # the padding DeepSpeed adds to even out shards is torch.empty (any bits: NaN is what CI once met
+    # there): fill it with NaN wherever DeepSpeed makes shards, as such an allocator would
+    import torch.distributed as dist
+    from deepspeed.runtime.zero.partition_parameters import Init
+
+    def poison_padding(params):
+        for p in params:
+            place = dist.get_rank(group=p.ds_process_group) * p.ds_tensor.numel()
+            p.ds_tensor.data[max(0, min(p.ds_tensor.numel(), p.ds_numel - place)):] = float("nan")
+
+    def convert_then_poison(self, params, _convert=Init._convert_to_zero_parameters):
+        params = list(params)
+        _convert(self, params)
+        poison_padding(params)
+
+    Init._convert_to_zero_parameters = convert_then_poison
+with smp.model_creation():  # delayed parameter initialization under sdp
     model = tiny_cnn() if args.model == "cnn" else tiny_vit()
 if args.model == "vit-frozen":
     for p in model.vit.embeddings.parameters():
         p.requires_grad_(False)
-if args.nan_in_shard_padding:  # the padding is torch.empty: NaN bits are what CI once met there
-    import torch.distributed as dist
-
-    for p in model.parameters():
-        place = dist.get_rank(group=p.ds_process_group) * p.ds_tensor.numel()
-        p.ds_tensor.data[max(0, min(p.ds_tensor.numel(), p.ds_numel - place)):] = float("nan")
 total_params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
 model = smp.DistributedModel(model)
 if args.init_weights:  # smp rule: load weights after wrapping
