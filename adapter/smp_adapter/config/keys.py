@@ -74,7 +74,7 @@ _ROWS = [
     KeySpec("shard_optimizer_state", "bool", False, T, "optimizer-state sharding (ZeRO stage 1)"),
     KeySpec("offload_activations", "bool", False, T, "checkpointed activations kept on the CPU"),
     KeySpec("activation_loading_horizon", "int", 4, I, "DeepSpeed CPU activation checkpointing has no prefetch horizon; activations are loaded back when backward reaches them", minimum=1),
-    KeySpec("delayed_parameter_initialization", "bool", False, T, "deepspeed.zero.Init under sharded data parallel, otherwise created without storage and materialised per stage/rank"),
+    KeySpec("delayed_parameter_initialization", "bool", False, T, "created without storage and recorded; materialised per stage/rank (ZeRO-3: module by module into shards)"),
     KeySpec("prescaled_batch", "bool", False, T, "tensor-parallel batch semantics (docs/translation.md)"),
     # -- mixed precision -----------------------------------------------------------------------
     KeySpec("fp16", "bool", False, T, "fp16 training (dynamic loss scale from DistributedOptimizer arguments)"),

@@ -1,11 +1,10 @@
 """Memory-saving APIs (docs/runtime.md): delayed parameter initialisation, model_creation, activation
 checkpointing, register_parameter.
 
-* ``delay_param_initialization`` enters the job engine's module-init context: under sharded data
-  parallel DeepSpeed's ``zero.Init`` (runtime/engines/deepspeed/zero3.py), so parameters are created
-  already sharded, never whole on one rank. Otherwise tensors are created without storage and their
-  creation recorded (runtime/deferred_init/); the engine materialises what the rank keeps
-  (``materialize_kept``: everything at wrap time at pp = 1, each rank's stage at pp > 1).
+* ``delay_param_initialization`` enters the job engine's module-init context: tensors are created
+  without storage and their creation recorded (runtime/deferred_init/); the engine materialises what
+  the rank keeps (``materialize_kept``: everything at wrap time at pp = 1, ZeRO-3 one module at a
+  time into shards (runtime/engines/deepspeed/zero3.py), each rank's stage at pp > 1).
 * ``set_activation_checkpointing`` re-runs the module's forward during backward
   (torch.utils.checkpoint, non-reentrant, which also works under ZeRO-3; the mechanism, and how
   pipeline stages get it, in runtime/activation_checkpoint.py). With ``offload_activations`` the

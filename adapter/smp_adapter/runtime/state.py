@@ -89,7 +89,6 @@ class State:
         self.owns_process_group = False
         self.environ_changes: dict = {}  # variable -> value before smp.init (None: unset), restored by shutdown
         self.failed = False  # an uncaught exception reached sys.excepthook (runtime/init.py)
-        self.hf_deepspeed_config = None  # keeps transformers' ZeRO-3 awareness alive
         self.deferred_init = None  # weak reference to the live record of delayed initialisation (deferred_init/)
 
     @property

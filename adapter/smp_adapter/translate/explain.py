@@ -295,10 +295,12 @@ def delayed_init_effect(dims: ParallelDims, enabled: bool) -> tuple[str, str, st
     if not enabled:
         return "off", "exact", ("parameters are created as the script creates them (smp.delay_param_initialization() "
                                 "in the script still delays what it wraps)")
-    if dims.zero_stage == 3:
-        return "deepspeed.zero.Init", "exact", \
-            "parameters are created already partitioned over the sharded data-parallel group: no rank holds the whole model"
     values = "with the values the script's own creation gives (the same seed, the same weights on any layout)"
+    if dims.engine == "deepspeed" and dims.zero_stage == 3:
+        return "recorded; materialised module by module into ZeRO-3 shards", "exact", \
+            ("parameters are created without storage; when DistributedModel wraps the model each rank replays one "
+             f"module's creation at a time, {values}, and partitions it over the sharded data-parallel group at once: "
+             "a rank holds its shards plus one module's whole tensors, never the whole model")
     if dims.pp > 1:
         return "recorded; each stage materialised on its rank", "exact", \
             ("parameters are created without storage; when the first step has cut the stages each pipeline rank replays "

@@ -1,5 +1,5 @@
 """The job's one DeepSpeed config: built once by smp.init from the layout (``job_config``, kept in
-``state.engine_config``), read by zero.Init, by the wrap-time partitioning and by
+``state.engine_config``), read by the wrap-time partitioning (zero.Init's arguments) and by
 ``deepspeed.initialize``; the last adds only what DistributedModel / DistributedOptimizer's arguments
 decide (translate/deepspeed.with_engine_arguments)."""
 

@@ -77,32 +77,6 @@ class DeepSpeedEngine(StartsThroughDeepSpeed, Engine):
 
         return zero3.gathered(params, modifier_rank)
 
-    @classmethod
-    def sync_initial_state(cls, module) -> None:
-        """Shards created under delayed initialisation: each ZeRO group (the RDP group) filled its
-        own from its first rank, so with tensor parallelism the TP ranks' groups may hold different
-        values when scripts seed with their dp rank. Rank (tp t, rdp r) holds shard r of its group,
-        as (tp 0, rdp r) does: the shards follow TP rank 0 over the TP group (hpZ's secondary copies
-        are made from them at the first gather); buffers (never sharded) over the DP group."""
-        if not cls.holds_shards(module):
-            return super().sync_initial_state(module)
-        from smp_adapter.runtime.engines.whole_tensors import broadcast_from_first_rank
-        from smp_adapter.runtime.engines.deepspeed.zero3 import is_zero3_parameter
-
-        broadcast_from_first_rank([p.ds_tensor if is_zero3_parameter(p) else p for p in module.parameters()],
-                                  state.groups.tp)
-        broadcast_from_first_rank(list(module.buffers()), state.groups.dp)
-
-    @classmethod
-    def place_module(cls, module, device) -> None:
-        """Parameters created under zero.Init stay shards where DeepSpeed put them; a Hugging Face
-        model built from a config there gets its own weight init now, with gathered shards."""
-        if not cls.holds_shards(module):
-            return super().place_module(module, device)
-        from smp_adapter.runtime.engines.deepspeed.zero3 import initialize_hf_weights_if_random
-
-        initialize_hf_weights_if_random(module)
-
     def __init__(self, model, tp_originals: dict):
         super().__init__(model, tp_originals)
         self._ds = None  # deepspeed.DeepSpeedEngine, built lazily (module docstring)

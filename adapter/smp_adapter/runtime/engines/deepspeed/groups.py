@@ -7,8 +7,6 @@
 
 from __future__ import annotations
 
-import contextlib
-
 from smp_adapter.runtime.engines.deepspeed.config import job_config
 from smp_adapter.runtime.state import state
 
@@ -73,75 +71,13 @@ def adopt_smp_hpz_group() -> None:
         ds_groups._ZERO_PARAM_INTRA_PARALLEL_GROUP = state.groups.sdp
 
 
-def zero_init_context(dtype):
-    """The ``deepspeed.zero.Init`` context delayed initialisation enters: the job's DeepSpeed config,
-    the process groups its engine uses, and parameters created in ``dtype``.
-
-    ``dtype`` is set on the object, not passed. DeepSpeed (0.14.1 through at least 0.19.8) decides
-    the dtype in ``Init._set_dtype``; given a config *and* a dtype it evaluates
-    ``dtype or fp16 if accel.is_fp16_supported() else bf16 if accel.is_bf16_supported else fp32``,
-    which by operator precedence is bfloat16, whatever dtype was asked for, wherever the accelerator
-    says fp16 is unsupported (DeepSpeed's CPU accelerator on CPUs without AVX512-FP16/AMX, e.g. AMD
-    EPYC, answers ``None``). Given only the config it reads the precision options correctly; the
-    public ``dtype`` attribute is what its tensor-creation hooks read on ``__enter__``, so setting it
-    before entering covers ``model_creation(dtype=...)`` asking for something else."""
-    import deepspeed
-    import torch
-
-    from smp_adapter.errors import UnsupportedFeatureError
-
-    if dtype not in (torch.float32, torch.float16, torch.bfloat16):
-        raise UnsupportedFeatureError(
-            f"delayed parameter initialization under sharded data parallel creates parameters in float32, "
-            f"float16 or bfloat16 (what DeepSpeed's ZeRO-3 holds), not {dtype}; create the model with torch's "
-            "default dtype float32 and choose half precision with the fp16/bf16 options")
-    init = deepspeed.zero.Init(config_dict_or_path=job_config(), dtype=None, remote_device=None, enabled=True,
-                               **_zero_init_groups())
-    init.dtype = dtype
-    return _with_group_root_broadcasts(init)
-
-
-@contextlib.contextmanager
-def _with_group_root_broadcasts(init):
-    """``init`` entered, with DeepSpeed's ``Module.apply`` broadcasts sent from the ZeRO group's root.
-
-    Under zero.Init, DeepSpeed (0.19.8) wraps ``nn.Module.apply``: it gathers each parameter, runs the
-    function, then broadcasts from *global* rank 0 within the parameter's ZeRO group
-    (``partition_parameters.py``: ``dist.broadcast(..., 0, group=param.ds_process_group)``). With
-    tensor parallelism that group is the RDP group, which holds global rank 0 only on TP rank 0, so
-    every other group stops with "Global rank 0 is not part of group". transformers 4.x initialises
-    its weights through ``Module.apply`` (``post_init``), so tp 2 x sdp 2 with delayed initialisation
-    failed there (5.x does not use ``apply``). While the context is open, a broadcast from rank 0 in
-    a group without rank 0 is sent from the group's first rank, as DeepSpeed's own
-    ``_zero_init_param`` does; every other call is DeepSpeed's unchanged."""
-    import torch.distributed as dist
-    from deepspeed.runtime.zero import partition_parameters
-
-    comm = partition_parameters.dist
-
-    class _GroupRootBroadcast:
-        def __getattr__(self, name):
-            return getattr(comm, name)
-
-        def broadcast(self, tensor, src, group=None, *args, **kwargs):
-            if src == 0 and group is not None:
-                ranks = dist.get_process_group_ranks(group)
-                if 0 not in ranks:
-                    src = ranks[0]
-            return comm.broadcast(tensor, src, group, *args, **kwargs)
-
-    partition_parameters.dist = _GroupRootBroadcast()
-    try:
-        with init:
-            yield init
-    finally:
-        partition_parameters.dist = comm
-
-
 def partition_module(module) -> None:
     """Shard the parameters of a built module as ZeRO-3 (``zero.Init(module=...)``), with the same
-    config and groups. No dtype is passed, for the reason in ``zero_init_context``: the caller casts
-    the parameters first, and DeepSpeed does not cast them here."""
+    config and groups. No dtype is passed: given a config and a dtype, DeepSpeed (0.14.1 through at
+    least 0.19.8) evaluates ``dtype or fp16 if accel.is_fp16_supported() else bf16 if ...``, which by
+    operator precedence is bfloat16 wherever the accelerator says fp16 is unsupported (its CPU
+    accelerator on CPUs without AVX512-FP16/AMX); the caller casts the parameters first, and DeepSpeed
+    does not cast them here."""
     import deepspeed
 
     deepspeed.zero.Init(module=module, config_dict_or_path=job_config(), dtype=None, **_zero_init_groups())
