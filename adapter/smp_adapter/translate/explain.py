@@ -301,6 +301,11 @@ def delayed_init_effect(dims: ParallelDims, enabled: bool) -> tuple[str, str, st
             ("parameters are created without storage; when DistributedModel wraps the model each rank replays one "
              f"module's creation at a time, {values}, and partitions it over the sharded data-parallel group at once: "
              "a rank holds its shards plus one module's whole tensors, never the whole model")
+    if dims.engine == "mics":
+        return "recorded; materialised unit by unit into FSDP2 shards", "exact", \
+            ("parameters are created without storage; when DistributedModel wraps the model each rank replays one "
+             f"sharding unit's creation at a time, {values}, and shards it over its sharding group at once: a rank "
+             "holds its shards plus one unit's whole tensors, never the whole model")
     if dims.pp > 1:
         return "recorded; each stage materialised on its rank", "exact", \
             ("parameters are created without storage; when the first step has cut the stages each pipeline rank replays "

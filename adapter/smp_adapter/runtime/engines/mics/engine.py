@@ -36,8 +36,26 @@ from smp_adapter.runtime.engines.base import Engine, model_dtype
 from smp_adapter.runtime.engines.mics import shards
 from smp_adapter.runtime.state import state
 
+
+def _materialize_unit(unit) -> None:
+    """Delayed initialisation: give this sharding unit's tensors created without storage (those not in
+    a unit already sharded) the undelayed values (the record's replay), on the job's device. The
+    engine then shards the unit before the next one is materialised, so a rank holds its shards plus
+    one unit's whole tensors, never the whole model."""
+    from smp_adapter.runtime.deferred_init import materialize_in_place, module_tensors, record_of
+
+    record = record_of(unit)
+    if record is not None:
+        materialize_in_place(record, module_tensors(unit), state.device)
+
+
 class MicsEngine(Engine):
     name = "mics"
+
+    @classmethod
+    def materialize_kept(cls, module, device) -> None:
+        """Nothing yet: the engine materialises a delayed model unit by unit as it shards it
+        (``_materialize_unit``)."""
 
     @classmethod
     def load_code(cls) -> None:
@@ -66,13 +84,16 @@ class MicsEngine(Engine):
         dtype = model_dtype(cfg)
         policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32) if dtype else MixedPrecisionPolicy()
         module = model.module
-        if dtype is not None:  # the shards (the optimizer's masters) stay fp32; compute in the job's dtype
-            module.float()
         # fully_shard registers new Parameter objects: the marks set on the old ones (tensor
         # parallelism's split flag and layout, Megatron's attributes) are carried over by name
-        marks = {name: dict(vars(p)) for name, p in module.named_parameters()}
+        names = {id(p): name for name, p in module.named_parameters()}
+        marks = {}
         self.units = []
         for unit in sharding_units(module) + [module]:
+            _materialize_unit(unit)  # delayed init: this unit's whole tensors exist only until it is sharded
+            if dtype is not None:  # the shards (the optimizer's masters) stay fp32; compute in the job's dtype
+                unit.float()
+            marks.update({names[id(p)]: dict(vars(p)) for p in unit.parameters() if id(p) in names})
             fully_shard(unit, mesh=mesh, mp_policy=policy, reshard_after_forward=True)
             unit.set_force_sum_reduction_for_comms(True)  # gloo has no AVG: sums, then one divide (pytorch#162338)
             self.units.append(unit)
