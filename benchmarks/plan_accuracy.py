@@ -117,10 +117,9 @@ def seed_002() -> None:
         p = costs.plan(model_spec(VIT_002), dims, cluster, costs.Job(4, activation_checkpointing=True))
         times[label] = p.step_time_s
         inter = [t for t in p.comm if not t.intra_node]
-        # what crosses a node's link, as collective_seconds charges it: (n-1)/n of the bytes (2(n-1)/n for
-        # all_reduce) per ring, times the rings of the node's GPUs that share the link
-        link = sum(timing.collective_seconds(t, cluster) * cluster.inter_node_bandwidth * timing.COMM_EFFICIENCY
-                   for t in inter)
+        # what crosses a node's link: (n-1)/n of the bytes (2(n-1)/n for all_reduce) per ring, times the
+        # rings of the node's GPUs that share the link
+        link = sum(timing.link_bytes_per_node(t, cluster) for t in inter)
         print(f"  {label:<15} [{dims.engine}] peak {p.peak_bytes / 2**30:.2f} GiB, inter-node "
               f"{sum(t.bytes for t in inter) / 1e9:.2f} GB/rank ({link / 1e9:.2f} GB through a node's link), intra-node "
               f"{sum(t.bytes for t in p.comm if t.intra_node) / 1e9:.2f} GB/rank; step {p.step_time_s:.3f} s = compute "

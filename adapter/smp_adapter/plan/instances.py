@@ -42,6 +42,12 @@ class Cluster:
     # the collective library the ranks use: "nccl" (GPUs) or "gloo" (CPU ranks, whose reduce_scatter is an
     # all-reduce followed by a slice: it sends what an all-reduce sends; timing.ring_factor)
     collectives: str = "nccl"
+    # seconds: a collective call's fixed cost, and each ring step's wait for one hop inside a node and
+    # between nodes (NCCL_LATENCY for GPUs; 0 for CPU ranks, whose per-call cost the measured gloo
+    # efficiency includes: RESULTS.md §16)
+    call_latency: float = 0.0
+    intra_node_latency: float = 0.0
+    inter_node_latency: float = 0.0
 
     @property
     def cpu_ranks(self) -> bool:
@@ -79,6 +85,16 @@ NVLINK3 = 300 * GB  # A100 NVLink: 600 GB/s both directions
 NVLINK4 = 450 * GB  # H100 / H200 SXM NVLink: 900 GB/s both directions
 PCIE3, PCIE4 = 16 * GB, 32 * GB  # x16 link, per direction
 GBIT = GB / 8
+US = 1e-6
+# NCCL's own latency model for ring collectives with the Simple protocol (the one large messages use),
+# src/graph/tuning.cc: baseLat 8.4 us per call, hwLat per ring step 3.4 us over NVLink, 5.7 us over
+# PCIe, 14.0 us over the network. One call costs base + steps x hop.
+NCCL_LATENCY = {"call": 8.4 * US, "nvlink": 3.4 * US, "pcie": 5.7 * US, "net": 14.0 * US}
+
+
+def intra_node_link(bandwidth: float) -> str:
+    """The link class of an intra-node bandwidth of the table: NVLink figures are above any PCIe x16's."""
+    return "nvlink" if bandwidth > PCIE4 * 2 else "pcie"
 
 # name -> (GPU, GPUs per node, intra-node bandwidth per GPU, inter-node bandwidth per node, host memory GiB)
 INSTANCE_TYPES = {
@@ -120,4 +136,5 @@ def instance_cluster(name: str, count: int) -> Cluster:
                              count)
     gpu, per_node, intra, inter, host_gib = INSTANCE_TYPES[name]
     return Cluster(name, per_node, count, gpu.memory, gpu.flops, intra, inter, gpu.usable_memory, host_gib * GiB,
-                   gpu.name)
+                   gpu.name, call_latency=NCCL_LATENCY["call"], intra_node_latency=NCCL_LATENCY[intra_node_link(intra)],
+                   inter_node_latency=NCCL_LATENCY["net"])
