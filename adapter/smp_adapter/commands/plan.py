@@ -333,8 +333,8 @@ def _text(spec, dims, cluster, job, result, headroom, notes) -> str:
               f"of peak, {source}) + communication not hidden by compute {result.exposed_comm_s:.3f} s (of "
               f"{result.comm_s:.3f} s at {timing.comm_efficiency(cluster):.0%} of link bandwidth) + pipeline bubble "
               f"{result.bubble_s:.3f} s + pipeline actions' fixed cost {result.overhead_s:.3f} s",
-              f"throughput: {result.samples_per_s:,.1f} samples/s, {result.tokens_per_s_per_gpu:,.0f} tokens/s per GPU, "
-              f"MFU {result.mfu:.1%}"]
+              f"predicted throughput: {result.samples_per_s:,.1f} samples/s, {result.tokens_per_s_per_gpu:,.0f} tokens/s "
+              f"per GPU, MFU {result.mfu:.1%}", _mfu_line(result)]
     if notes:
         lines += [""] + [f"note: {n}" for n in notes]
     return "\n".join(lines)
@@ -411,19 +411,29 @@ def _search_text(spec, cluster, result, headroom, notes) -> str:
         else:
             lines.append("no layout realises this global batch: give a multiple of the data-parallel sizes")
         return "\n".join(lines)
-    from smp_adapter.plan.search import TIME_TIE
+    from smp_adapter.plan.search import TIME_TIE, within_tie
 
-    lines.append(f"ranked by step time (the same samples in every row); rows within {TIME_TIE:.0%} of each other rank "
-                 "by memory left")
-    lines.append(f"{'#':<3}{'layout':<34}{'engine':<11}{'AC':<4}{'B':>5}{'mb':>5}{'k':>4}{'step s':>9}{'tok/s/GPU':>11}{'MFU':>7}"
-                 f"{'exposed comm':>14}{'bubble':>8}{'peak GiB':>10}{'left GiB':>10}{'inter GB':>10}")
+    first = result.ranked[0]
+    lines.append(f"ranked by predicted step time, fastest first (the same samples in every row; equal times: more "
+                 f"memory left first); ~ marks the rows within {TIME_TIE:.0%} of the first, the time model's error "
+                 "(docs/plan.md), which it cannot tell apart")
+    lines.append(f"{'#':<4}{'layout':<34}{'engine':<11}{'AC':<4}{'B':>5}{'mb':>5}{'k':>4}{'step s':>9}{'tok/s/GPU':>11}"
+                 f"{'MFU':>7}{'exposed comm':>14}{'bubble':>8}{'peak GiB':>10}{'left GiB':>10}{'inter GB':>10}")
     for i, row in enumerate(result.ranked, 1):
         p, dims = row.plan, row.dims
         inter = sum(t.bytes for t in p.comm if not t.intra_node) / GB
-        lines.append(f"{i:<3}{_name(dims):<34}{dims.engine:<11}{'on' if row.job.activation_checkpointing else 'off':<4}{row.job.batch:>5}"
-                     f"{dims.cfg.microbatches:>5}{row.job.accumulation:>4}{p.step_time_s:9.2f}{p.tokens_per_s_per_gpu:11,.0f}"
-                     f"{p.mfu:7.1%}{p.exposed_comm_s:14.2f}{p.bubble_s + p.overhead_s:8.2f}{p.peak_bytes / GiB:10.2f}"
-                     f"{row.memory_left / GiB:10.2f}{inter:10.1f}")
+        mark = "~" if i > 1 and within_tie(row, first) else ""
+        lines.append(f"{str(i) + mark:<4}{_name(dims):<34}{dims.engine:<11}{'on' if row.job.activation_checkpointing else 'off':<4}"
+                     f"{row.job.batch:>5}{dims.cfg.microbatches:>5}{row.job.accumulation:>4}{p.step_time_s:9.2f}"
+                     f"{p.tokens_per_s_per_gpu:11,.0f}{p.mfu:7.1%}{p.exposed_comm_s:14.2f}{p.bubble_s + p.overhead_s:8.2f}"
+                     f"{p.peak_bytes / GiB:10.2f}{row.memory_left / GiB:10.2f}{inter:10.1f}")
+    tied = [r for r in result.ranked if within_tie(r, first)]
+    roomiest = max(tied, key=lambda r: r.memory_left)
+    if roomiest is not first:
+        lines.append(f"of the rows within {TIME_TIE:.0%} of the first, {_name(roomiest.dims)} "
+                     f"({'checkpointed, ' if roomiest.job.activation_checkpointing else ''}B {roomiest.job.batch}) "
+                     f"leaves the most memory: {roomiest.memory_left / GiB:.2f} GiB against {first.memory_left / GiB:.2f}")
+    lines.append(_mfu_line(first.plan))
     lines += ["", "(B: samples per rank per smp.step call; mb: microbatches; k: smp.step calls per optimizer step, "
               "DistributedModel(backward_passes_per_step=k); tp Np: prescaled_batch; MiCS N x R: smp v1's MiCS, groups "
               "of N = sharded_data_parallel_degree ranks sharding everything, R replicas, on the mics engine (torch "
@@ -442,15 +452,26 @@ def _search_text(spec, cluster, result, headroom, notes) -> str:
 
 
 def _why(row, nxt) -> str:
-    """Why ``row`` ranks above ``nxt``: faster by more than the tie band (and by what), or a tie won on memory."""
-    p, q = row.plan, nxt.plan
-    from smp_adapter.plan.search import TIME_TIE
+    """Why ``row`` ranks above ``nxt``: faster, by what and mostly where (and when the difference is
+    within the time model's error, that it is)."""
+    from smp_adapter.plan.search import TIME_TIE, within_tie
 
-    if q.step_time_s <= p.step_time_s * (1 + TIME_TIE):
-        return (f"{_name(row.dims)}: within {TIME_TIE:.0%} of {_name(nxt.dims)} ({p.step_time_s:.2f} s vs {q.step_time_s:.2f} s), "
-                f"more memory left ({row.memory_left / GiB:.1f} vs {nxt.memory_left / GiB:.1f} GiB)")
+    p, q = row.plan, nxt.plan
+    if q.step_time_s == p.step_time_s:
+        return (f"{_name(row.dims)}: the same step time as {_name(nxt.dims)} ({p.step_time_s:.2f} s), more memory left "
+                f"({row.memory_left / GiB:.1f} vs {nxt.memory_left / GiB:.1f} GiB)")
     diffs = {"exposed communication": q.exposed_comm_s - p.exposed_comm_s, "compute": q.compute_s - p.compute_s,
              "pipeline bubble and actions": q.bubble_s + q.overhead_s - p.bubble_s - p.overhead_s}
     what, gain = max(diffs.items(), key=lambda kv: kv[1])
-    return (f"{_name(row.dims)}: {q.step_time_s / p.step_time_s - 1:.1%} faster than {_name(nxt.dims)}, mostly less "
+    tie = f" (within the model's {TIME_TIE:.0%}: a tie)" if within_tie(nxt, row) else ""
+    return (f"{_name(row.dims)}: {q.step_time_s / p.step_time_s - 1:.1%} faster than {_name(nxt.dims)}{tie}, mostly less "
             f"{what} ({gain:.2f} s per step)")
+
+
+def _mfu_line(result) -> str:
+    """MFU as what it is here: a prediction, the model's FLOPs over the predicted step time, whose
+    ceiling is the compute efficiency plan assumed or calibrated (recompute and exposed time lower it)."""
+    source = "calibrated on published runs" if result.efficiency_calibrated else "assumed, not calibrated"
+    return (f"MFU is predicted, not measured: the model's FLOPs over the predicted step time x GPUs x peak; it cannot "
+            f"exceed the compute efficiency plan takes for this GPU ({result.efficiency:.0%} of peak, {source}), "
+            f"which recompute (3 of 4 passes count), exposed communication and the bubble lower")
