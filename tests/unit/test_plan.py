@@ -457,7 +457,7 @@ def test_search_cli_names_each_rows_engine(tmp_path, capsys):
                           "--top", "20", "--activation-checkpointing",
                           options='{"ddp": true, "sharded_data_parallel_degree": 4}')
     assert code == 0, out.err
-    rows = [line for line in out.out.splitlines() if line[:3].strip().isdigit() and "tp " in line]
+    rows = [line for line in out.out.splitlines() if line[:4].strip().rstrip("~").isdigit() and "tp " in line]
     assert any("tp 1, MiCS 4 x 8" in r and " mics " in r for r in rows)
     assert any("tp 1, ZeRO-3/32 hpZ 4" in r and " deepspeed " in r for r in rows)
     assert "SMP_ADAPTER_SDP_ENGINE=hpz" in out.out  # how to choose hpZ over the default

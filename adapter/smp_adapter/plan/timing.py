@@ -215,7 +215,7 @@ def phases(terms, cluster, compute_s: float, microbatches: int, passes: int) -> 
         shares = {BACKWARD: (n - 1) / n, LAST_BACKWARD: 1 / n} if term.overlap == BACKWARD else {term.overlap: 1.0}
         for name, share in shares.items():
             out[name].links[link] = out[name].links.get(link, 0.0) + seconds * share
-    return [p for p in out.values() if p.links], exposed
+    return [p for p in out.values() if any(v > 0 for v in p.links.values())], exposed
 
 
 def exposed_seconds(terms, cluster, compute_s: float, microbatches: int, passes: int) -> tuple[float, float]:
