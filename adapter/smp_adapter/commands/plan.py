@@ -538,8 +538,11 @@ def _why(row, nxt) -> str:
              "pipeline bubble and actions": q.bubble_s + q.overhead_s - p.bubble_s - p.overhead_s}
     what, gain = max(diffs.items(), key=lambda kv: kv[1])
     tie = f" (within the model's {TIME_TIE:.0%}: a tie)" if within_tie(nxt, row) else ""
-    return (f"{_name(row.dims)}: {q.step_time_s / p.step_time_s - 1:.1%} faster than {_name(nxt.dims)}{tie}, mostly less "
-            f"{what} ({gain:.2f} s per step)")
+    faster = q.step_time_s / p.step_time_s - 1
+    # differences below 0.1 % of a step (a few calls' latency) would print as 0.0 %: give them in seconds
+    by = f"{faster:.1%} faster than" if faster >= 0.001 else f"faster by {q.step_time_s - p.step_time_s:.1e} s than"
+    amount = f"{gain:.2f} s" if gain >= 0.005 else f"{gain:.1e} s"
+    return f"{_name(row.dims)}: {by} {_name(nxt.dims)}{tie}, mostly less {what} ({amount} per step)"
 
 
 def _mfu_line(result) -> str:
