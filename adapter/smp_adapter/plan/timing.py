@@ -1,6 +1,7 @@
 """The step-time model of ``smp-adapter plan``, written once (docs/plan.md, "Time"): compute at a
-stated efficiency per GPU type and precision, collectives at a stated share of the link bandwidth,
-the communication the engine overlaps with compute hidden behind that compute, the pipeline bubble
+stated efficiency per GPU type and precision, collectives at a stated share of the link bandwidth plus
+NCCL's per-call latency, each collective hidden behind the compute of its own phase (forwards, backwards,
+the last microbatch's backward, the pipeline's other microbatches) link by link, the pipeline bubble
 of each schedule, and the figures a practitioner compares runs by (tokens/s per GPU, MFU). Pure
 arithmetic: no torch.
 """
