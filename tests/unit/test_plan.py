@@ -2,6 +2,7 @@
 comparison, memory per pipeline stage, usable memory and headroom, the time model's overlap and MFU,
 every bad input's own message, and speed on a 70B config."""
 
+import dataclasses
 import json
 import math
 import subprocess
@@ -180,28 +181,58 @@ def test_mics_groups_spanning_nodes_are_pointed_out():
 
 
 def test_seed_002_prediction_and_why():
-    """docs/plan.md "Seed 002": groups of 4 under hpZ 7 % faster than sdp 32; under MiCS the replicas'
-    all-reduce (each rank's quarter of the gradients, 0.63 GB) is the step's only inter-node traffic, but
-    the 4 GPUs of a node all-reduce their shards at once over the node's one 50 Gbit/s link (2 x 7/8 x
-    0.63 GB each: 4.4 GB through the node's link, against 5.4 GB for sdp 32's ring, which crosses it
-    once), and it hides only behind the last microbatch's backward, where ZeRO-3's traffic hides
-    behind the whole step: plan predicts MiCS sdp 4 slower than sdp 32, not the ~14 % faster the seed
-    measured with smp v1."""
+    """Issue 66, seed 002's Done-means: MiCS sdp 4 / sdp 32 step time within 0.80-0.92 (measured ~0.86
+    with smp v1), hpZ between the two, from the instance's documented figures (4 T4 on PCIe per node,
+    50 Gbit/s between nodes) and nothing fitted. Why, by hand from the per-phase model: sdp 32's forward
+    gathers cross the network and only the forward's compute (1 of 4 passes) hides them; MiCS's cross
+    PCIe and hide, and its one inter-node collective, the replicas' all-reduce (4 rings sharing the
+    node's link), hides behind the last microbatch's recompute + backward (3 of 4 passes) but for
+    what exceeds it."""
     cluster = instance_cluster("ml.g4dn.12xlarge", 8)
     zero3, hpz, mics = _seed_002(32), _seed_002(4, "hpz"), _seed_002(4, "mics")
     usable = cluster.allocatable
     assert zero3.peak_bytes < usable and hpz.peak_bytes < usable and mics.peak_bytes < usable
     assert mics.peak_bytes < zero3.peak_bytes  # no 2 GB reduce bucket, no DeepSpeed-kept gathered parameters
-    assert hpz.step_time_s < zero3.step_time_s
+    assert 0.80 <= mics.step_time_s / zero3.step_time_s <= 0.92
+    assert mics.step_time_s <= hpz.step_time_s <= zero3.step_time_s
+    forward = zero3.compute_s / 4
+    gathers = sum(timing.collective_seconds(t, cluster) for t in zero3.comm if t.overlap == timing.FORWARD)
+    rest = sum(timing.collective_seconds(t, cluster) for t in zero3.comm if t.overlap == timing.BACKWARD)
+    critical = sum(timing.collective_seconds(t, cluster) for t in zero3.comm if t.overlap == timing.EXPOSED)
+    assert gathers > forward and rest < zero3.compute_s * 3 / 4  # the backward's traffic hides
+    assert zero3.exposed_comm_s == pytest.approx(critical + gathers - forward)
     (all_reduce,) = [t for t in mics.comm if not t.intra_node]
-    seconds = timing.collective_seconds(all_reduce, cluster)
     per_gpu = cluster.inter_node_bandwidth / 4 * timing.COMM_EFFICIENCY  # 4 rings share the node's link
-    assert seconds == pytest.approx(N * 2 * 7 / 8 / per_gpu)
-    window = mics.compute_s * 2 / 4  # the last (only) microbatch's backward: 2 of 4 passes when checkpointed
-    hidden_inside = sum(timing.collective_seconds(t, cluster) for t in mics.comm if t.intra_node)
-    assert hidden_inside < mics.compute_s
-    assert mics.exposed_comm_s == pytest.approx(seconds - window)
-    assert mics.step_time_s > zero3.step_time_s
+    assert timing.bandwidth_seconds(all_reduce, cluster) == pytest.approx(N * 2 * 7 / 8 / per_gpu)
+    inside = sum(timing.collective_seconds(t, cluster) for t in mics.comm if t.intra_node)
+    assert inside < mics.compute_s * 3 / 4  # PCIe's traffic hides; the busier link is the network's
+    assert mics.exposed_comm_s == pytest.approx(timing.collective_seconds(all_reduce, cluster) - mics.compute_s * 3 / 4)
+
+
+def test_each_link_fills_its_own_window():
+    """Two collectives on different links in one window overlap each other: the window's exposed time
+    is the busier link's excess, not their sum's; on one link their seconds add."""
+    cluster = instance_cluster("ml.g4dn.12xlarge", 2)
+    inside = costs.CommTerm("sdp", "all_gather", 4e9, 1, 4, True, 1, timing.FORWARD)
+    across = costs.CommTerm("rdp", "all_gather", 1e9, 1, 8, False, 1, timing.FORWARD)
+    each = [timing.collective_seconds(t, cluster) for t in (inside, across)]
+    _, apart = timing.exposed_seconds([inside, across], cluster, 0.4, 1, 4)  # forward window 0.1 s
+    assert apart == pytest.approx(max(each) - 0.1)
+    _, together = timing.exposed_seconds([inside, dataclasses.replace(across, intra_node=True, size=4)], cluster,
+                                         0.4, 1, 4)
+    on_one = sum(timing.collective_seconds(t, cluster) for t in (inside, dataclasses.replace(across, intra_node=True,
+                                                                                              size=4)))
+    assert together == pytest.approx(on_one - 0.1)
+
+
+def test_per_call_latency_is_nccls_ring_model():
+    """A call costs NCCL's base latency + one hop per ring step (tuning.cc): an all-gather over 8 ranks
+    spanning nodes, 7 steps at the network's 14 us; nothing for the bytes of an empty call."""
+    from smp_adapter.plan.instances import NCCL_LATENCY
+
+    cluster = instance_cluster("ml.p4d.24xlarge", 2)
+    term = costs.CommTerm("rdp", "all_gather", 0.0, 10, 16, False, 1)
+    assert timing.collective_seconds(term, cluster) == pytest.approx(10 * (NCCL_LATENCY["call"] + 15 * 14e-6))
 
 
 # -- memory ------------------------------------------------------------------------------------------
@@ -269,7 +300,7 @@ def test_zero3_traffic_hides_behind_compute_and_tensor_parallel_traffic_does_not
     zero3 = costs.plan(spec, dims_of({"ddp": True, "sharded_data_parallel_degree": 32, "bf16": True}, 32), cluster,
                        costs.Job(4, True))
     assert zero3.comm_s > 0 and zero3.exposed_comm_s < zero3.comm_s
-    assert all(t.overlap == timing.WHOLE_STEP for t in zero3.comm if t.op == "reduce_scatter")
+    assert all(t.overlap == timing.BACKWARD for t in zero3.comm if t.op == "reduce_scatter")
     tp = costs.plan(spec, dims_of({"ddp": True, "tensor_parallel_degree": 8, "pipeline_parallel_degree": 4,
                                    "microbatches": 8, "bf16": True}, 32), cluster, costs.Job(8, True))
     tp_seconds = sum(timing.collective_seconds(t, cluster) for t in tp.comm if t.group == "tp")
@@ -278,8 +309,9 @@ def test_zero3_traffic_hides_behind_compute_and_tensor_parallel_traffic_does_not
 
 def test_zero1_reduction_hides_only_behind_the_last_microbatchs_backward():
     """DeepSpeed reduces ZeRO-1 gradients from backward hooks at the accumulation boundary, i.e. during
-    the last microbatch's backward: the same samples in 8 microbatches leave less of it hidden than in 1."""
-    spec = model_spec(str(JOBS / "llama2-7b.json"))
+    the last microbatch's backward: the same samples in 8 microbatches leave less of it hidden than in 1.
+    (Sequence 1024: at the config's 4096 one microbatch's recompute + backward hides the whole reduction.)"""
+    spec = model_spec(str(JOBS / "llama2-7b.json"), seq_len=1024)
     cluster = instance_cluster("ml.p4d.24xlarge", 2)
     exposed = {}
     for m in (1, 8):
@@ -365,16 +397,26 @@ def test_every_realisation_of_a_pipeline_fills_it():
 
 
 @pytest.mark.parametrize("name", list(FOUR_JOBS))
-def test_search_ranks_by_step_time_with_ties_going_to_memory_left(searches, name):
-    from smp_adapter.plan.search import TIME_TIE
-
+def test_search_ranks_by_step_time_as_it_says(searches, name):
     ranked = searches[name][2].ranked
-    for i, row in enumerate(ranked):
-        rest = ranked[i:]
-        fastest = min(r.step_s for r in rest)
-        assert row.step_s <= fastest * (1 + TIME_TIE)  # never beaten by more than the tie band
-        tied = [r for r in rest if r.step_s <= fastest * (1 + TIME_TIE)]
-        assert row.memory_left == max(r.memory_left for r in tied)
+    assert [r.step_s for r in ranked] == sorted(r.step_s for r in ranked)
+
+
+def test_rows_within_the_tie_band_are_not_reordered():
+    """Issue 66: the rule "within 5 % rank by memory left" chained from row to row and put 6.57 s above
+    6.43 s. Now the rows are ordered by step time; the 5 % band only marks them (within_tie)."""
+    from smp_adapter.plan.search import Row, rank, within_tie
+
+    def row(step, peak):
+        p = costs.Plan(memory={"parameters": peak}, compute_s=step)
+        return Row(None, None, p, budget=10)
+
+    rows = [row(6.57, 1), row(6.43, 5), row(6.30, 9), row(7.00, 0)]
+    ranked = rank(rows, 4)
+    assert [r.step_s for r in ranked] == [6.30, 6.43, 6.57, 7.00]
+    assert [within_tie(r, ranked[0]) for r in ranked] == [True, True, True, False]
+    same = [row(5.0, 3), row(5.0, 1)]
+    assert rank(same, 2)[0].memory_left == 9  # equal step times: more memory left first
 
 
 def test_search_recommends_what_docs_plan_argues(searches):
@@ -415,7 +457,7 @@ def test_search_cli_names_each_rows_engine(tmp_path, capsys):
                           "--top", "20", "--activation-checkpointing",
                           options='{"ddp": true, "sharded_data_parallel_degree": 4}')
     assert code == 0, out.err
-    rows = [line for line in out.out.splitlines() if line[:3].strip().isdigit() and "tp " in line]
+    rows = [line for line in out.out.splitlines() if line[:4].strip().rstrip("~").isdigit() and "tp " in line]
     assert any("tp 1, MiCS 4 x 8" in r and " mics " in r for r in rows)
     assert any("tp 1, ZeRO-3/32 hpZ 4" in r and " deepspeed " in r for r in rows)
     assert "SMP_ADAPTER_SDP_ENGINE=hpz" in out.out  # how to choose hpZ over the default

@@ -36,14 +36,25 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="every transformer layer checkpointed (--search: fixed on instead of searched)")
     p.add_argument("--script", metavar="train.py",
                    help="read activation checkpointing and delayed parameter initialisation from the script")
-    p.add_argument("--optimizer", choices=("adam", "sgd"), default="adam")
-    p.add_argument("--instance-type", metavar="TYPE", help="e.g. ml.p4d.24xlarge (docs/plan.md lists them)")
-    p.add_argument("--instance-count", type=int, default=1, metavar="N")
-    hw = p.add_argument_group("hardware described explicitly (instead of --instance-type)")
-    hw.add_argument("--gpus-per-node", type=int)
+    p.add_argument("--optimizer", choices=("adam", "sgd"), default="adam",
+                   help="the optimizer's state per parameter: adam (two fp32 moments, default) or sgd (none)")
+    where = p.add_argument_group("the hardware (one of --instance-type, --node, --cluster, or the five figures below)")
+    where.add_argument("--instance-type", metavar="TYPE",
+                       help="a SageMaker instance type, e.g. ml.p4d.24xlarge (docs/plan.md lists them)")
+    where.add_argument("--node", metavar="PRESET",
+                       help="a common node outside SageMaker: 8xH100-SXM, 8xH200-SXM, 8xA100-SXM-80GB, 8xA100-SXM-40GB "
+                            "(NVLink, their DGX NICs), 8xL40S-PCIe, 8xL4-PCIe, 4xL4-PCIe, 4xT4-PCIe (docs/plan.md)")
+    where.add_argument("--cluster", metavar="FILE",
+                       help="your own nodes in YAML: GPUs per node, GPU, links, NICs (docs/plan.md, 'Your own hardware')")
+    where.add_argument("--instance-count", "--nodes", type=int, default=None, metavar="N",
+                       help="nodes in the job (default 1, or the --cluster file's)")
+    hw = p.add_argument_group("hardware described with figures (instead of the three above; all five needed)")
+    hw.add_argument("--gpus-per-node", type=int, metavar="G", help="GPUs (ranks) on each node")
     hw.add_argument("--gpu-memory", type=float, metavar="GiB", help="what the framework can allocate per GPU")
-    hw.add_argument("--intra-node-bandwidth", type=float, metavar="GB/s", help="per GPU, per direction")
-    hw.add_argument("--inter-node-bandwidth", type=float, metavar="GB/s", help="per node, per direction")
+    hw.add_argument("--intra-node-bandwidth", type=float, metavar="GB/s",
+                    help="between GPUs of a node, per GPU, per direction (NVLink, PCIe)")
+    hw.add_argument("--inter-node-bandwidth", type=float, metavar="GB/s",
+                    help="of a node's network, all its NICs together, per direction")
     hw.add_argument("--gpu-flops", type=float, metavar="TFLOP/s", help="peak dense FLOP/s at the job's precision")
     p.add_argument("--collectives", choices=("nccl", "gloo"), default="nccl",
                    help="the ranks' collective library: nccl (GPUs, default) or gloo (CPU ranks, fp32; with the "
@@ -54,7 +65,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="hold the job fixed and rank every layout that realises its global batch and fits")
     p.add_argument("--cross-node-groups", action="store_true",
                    help="--search: also offer tensor-parallel and hpZ groups that span nodes")
-    p.add_argument("--top", type=int, default=5, help="layouts shown by --search (default 5)")
+    p.add_argument("--top", type=int, default=5, metavar="N", help="layouts shown by --search (default 5)")
+    p.add_argument("--explain", action="store_true",
+                   help="per phase of the step (forward, backward, last backward, pipeline sends): its compute, "
+                        "each link's collectives beside it, and what shows")
     p.add_argument("--json", action="store_true", help="one JSON object")
     return p
 
@@ -79,31 +93,46 @@ def check_arguments(args) -> None:
     if not 0 <= args.headroom < 90:
         _bad("command line", "--headroom", "must be a percentage from 0 to 90", "e.g. --headroom 10", args.headroom)
     given = [f"--{f.replace('_', '-')}" for f in HARDWARE_FLAGS if getattr(args, f) is not None]
-    if args.instance_type and given:
-        _bad("hardware", given[0], f"cannot be combined with --instance-type ({', '.join(given)} would be ignored)",
-             "give --instance-type for a SageMaker instance, or describe the hardware with all of --gpus-per-node "
-             "--gpu-memory --intra-node-bandwidth --inter-node-bandwidth --gpu-flops, not both", args.instance_type)
+    named = [(flag, value) for flag, value in (("--instance-type", args.instance_type), ("--node", args.node),
+                                               ("--cluster", args.cluster)) if value is not None]
+    if len(named) > 1:
+        _bad("hardware", named[1][0], f"cannot be combined with {named[0][0]} (both describe the hardware)",
+             "give one of --instance-type, --node, --cluster", named[1][1])
+    if named and given:
+        _bad("hardware", given[0], f"cannot be combined with {named[0][0]} ({', '.join(given)} would be ignored)",
+             f"give {named[0][0]}, or describe the hardware with all of --gpus-per-node --gpu-memory "
+             "--intra-node-bandwidth --inter-node-bandwidth --gpu-flops, not both", named[0][1])
 
 
 def cluster_from_args(args):
-    from smp_adapter.plan.instances import GB as _GB, Cluster, instance_cluster
+    from smp_adapter.plan.cluster_file import read_cluster_file
+    from smp_adapter.plan.instances import GB as _GB, NCCL_LATENCY, Cluster, instance_cluster, intra_node_link, node_cluster
 
     collectives = args.collectives
-    if args.instance_type:
-        return dataclasses.replace(instance_cluster(args.instance_type, args.instance_count), collectives=collectives)
+    if args.cluster:  # the file says its collectives; --collectives gloo on the command line still wins
+        cluster = read_cluster_file(args.cluster, args.instance_count)
+        return dataclasses.replace(cluster, collectives="gloo") if collectives == "gloo" else cluster
+    count = 1 if args.instance_count is None else args.instance_count
+    if args.instance_type or args.node:
+        table = instance_cluster(args.instance_type, count) if args.instance_type else node_cluster(args.node, count)
+        return dataclasses.replace(table, collectives=collectives)
     explicit = [getattr(args, f) for f in HARDWARE_FLAGS]
     if any(v is None for v in explicit):
         _bad("hardware", "--instance-type", "is missing and the hardware is not fully described",
-             "give --instance-type ml.p4d.24xlarge --instance-count N, or all of --gpus-per-node --gpu-memory "
-             "--intra-node-bandwidth --inter-node-bandwidth --gpu-flops")
+             "give --instance-type ml.p4d.24xlarge --instance-count N, --node 8xH100-SXM --nodes N, --cluster FILE, "
+             "or all of --gpus-per-node --gpu-memory --intra-node-bandwidth --inter-node-bandwidth --gpu-flops")
     for flag, value in zip(HARDWARE_FLAGS, explicit):
         if value <= 0:
             _bad("hardware", f"--{flag.replace('_', '-')}", "must be positive", "give a positive number", value)
     flops = args.gpu_flops * 1e12
-    return Cluster("custom", args.gpus_per_node, args.instance_count, int(args.gpu_memory * GiB),
+    nccl = collectives == "nccl"  # gloo's per-call cost is inside its measured efficiency (plan/timing.py)
+    latency = ({"call_latency": NCCL_LATENCY["call"], "intra_node_latency":
+                NCCL_LATENCY[intra_node_link(args.intra_node_bandwidth * _GB)], "inter_node_latency": NCCL_LATENCY["net"]}
+               if nccl else {})
+    return Cluster("custom", args.gpus_per_node, count, int(args.gpu_memory * GiB),
                    {"fp32": flops, "fp16": flops, "bf16": flops}, args.intra_node_bandwidth * _GB,
                    args.inter_node_bandwidth * _GB, collectives=collectives,
-                   gpu="cpu" if collectives == "gloo" else "")  # the compute-efficiency table's key for CPU ranks
+                   gpu="" if nccl else "cpu", **latency)  # the compute-efficiency table's key for CPU ranks
 
 
 def read_options(text: str):
@@ -187,6 +216,8 @@ def run(args) -> int:
                           "notices": lines}, indent=1))
     else:
         print(_text(spec, dims, cluster, job, result, headroom, lines))
+        if args.explain:
+            print("\n" + _explain(result, cluster))
     return 0
 
 
@@ -294,7 +325,48 @@ def _summary(result, cluster, headroom) -> dict:
             "tokens_per_s_per_gpu": result.tokens_per_s_per_gpu, "mfu": result.mfu,
             "compute_efficiency": result.efficiency, "compute_efficiency_calibrated": result.efficiency_calibrated,
             "compute_s": result.compute_s, "comm_s": result.comm_s, "exposed_comm_s": result.exposed_comm_s,
-            "bubble_s": result.bubble_s, "pipeline_overhead_s": result.overhead_s}
+            "bubble_s": result.bubble_s, "pipeline_overhead_s": result.overhead_s, "phases": _phases(result, cluster)}
+
+
+def _phases(result, cluster) -> dict:
+    """Per overlap window: its compute, each link's collectives beside it, and what shows; and the
+    collectives on the critical path (timing.phases)."""
+    from smp_adapter.plan import timing
+
+    windows, critical = timing.phases(result.comm, cluster, result.compute_s, result.microbatches, result.passes)
+    out = {p.name: {"compute_s": p.window_s, "comm_s_by_link": dict(p.links), "exposed_s": p.exposed_s} for p in windows}
+    out["critical_path"] = {"exposed_s": critical}
+    return out
+
+
+# what each window is, for --explain (plan/timing.py's phases)
+PHASE_TEXT = {"forward": "the forwards (gathers prefetched one layer ahead)",
+              "backward": "recompute + backward of every microbatch but the last (re-gathers, reduce-scatters)",
+              "last_backward": "the last microbatch's recompute + backward (its share of the backward traffic, and "
+                               "the reductions backward hooks start at the accumulation boundary)",
+              "neighbours": "every microbatch but one (pipeline sends)"}
+
+
+def _explain(result, cluster) -> str:
+    """``--explain``: per phase what is exposed and why (the same figures as --json's phases)."""
+    from smp_adapter.plan import timing
+
+    if cluster.cpu_ranks:
+        return ("per phase: nothing overlaps on CPU ranks (gloo runs each collective in line with the compute): all "
+                f"{result.comm_s:.3f} s of collectives show")
+    lines = ["per phase (each link's collectives run beside the phase's compute, the links at once; what the busier "
+             "link needs beyond the compute shows):"]
+    windows, critical = timing.phases(result.comm, cluster, result.compute_s, result.microbatches, result.passes)
+    for p in windows:
+        links = ", ".join(f"{link} {seconds:.3f} s" for link, seconds in sorted(p.links.items()))
+        verdict = f"{p.exposed_s:.3f} s shows" if p.exposed_s > 0 else "hidden"
+        lines.append(f"  {p.name:<14} compute {p.window_s:.3f} s, collectives {links}: {verdict}   [{PHASE_TEXT[p.name]}]")
+    lines.append(f"  {'critical path':<14} {critical:.3f} s of collectives nothing hides (tensor parallelism, ZeRO-0's "
+                 "all-reduce after backward, ZeRO-1's parameter gather, gathers after the optimizer step)")
+    lines.append(f"  exposed in all: {result.exposed_comm_s:.3f} s; latency per call: {cluster.call_latency * 1e6:.1f} us "
+                 f"+ per ring step {cluster.intra_node_latency * 1e6:.1f} us inside a node, "
+                 f"{cluster.inter_node_latency * 1e6:.1f} us across")
+    return "\n".join(lines)
 
 
 def _gib(n) -> str:
@@ -333,8 +405,8 @@ def _text(spec, dims, cluster, job, result, headroom, notes) -> str:
               f"of peak, {source}) + communication not hidden by compute {result.exposed_comm_s:.3f} s (of "
               f"{result.comm_s:.3f} s at {timing.comm_efficiency(cluster):.0%} of link bandwidth) + pipeline bubble "
               f"{result.bubble_s:.3f} s + pipeline actions' fixed cost {result.overhead_s:.3f} s",
-              f"throughput: {result.samples_per_s:,.1f} samples/s, {result.tokens_per_s_per_gpu:,.0f} tokens/s per GPU, "
-              f"MFU {result.mfu:.1%}"]
+              f"predicted throughput: {result.samples_per_s:,.1f} samples/s, {result.tokens_per_s_per_gpu:,.0f} tokens/s "
+              f"per GPU, MFU {result.mfu:.1%}", _mfu_line(result)]
     if notes:
         lines += [""] + [f"note: {n}" for n in notes]
     return "\n".join(lines)
@@ -357,6 +429,8 @@ def _search(args, spec, job_spec, cluster, global_batch, checkpointing, delayed)
                                      for r in shown], "notices": notes}, indent=1))
     else:
         print(_search_text(spec, cluster, result, args.headroom / 100, notes))
+        if args.explain and shown:
+            print(f"\nthe first row, {_name(shown[0].dims)}: " + _explain(shown[0].plan, cluster))
     return 0
 
 
@@ -411,19 +485,29 @@ def _search_text(spec, cluster, result, headroom, notes) -> str:
         else:
             lines.append("no layout realises this global batch: give a multiple of the data-parallel sizes")
         return "\n".join(lines)
-    from smp_adapter.plan.search import TIME_TIE
+    from smp_adapter.plan.search import TIME_TIE, within_tie
 
-    lines.append(f"ranked by step time (the same samples in every row); rows within {TIME_TIE:.0%} of each other rank "
-                 "by memory left")
-    lines.append(f"{'#':<3}{'layout':<34}{'engine':<11}{'AC':<4}{'B':>5}{'mb':>5}{'k':>4}{'step s':>9}{'tok/s/GPU':>11}{'MFU':>7}"
-                 f"{'exposed comm':>14}{'bubble':>8}{'peak GiB':>10}{'left GiB':>10}{'inter GB':>10}")
+    first = result.ranked[0]
+    lines.append(f"ranked by predicted step time, fastest first (the same samples in every row; equal times: more "
+                 f"memory left first); ~ marks the rows within {TIME_TIE:.0%} of the first, the time model's error "
+                 "(docs/plan.md), which it cannot tell apart")
+    lines.append(f"{'#':<4}{'layout':<34}{'engine':<11}{'AC':<4}{'B':>5}{'mb':>5}{'k':>4}{'step s':>9}{'tok/s/GPU':>11}"
+                 f"{'MFU':>7}{'exposed comm':>14}{'bubble':>8}{'peak GiB':>10}{'left GiB':>10}{'inter GB':>10}")
     for i, row in enumerate(result.ranked, 1):
         p, dims = row.plan, row.dims
         inter = sum(t.bytes for t in p.comm if not t.intra_node) / GB
-        lines.append(f"{i:<3}{_name(dims):<34}{dims.engine:<11}{'on' if row.job.activation_checkpointing else 'off':<4}{row.job.batch:>5}"
-                     f"{dims.cfg.microbatches:>5}{row.job.accumulation:>4}{p.step_time_s:9.2f}{p.tokens_per_s_per_gpu:11,.0f}"
-                     f"{p.mfu:7.1%}{p.exposed_comm_s:14.2f}{p.bubble_s + p.overhead_s:8.2f}{p.peak_bytes / GiB:10.2f}"
-                     f"{row.memory_left / GiB:10.2f}{inter:10.1f}")
+        mark = "~" if i > 1 and within_tie(row, first) else ""
+        lines.append(f"{str(i) + mark:<4}{_name(dims):<34}{dims.engine:<11}{'on' if row.job.activation_checkpointing else 'off':<4}"
+                     f"{row.job.batch:>5}{dims.cfg.microbatches:>5}{row.job.accumulation:>4}{p.step_time_s:9.2f}"
+                     f"{p.tokens_per_s_per_gpu:11,.0f}{p.mfu:7.1%}{p.exposed_comm_s:14.2f}{p.bubble_s + p.overhead_s:8.2f}"
+                     f"{p.peak_bytes / GiB:10.2f}{row.memory_left / GiB:10.2f}{inter:10.1f}")
+    tied = [r for r in result.ranked if within_tie(r, first)]
+    roomiest = max(tied, key=lambda r: r.memory_left)
+    if roomiest is not first:
+        lines.append(f"of the rows within {TIME_TIE:.0%} of the first, {_name(roomiest.dims)} "
+                     f"({'checkpointed, ' if roomiest.job.activation_checkpointing else ''}B {roomiest.job.batch}) "
+                     f"leaves the most memory: {roomiest.memory_left / GiB:.2f} GiB against {first.memory_left / GiB:.2f}")
+    lines.append(_mfu_line(first.plan))
     lines += ["", "(B: samples per rank per smp.step call; mb: microbatches; k: smp.step calls per optimizer step, "
               "DistributedModel(backward_passes_per_step=k); tp Np: prescaled_batch; MiCS N x R: smp v1's MiCS, groups "
               "of N = sharded_data_parallel_degree ranks sharding everything, R replicas, on the mics engine (torch "
@@ -442,15 +526,29 @@ def _search_text(spec, cluster, result, headroom, notes) -> str:
 
 
 def _why(row, nxt) -> str:
-    """Why ``row`` ranks above ``nxt``: faster by more than the tie band (and by what), or a tie won on memory."""
-    p, q = row.plan, nxt.plan
-    from smp_adapter.plan.search import TIME_TIE
+    """Why ``row`` ranks above ``nxt``: faster, by what and mostly where (and when the difference is
+    within the time model's error, that it is)."""
+    from smp_adapter.plan.search import TIME_TIE, within_tie
 
-    if q.step_time_s <= p.step_time_s * (1 + TIME_TIE):
-        return (f"{_name(row.dims)}: within {TIME_TIE:.0%} of {_name(nxt.dims)} ({p.step_time_s:.2f} s vs {q.step_time_s:.2f} s), "
-                f"more memory left ({row.memory_left / GiB:.1f} vs {nxt.memory_left / GiB:.1f} GiB)")
+    p, q = row.plan, nxt.plan
+    if q.step_time_s == p.step_time_s:
+        return (f"{_name(row.dims)}: the same step time as {_name(nxt.dims)} ({p.step_time_s:.2f} s), more memory left "
+                f"({row.memory_left / GiB:.1f} vs {nxt.memory_left / GiB:.1f} GiB)")
     diffs = {"exposed communication": q.exposed_comm_s - p.exposed_comm_s, "compute": q.compute_s - p.compute_s,
              "pipeline bubble and actions": q.bubble_s + q.overhead_s - p.bubble_s - p.overhead_s}
     what, gain = max(diffs.items(), key=lambda kv: kv[1])
-    return (f"{_name(row.dims)}: {q.step_time_s / p.step_time_s - 1:.1%} faster than {_name(nxt.dims)}, mostly less "
-            f"{what} ({gain:.2f} s per step)")
+    tie = f" (within the model's {TIME_TIE:.0%}: a tie)" if within_tie(nxt, row) else ""
+    faster = q.step_time_s / p.step_time_s - 1
+    # differences below 0.1 % of a step (a few calls' latency) would print as 0.0 %: give them in seconds
+    by = f"{faster:.1%} faster than" if faster >= 0.001 else f"faster by {q.step_time_s - p.step_time_s:.1e} s than"
+    amount = f"{gain:.2f} s" if gain >= 0.005 else f"{gain:.1e} s"
+    return f"{_name(row.dims)}: {by} {_name(nxt.dims)}{tie}, mostly less {what} ({amount} per step)"
+
+
+def _mfu_line(result) -> str:
+    """MFU as what it is here: a prediction, the model's FLOPs over the predicted step time, whose
+    ceiling is the compute efficiency plan assumed or calibrated (recompute and exposed time lower it)."""
+    source = "calibrated on published runs" if result.efficiency_calibrated else "assumed, not calibrated"
+    return (f"MFU is predicted, not measured: the model's FLOPs over the predicted step time x GPUs x peak; it cannot "
+            f"exceed the compute efficiency plan takes for this GPU ({result.efficiency:.0%} of peak, {source}), "
+            f"which recompute (3 of 4 passes count), exposed communication and the bubble lower")

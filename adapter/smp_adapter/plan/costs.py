@@ -61,7 +61,7 @@ class CommTerm:
     size: int  # ranks in the group (2 for p2p)
     intra_node: bool
     stride: int = 1  # rank distance between neighbours in the group
-    overlap: str = timing.EXPOSED  # how the engine runs it against compute (timing.WHOLE_STEP, LAST_BACKWARD)
+    overlap: str = timing.EXPOSED  # the compute phase it can hide behind (timing.PHASES), or none
 
 
 @dataclass
@@ -73,6 +73,8 @@ class Plan:
     exposed_comm_s: float = 0.0  # the part compute does not hide
     bubble_s: float = 0.0  # the pipeline schedule's idle time
     overhead_s: float = 0.0  # the pipeline's fixed cost per action (timing.PIPELINE_ACTION_S)
+    passes: int = 3  # forward-equivalents of compute per microbatch (4 with recompute)
+    microbatches: int = 1  # per optimizer step (m x k)
     samples: int = 0  # global batch of one optimizer step
     tokens: int = 0  # samples x sequence length
     world: int = 1
@@ -223,40 +225,48 @@ def host_bytes(spec, dims, tensors: list[int], delayed: bool) -> int:
 
 # -- the plan ---------------------------------------------------------------------------------------
 def plan(spec, dims, cluster: Cluster, job: Job) -> Plan:
-    cfg = dims.cfg
     out = Plan()
-    pb = element_bytes(cfg)  # parameters and gradients
-    a = pb
-    m = cfg.microbatches
-    k = job.accumulation
-    b = dims.micro_batch_size(job.batch)
-    t, p, rdp, sdp = dims.tp, dims.pp, dims.rdp, dims.sdp
     tensors = pipeline_stage_tensors(spec, dims)
-    n_rank = sum(tensors)
+    model_state_memory(out.memory, dims, cluster, job, spec, tensors)
+    out.memory["activations"] = activation_memory(spec, dims, job)
+    if dims.zero_stage == 0:
+        out.overlap = min(out.memory["activations"], out.memory.get("gradient_buckets", 0))
+    out.memory["cuda_context"] = CUDA_CONTEXT_BYTES if not cluster.cpu_ranks else 0
+    out.memory["fragmentation"] = int(FRAGMENTATION * out.tensor_bytes)
+    out.host = {"without_delayed_init": host_bytes(spec, dims, tensors, False),
+                "with_delayed_init": host_bytes(spec, dims, tensors, True),
+                "delayed_init": bool(job.delayed_init or dims.cfg.delayed_parameter_initialization)}
+    out.comm = comm_terms(spec, dims, cluster, job, tensors)
+    step_time(out, spec, dims, cluster, job)
+    return out
+
+
+def model_state_memory(mem: dict, dims, cluster: Cluster, job: Job, spec, tensors: list[int]) -> None:
+    """Parameters, gradients, optimizer state and the engine's working buffers of the largest rank."""
+    cfg, pb = dims.cfg, element_bytes(dims.cfg)
+    n_rank, rdp, stage, g = sum(tensors), dims.rdp, dims.zero_stage, dims.mics_group_size
+    kept = sum(n for n in tensors if persistent(n, cfg))
+    adam = 8 if job.optimizer == "adam" else 0
     mixed = pb == 2
-    stage = dims.zero_stage
-    # Adam's fp32 moments, and fp32 master weights: under fp16/bf16, and always under ZeRO-1/3, whose
-    # optimizer steps a fp32 copy of the rank's partition (DeepSpeed clones it even from fp32 weights)
-    opt_per_param = (8 if job.optimizer == "adam" else 0) + (4 if mixed or stage in (1, 3) else 0)
-    mem = out.memory
-    g = dims.mics_group_size
     if g > 1:  # MiCS (torch FSDP2 on a (replicate, shard) mesh): everything sharded over the group of g = sdp
         # ranks only; parameters below sdp_param_persistence_threshold kept whole (that key's meaning there)
-        kept = sum(n for n in tensors if persistent(n, cfg))
         mem["parameters"] = (kept + math.ceil((n_rank - kept) / g)) * pb
         mem["gradients"] = math.ceil(n_rank / g) * pb
         # Adam's moments, and the fp32 master only under fp16/bf16 (no DeepSpeed-style clone of fp32 weights)
-        mem["optimizer_state"] = math.ceil(n_rank / g) * ((8 if job.optimizer == "adam" else 0) + (4 if mixed else 0))
+        mem["optimizer_state"] = math.ceil(n_rank / g) * (adam + (4 if mixed else 0))
         # FSDP2's working set: the root unit (everything outside the layers) stays gathered from its
         # forward to the end of backward; each layer is gathered for its forward and again for its
         # backward, one prefetched (two at a time), and their unsharded gradients live until reduced
         outer, layer = mics_units(spec, dims)
-        working = (outer + min(2, stage_layers(spec, p)) * layer) * pb
+        working = (outer + min(2, stage_layers(spec, dims.pp)) * layer) * pb
         mem["mics_gathered_parameters"] = working
         mem["mics_unsharded_gradients"] = working
-    elif stage == 3:  # DeepSpeed partitions over its whole data-parallel group (rdp); hpZ adds a second,
+        return
+    # Adam's fp32 moments, and fp32 master weights: under fp16/bf16, and always under ZeRO-1/3, whose
+    # optimizer steps a fp32 copy of the rank's partition (DeepSpeed clones it even from fp32 weights)
+    opt_per_param = adam + (4 if mixed or stage in (1, 3) else 0)
+    if stage == 3:  # DeepSpeed partitions over its whole data-parallel group (rdp); hpZ adds a second,
         # node-local copy sharded over sdp ranks (smp v1's MiCS sharded over sdp only: docs/plan.md)
-        kept = sum(n for n in tensors if persistent(n, cfg))
         sharded = n_rank - kept
         mem["parameters"] = (kept + math.ceil(sharded / rdp)) * pb
         if dims.hpz_partition_size > 1:  # hpZ's secondary copy: a 1/hpz shard within the node group
@@ -265,168 +275,214 @@ def plan(spec, dims, cluster: Cluster, job: Job) -> Plan:
         mem["optimizer_state"] = math.ceil(n_rank / rdp) * opt_per_param
         # gathered during the step: what DeepSpeed keeps between forward and backward (see
         # zero3_released_fraction), at least two layers (the running one and the prefetched one)
+        t = dims.tp
         layer_gathered = sum(n // t if s and t > 1 else n for n, s in spec.layer_tensors if not persistent(n, cfg))
-        gathered_numel = n_rank - kept
-        kept_gathered = gathered_numel * (1 - zero3_released_fraction(gathered_numel, cfg))
-        mem["zero3_gathered_parameters"] = int(max(kept_gathered, min(2 * layer_gathered, gathered_numel)) * pb)
+        kept_gathered = sharded * (1 - zero3_released_fraction(sharded, cfg))
+        mem["zero3_gathered_parameters"] = int(max(kept_gathered, min(2 * layer_gathered, sharded)) * pb)
         # DeepSpeed allocates the whole reduce bucket (sdp_reduce_bucket_size elements) when the
         # optimizer is built, however small the model: 2 GB at smp's default 5e8 in fp32
         mem["gradient_buckets"] = int(cfg.sdp_reduce_bucket_size) * pb
-    else:
-        # pp > 1: the rank's own stage only (pipeline_stage_tensors), like its gradients and optimizer state
-        mem["parameters"] = n_rank * pb
-        mem["gradients"] = n_rank * pb
-        mem["optimizer_state"] = math.ceil(n_rank / (rdp if stage == 1 else 1)) * opt_per_param
-        if stage == 1 and rdp > 1:  # from backward's start to the step's end, fp32, two with overlap_comm
-            # (the translation turns it on with NCCL, i.e. on GPUs)
-            mem["gradient_buckets"] = ZERO1_REDUCE_BUCKET * 4 * (1 if cluster.cpu_ranks else 2)
-        elif stage == 0 and rdp > 1:  # the engine flattens the gradients into one buffer to all-reduce them,
-            # after backward (so never alive with the activations: out.overlap below)
-            mem["gradient_buckets"] = min(ZERO0_ALLREDUCE_BUFFER, n_rank) * pb
+        return
+    # pp > 1: the rank's own stage only (pipeline_stage_tensors), like its gradients and optimizer state
+    mem["parameters"] = n_rank * pb
+    mem["gradients"] = n_rank * pb
+    mem["optimizer_state"] = math.ceil(n_rank / (rdp if stage == 1 else 1)) * opt_per_param
+    if stage == 1 and rdp > 1:  # from backward's start to the step's end, fp32, two with overlap_comm
+        # (the translation turns it on with NCCL, i.e. on GPUs)
+        mem["gradient_buckets"] = ZERO1_REDUCE_BUCKET * 4 * (1 if cluster.cpu_ranks else 2)
+    elif stage == 0 and rdp > 1:  # the engine flattens the gradients into one buffer to all-reduce them,
+        # after backward (so never alive with the activations: Plan.overlap)
+        mem["gradient_buckets"] = min(ZERO0_ALLREDUCE_BUFFER, n_rank) * pb
+
+
+def activation_memory(spec, dims, job: Job) -> int:
+    """The activations of the pipeline rank holding the most: stage 0 holds the most microbatches, the
+    last stage the head: the larger of the two."""
+    cfg, t, p = dims.cfg, dims.tp, dims.pp
+    a = element_bytes(cfg)
+    b = dims.micro_batch_size(job.batch)
     layers = stage_layers(spec, p)
     r = dims.tp_region_batch(b)  # samples inside the TP layers (t x b: smp gathers the TP group's batch)
     vocab_split = t > 1 and spec.vocab > 0 and any(split for _, split in spec.outer_tensors)
     per_layer = layer_activation_bytes(spec, b, r, t, a)
     boundary = a * b * spec.seq_len * spec.hidden  # a layer's input, kept when the layer is checkpointed
-
-    def stage_activations(stage: int) -> int:
+    # the head runs on the last stage, one microbatch at a time (its backward follows its forward);
+    # the V schedules (zbv, dualpipev) put the last stage on rank 0
+    head_rank = 0 if cfg.pipeline in V_SHAPED and p > 1 else p - 1
+    held = []
+    for stage in {0, p - 1}:
         n = in_flight_microbatches(dims, stage)
         if job.activation_checkpointing:  # every layer's input of each microbatch in flight, and one
             body = int(layers * boundary * n) + per_layer  # layer recomputed at a time in backward
         else:
             body = int(layers * per_layer * n)
-        # the head runs on the last stage, one microbatch at a time (its backward follows its forward);
-        # the V schedules (zbv, dualpipev) put the last stage on rank 0
-        head_rank = 0 if cfg.pipeline in V_SHAPED and p > 1 else p - 1
-        return body + (head_activation_bytes(spec, b, r if vocab_split else b, a) if stage == head_rank else 0)
+        held.append(body + (head_activation_bytes(spec, b, r if vocab_split else b, a) if stage == head_rank else 0))
+    return max(held)
 
-    # stage 0 holds the most microbatches, the last stage the head: the larger of the two
-    mem["activations"] = max(stage_activations(0), stage_activations(p - 1))
-    if stage == 0:
-        out.overlap = min(mem["activations"], mem.get("gradient_buckets", 0))
-    mem["cuda_context"] = CUDA_CONTEXT_BYTES if not cluster.cpu_ranks else 0
-    mem["fragmentation"] = int(FRAGMENTATION * out.tensor_bytes)
-    out.host = {"without_delayed_init": host_bytes(spec, dims, tensors, False),
-                "with_delayed_init": host_bytes(spec, dims, tensors, True),
-                "delayed_init": bool(job.delayed_init or cfg.delayed_parameter_initialization)}
 
-    # -- communication per step --------------------------------------------------------------
-    groups = rank0_groups(dims)
-    # a group is node-local when its ranks share a node (rank // GPUs per node: the ledger's rule)
-    intra = {kind: len({r // cluster.gpus_per_node for r in ranks}) == 1 for kind, ranks in groups.items()}
-    strides = {kind: ranks[1] - ranks[0] if len(ranks) > 1 else 1 for kind, ranks in groups.items()}
+class _Terms:
+    """The CommTerms of rank 0's groups: a term of one smp.step call (per_call: repeated for each of the
+    k calls of an optimizer step) or of the optimizer step (the reduction at the accumulation boundary)."""
 
-    def add(group, op, nbytes, calls, size, overlap=timing.EXPOSED, per_call=True):
-        """A term of one smp.step call (per_call: repeated for each of the k calls of an optimizer
-        step) or of the optimizer step (the gradient reduction at the accumulation boundary)."""
-        times = k if per_call else 1
+    def __init__(self, dims, cluster: Cluster, k: int):
+        groups = rank0_groups(dims)
+        # a group is node-local when its ranks share a node (rank // GPUs per node: the ledger's rule)
+        self.intra = {kind: len({r // cluster.gpus_per_node for r in ranks}) == 1 for kind, ranks in groups.items()}
+        self.strides = {kind: ranks[1] - ranks[0] if len(ranks) > 1 else 1 for kind, ranks in groups.items()}
+        self.k, self.terms = k, []
+
+    def add(self, group, op, nbytes, calls, size, overlap=timing.EXPOSED, per_call=True):
+        times = self.k if per_call else 1
         if size > 1 and nbytes > 0:
-            out.comm.append(CommTerm(group, op, nbytes * times, calls * times, size, intra[group], strides[group],
-                                     overlap))
+            self.terms.append(CommTerm(group, op, nbytes * times, calls * times, size, self.intra[group],
+                                       self.strides[group], overlap))
 
-    grads = n_rank * pb
-    # DeepSpeed reduces ZeRO-0/1 gradients once per optimizer step: ZeRO-0 after backward (the
-    # engine's all-reduce, on the critical path), ZeRO-1 from backward hooks during the last
-    # microbatch's backward when overlap_comm is on (the translation's setting with NCCL). The
-    # pipeline engine reduces after its schedule.
-    hooked = timing.LAST_BACKWARD if p == 1 and not cluster.cpu_ranks else timing.EXPOSED
-    if g > 1:
-        # MiCS: every collective of the parameters and gradients stays inside the group of g ranks.
-        # Per microbatch (m per smp.step call, k calls per optimizer step), FSDP2 gathers the root
-        # unit once (kept through backward) and each layer twice (forward, then again for backward:
-        # reshard_after_forward; a checkpointed layer's recompute shares its backward gather), and
-        # reduce-scatters each unit's gradients (with parameters kept whole, counted with them). The
-        # replicas' all-reduce of each rank's 1/g gradient shard is deferred to the last microbatch
-        # (set_requires_all_reduce) and runs once per optimizer step from its backward hooks. Gathers
-        # and reduce-scatters are prefetched / run on side streams all through the step.
-        outer, layer = mics_units(spec, dims)
-        layers_held = stage_layers(spec, p)
-        step = timing.WHOLE_STEP
-        add("sdp", "all_gather", (outer + 2 * layers_held * layer) * pb * m, (1 + 2 * layers_held) * m, g, step)
-        add("sdp", "reduce_scatter", grads * m, (1 + layers_held) * m, g, step)
-        add(REPLICATE_GROUP, "all_reduce", math.ceil(n_rank / g) * pb, 1 + layers_held, rdp // g, hooked,
-            per_call=False)
-    elif stage == 0:
-        add("rdp", "all_reduce", grads, 1, rdp, per_call=False)
-    elif stage == 1:
-        add("rdp", "all_reduce", grads, 1, rdp, hooked, per_call=False)
-        add("rdp", "all_gather", grads, 1, rdp, per_call=False)  # the updated parameter shards
+
+def comm_terms(spec, dims, cluster: Cluster, job: Job, tensors: list[int]) -> list:
+    """Bytes per optimizer step per (group, op) of rank 0, each with the phase it can hide behind."""
+    terms = _Terms(dims, cluster, job.accumulation)
+    if dims.mics_group_size > 1:
+        _mics_terms(terms, spec, dims, tensors)
+    elif dims.zero_stage == 3:
+        _zero3_terms(terms, spec, dims, job, tensors)
     else:
-        # ZeRO-3: parameters below the persistence threshold stay whole and are gathered once, after
-        # the optimizer step. The others are gathered by the first forward; DeepSpeed keeps what it
-        # will reuse soon (zero3_released_fraction) until the optimizer step, and gathers the released
-        # part again for every later pass (m - 1 forwards, m backwards; a checkpointed layer's
-        # recompute comes right before its backward and shares its gather). Gradients are
-        # reduce-scattered every microbatch.
-        # DeepSpeed sees each of the k calls' m microbatches as one more micro-step (its
-        # gradient_accumulation_steps is m x k), so an optimizer step is k m passes of each kind.
-        # Its prefetch and overlap_comm run both on side streams while layers compute.
-        kept_bytes = sum(n for n in tensors if persistent(n, cfg)) * pb
-        gathered_numel = sum(n for n in tensors if not persistent(n, cfg))
-        gathered = gathered_numel * pb
-        passes = 2 * m * k
-        again = gathered * zero3_released_fraction(gathered_numel, cfg) * (passes - 1)
-        step = timing.WHOLE_STEP
-        add("rdp", "all_gather", kept_bytes, 1, rdp, per_call=False)
-        if dims.hpz_partition_size > 1:  # the first gather from the primary partition builds hpZ's
-            add("rdp", "all_gather", gathered, 1, rdp, step, per_call=False)  # node-local copy; later ones
-            add("sdp", "all_gather", again, passes - 1, sdp, step, per_call=False)  # read that copy
-        else:
-            add("rdp", "all_gather", gathered + again, passes, rdp, step, per_call=False)
-        add("rdp", "reduce_scatter", grads * m, m, rdp, step)
-    if t > 1 and cfg.prescaled_batch:
-        # prescaled_batch: the TP group shares one batch (r = b) and Megatron's pair surrounds each unit:
-        # its entry (copy_to) all-reduces the input's gradient in backward, its row layer (reduce_from)
-        # the output in forward, T = a x b x s x h each; a checkpointed layer's recompute repeats the
-        # attention's forward all-reduce (as above: not the MLP's). The vocabulary-parallel embedding
-        # (stage 0) all-reduces its output, T, and a split position table one sample's worth. The head
-        # (the last stage: rank 0's when p = 1) all-reduces its input's gradient and all-gathers the
-        # logits (b x s x V). Per microbatch, m of them.
-        T = a * b * spec.seq_len * spec.hidden
-        units = 2 * layers * m
-        calls = 2 * units + (units // 2 if job.activation_checkpointing else 0)
+        _replicated_terms(terms, dims, cluster, tensors)
+    if dims.tp > 1:
+        _tp_terms(terms, spec, dims, job)
+    if dims.pp > 1:
+        _pp_terms(terms, spec, dims, job)
+    return terms.terms
+
+
+def _replicated_terms(terms: _Terms, dims, cluster: Cluster, tensors: list[int]) -> None:
+    """ZeRO-0/1: gradients reduced once per optimizer step, in buckets. ZeRO-0 after backward (the
+    engine's all-reduce of its flat buffer, on the critical path); ZeRO-1 from backward hooks during the
+    last microbatch's backward when overlap_comm is on (the translation's setting with NCCL), then the
+    updated parameter shards gathered after the step. The pipeline engine reduces after its schedule."""
+    n_rank, pb, rdp = sum(tensors), element_bytes(dims.cfg), dims.rdp
+    grads = n_rank * pb
+    if dims.zero_stage == 0:
+        terms.add("rdp", "all_reduce", grads, math.ceil(n_rank / ZERO0_ALLREDUCE_BUFFER), rdp, per_call=False)
+        return
+    hooked = timing.LAST_BACKWARD if dims.pp == 1 and not cluster.cpu_ranks else timing.EXPOSED
+    terms.add("rdp", "all_reduce", grads, math.ceil(n_rank / ZERO1_REDUCE_BUCKET), rdp, hooked, per_call=False)
+    terms.add("rdp", "all_gather", grads, 1, rdp, per_call=False)  # the updated parameter shards
+
+
+def _mics_terms(terms: _Terms, spec, dims, tensors: list[int]) -> None:
+    """MiCS: every collective of the parameters and gradients stays inside the group of g ranks. Per
+    microbatch (m per smp.step call, k calls per optimizer step), FSDP2 gathers the root unit once (kept
+    through backward) and each layer twice (forward, then again for backward: reshard_after_forward; a
+    checkpointed layer's recompute shares its backward gather), prefetching one unit ahead, and
+    reduce-scatters each unit's gradients on a side stream (with parameters kept whole, counted with
+    them). The replicas' all-reduce of each rank's 1/g gradient shard is deferred to the last
+    microbatch (set_requires_all_reduce) and runs once per optimizer step from its backward hooks."""
+    g, m, pb, n_rank = dims.mics_group_size, dims.cfg.microbatches, element_bytes(dims.cfg), sum(tensors)
+    outer, layer = mics_units(spec, dims)
+    layers = stage_layers(spec, dims.pp)
+    terms.add("sdp", "all_gather", (outer + layers * layer) * pb * m, (1 + layers) * m, g, timing.FORWARD)
+    terms.add("sdp", "all_gather", layers * layer * pb * m, layers * m, g, timing.BACKWARD)
+    terms.add("sdp", "reduce_scatter", n_rank * pb * m, (1 + layers) * m, g, timing.BACKWARD)
+    terms.add(REPLICATE_GROUP, "all_reduce", math.ceil(n_rank / g) * pb, 1 + layers, dims.rdp // g,
+              timing.LAST_BACKWARD, per_call=False)
+
+
+def _zero3_terms(terms: _Terms, spec, dims, job: Job, tensors: list[int]) -> None:
+    """ZeRO-3: parameters below the persistence threshold stay whole and are gathered once, after the
+    optimizer step. The others are gathered by the first forward; DeepSpeed keeps what it will reuse
+    soon (zero3_released_fraction) until the optimizer step, and gathers the released part again for
+    every later pass (n - 1 forwards, n backwards, n = m k: DeepSpeed sees each of the k calls' m
+    microbatches as one micro-step; a checkpointed layer's recompute comes right before its backward and
+    shares its gather). Its prefetch runs the forward's gathers beside the forward and the backward's
+    beside the backward; overlap_comm reduce-scatters the gradients in reduce buckets beside the
+    backward, every microbatch. hpZ: the first gather from the primary partition builds the node-local
+    copy, later ones read that copy inside the sdp group. Calls: one gather per layer (and one for the
+    tensors outside the layers) per pass, DeepSpeed fetching each module's parameters coalesced."""
+    cfg, pb, rdp, m = dims.cfg, element_bytes(dims.cfg), dims.rdp, dims.cfg.microbatches
+    n = m * job.accumulation
+    kept_bytes = sum(x for x in tensors if persistent(x, cfg)) * pb
+    gathered_numel = sum(x for x in tensors if not persistent(x, cfg))
+    gathered = gathered_numel * pb
+    released = gathered * zero3_released_fraction(gathered_numel, cfg)
+    per_pass = 1 + stage_layers(spec, dims.pp)
+    terms.add("rdp", "all_gather", kept_bytes, 1, rdp, per_call=False)
+    if dims.hpz_partition_size > 1:
+        terms.add("rdp", "all_gather", gathered, per_pass, rdp, timing.FORWARD, per_call=False)
+        terms.add("sdp", "all_gather", released * (n - 1), per_pass * (n - 1), dims.sdp, timing.FORWARD, per_call=False)
+        terms.add("sdp", "all_gather", released * n, per_pass * n, dims.sdp, timing.BACKWARD, per_call=False)
+    else:
+        terms.add("rdp", "all_gather", gathered + released * (n - 1), per_pass * n, rdp, timing.FORWARD, per_call=False)
+        terms.add("rdp", "all_gather", released * n, per_pass * n, rdp, timing.BACKWARD, per_call=False)
+    buckets = max(1, math.ceil(sum(tensors) / cfg.sdp_reduce_bucket_size))
+    terms.add("rdp", "reduce_scatter", sum(tensors) * pb * m, buckets * m, rdp, timing.BACKWARD)
+
+
+def _tp_terms(terms: _Terms, spec, dims, job: Job) -> None:
+    """Tensor parallelism's exchanges, all on the critical path (smp-adapter's Megatron-core layers run
+    with allreduce_dgrad=False and no sequence parallelism). Per microbatch, m of them.
+    prescaled_batch: the TP group shares one batch (r = b) and Megatron's pair surrounds each unit: its
+    entry (copy_to) all-reduces the input's gradient in backward, its row layer (reduce_from) the output
+    in forward, T = a x b x s x h each; a checkpointed layer's recompute repeats the attention's forward
+    all-reduce (not the MLP's). The vocabulary-parallel embedding (stage 0) all-reduces its output, T, and
+    a split position table one sample's worth. The head (the last stage: rank 0's when p = 1)
+    all-reduces its input's gradient and all-gathers the logits (b x s x V).
+    Without prescaled_batch: each unit (attention, MLP) gathers the TP group's batch on entry and
+    reduce-scatters the row layer's partial sums; backward swaps the pair. A vocabulary-parallel
+    embedding gathers the token ids and reduce-scatters its output; the vocabulary-parallel head gathers
+    the hidden states and redistributes logits (all_to_all) for the loss. T = the TP group's activations
+    of one microbatch. With activation checkpointing each layer's recompute repeats its forward
+    exchanges up to the last tensor backward needs (torch's non-reentrant checkpoint stops there): both
+    units' gathers and the attention's reduce-scatter, not the MLP's, whose output nothing keeps."""
+    cfg, t, p, m = dims.cfg, dims.tp, dims.pp, dims.cfg.microbatches
+    a, b, s, h = element_bytes(cfg), dims.micro_batch_size(job.batch), spec.seq_len, spec.hidden
+    r = dims.tp_region_batch(b)
+    vocab_split = spec.vocab > 0 and any(split for _, split in spec.outer_tensors)
+    units = 2 * stage_layers(spec, p) * m
+    ac = job.activation_checkpointing
+    if cfg.prescaled_batch:
+        T = a * b * s * h
+        calls = 2 * units + (units // 2 if ac else 0)
         nbytes = calls * T
         if vocab_split:
             calls += m * (1 + spec.position_tables)
-            nbytes += m * (T + spec.position_tables * a * spec.seq_len * spec.hidden)
+            nbytes += m * (T + spec.position_tables * a * s * h)
             if p == 1:
                 calls += m
                 nbytes += m * T
-                add("tp", "all_gather", m * a * b * spec.seq_len * spec.vocab, m, t)
-        add("tp", "all_reduce", nbytes, calls, t)
-    elif t > 1:
-        # smp's tensor parallelism without prescaled_batch: each unit (attention, MLP) gathers the TP
-        # group's batch on entry and reduce-scatters the row layer's partial sums; backward swaps the
-        # pair. A vocabulary-parallel embedding gathers the token ids and reduce-scatters its output;
-        # the vocabulary-parallel head gathers the hidden states and redistributes logits (all_to_all)
-        # for the loss. T = the TP group's activations of one microbatch.
-        # With activation checkpointing each layer's recompute repeats its forward exchanges up to the
-        # last tensor backward needs (torch's non-reentrant checkpoint stops there): both units' gathers
-        # and the attention's reduce-scatter, not the MLP's, whose output nothing in the layer keeps.
-        T = a * r * spec.seq_len * spec.hidden
-        units = 2 * layers * m
-        edges = 2 * m if vocab_split else 0
-        regather, rescatter = (units, units // 2) if job.activation_checkpointing else (0, 0)
-        add("tp", "all_gather", (2 * units + edges + regather) * T + (r * spec.seq_len * 8 * m if vocab_split else 0),
-            2 * units + edges + regather + (m if vocab_split else 0), t)
-        add("tp", "reduce_scatter", (2 * units + edges + rescatter) * T, 2 * units + edges + rescatter, t)
-        if vocab_split:
-            add("tp", "all_to_all", 2 * m * b * spec.seq_len * spec.vocab * a, 2 * m, t)
-    if p > 1:
-        # stage 0 sends each microbatch's activations forward (and a decoder's causal mask, b x s x s
-        # booleans, which Hugging Face models build once and hand to every layer) and receives their
-        # gradients; tied input/output embeddings (GPT-2) have their gradient all-reduced between the
-        # first and last stage
-        # (v stages per rank: a microbatch leaves each of the rank's v stages)
-        v = cfg.virtual_pipeline_degree
-        act = a * b * spec.seq_len * spec.hidden * v
-        mask = b * spec.seq_len * spec.seq_len * v if spec.vocab else 0
-        add("pp", "send", (act + mask) * m, (2 if mask else 1) * m * v, p)
-        add("pp", "recv", act * m, m * v, p)
-        if spec.tied_embeddings:
-            add("pp", "all_reduce", spec.vocab * spec.hidden // t * pb, 1, p, per_call=False)
+                terms.add("tp", "all_gather", m * a * b * s * spec.vocab, m, t)
+        terms.add("tp", "all_reduce", nbytes, calls, t)
+        return
+    T = a * r * s * h
+    edges = 2 * m if vocab_split else 0
+    regather, rescatter = (units, units // 2) if ac else (0, 0)
+    terms.add("tp", "all_gather", (2 * units + edges + regather) * T + (r * s * 8 * m if vocab_split else 0),
+              2 * units + edges + regather + (m if vocab_split else 0), t)
+    terms.add("tp", "reduce_scatter", (2 * units + edges + rescatter) * T, 2 * units + edges + rescatter, t)
+    if vocab_split:
+        terms.add("tp", "all_to_all", 2 * m * b * s * spec.vocab * a, 2 * m, t)
 
-    # -- time (plan/timing.py) ---------------------------------------------------------------------
+
+def _pp_terms(terms: _Terms, spec, dims, job: Job) -> None:
+    """Stage 0 sends each microbatch's activations forward (and a decoder's causal mask, b x s x s
+    booleans, which Hugging Face models build once and hand to every layer) and receives their
+    gradients, v stages per rank each sending its own; the sends run beside the other microbatches'
+    compute. Tied input/output embeddings (GPT-2) have their gradient all-reduced between the first and
+    last stage after the schedule."""
+    cfg, p, m = dims.cfg, dims.pp, dims.cfg.microbatches
+    a, b = element_bytes(cfg), dims.micro_batch_size(job.batch)
+    v = cfg.virtual_pipeline_degree
+    act = a * b * spec.seq_len * spec.hidden * v
+    mask = b * spec.seq_len * spec.seq_len * v if spec.vocab else 0
+    terms.add("pp", "send", (act + mask) * m, (2 if mask else 1) * m * v, p, timing.NEIGHBOURS)
+    terms.add("pp", "recv", act * m, m * v, p, timing.NEIGHBOURS)
+    if spec.tied_embeddings:
+        terms.add("pp", "all_reduce", spec.vocab * spec.hidden // dims.tp * element_bytes(cfg), 1, p, per_call=False)
+
+
+def step_time(out: Plan, spec, dims, cluster: Cluster, job: Job) -> None:
+    """Compute of the slowest rank, the communication its phases do not hide, the pipeline's bubble and
+    fixed cost (plan/timing.py), and the throughput figures."""
+    cfg, t, p, k, m = dims.cfg, dims.tp, dims.pp, job.accumulation, dims.cfg.microbatches
     prec = precision(cfg)
     peak = cluster.flops.get(prec)
     if peak is None:
@@ -438,7 +494,8 @@ def plan(spec, dims, cluster: Cluster, job: Job) -> Plan:
     out.samples = dims.global_batch_size(job.batch) * k
     out.tokens = out.samples * spec.seq_len
     out.world = dims.world_size
-    passes = 4 if job.activation_checkpointing else 3  # forward, backward = 2 x forward, recompute
+    out.passes = 4 if job.activation_checkpointing else 3  # forward, backward = 2 x forward, recompute
+    out.microbatches = m * k
     out.model_flops = timing.model_flops_per_token(spec) * out.tokens
     out.peak_flops = peak
     out.efficiency, out.efficiency_calibrated = timing.compute_efficiency(cluster.gpu, prec)
@@ -446,12 +503,11 @@ def plan(spec, dims, cluster: Cluster, job: Job) -> Plan:
     # stages per rank) and the head; without a pipeline the whole model
     v = cfg.virtual_pipeline_degree if p > 1 else 1
     slowest = timing.model_flops_per_token(spec, math.ceil(spec.layers / (p * v)) * v if p > 1 else None)
-    out.compute_s = slowest / 3 * tokens * passes / (peak * out.efficiency)
-    out.comm_s, out.exposed_comm_s = timing.exposed_seconds(out.comm, cluster, out.compute_s, m * k, passes)
+    out.compute_s = slowest / 3 * tokens * out.passes / (peak * out.efficiency)
+    out.comm_s, out.exposed_comm_s = timing.exposed_seconds(out.comm, cluster, out.compute_s, m * k, out.passes)
     if p > 1:  # idle time of the schedule, and the fixed cost of its actions (timing.PIPELINE_ACTION_S)
         out.bubble_s = out.compute_s * timing.bubble_fraction(cfg.pipeline, p, m, v)
         out.overhead_s = timing.pipeline_overhead_s(cfg.pipeline, p, m * k, v)
-    return out
 
 
 def rank0_groups(dims) -> dict:

@@ -42,6 +42,12 @@ class Cluster:
     # the collective library the ranks use: "nccl" (GPUs) or "gloo" (CPU ranks, whose reduce_scatter is an
     # all-reduce followed by a slice: it sends what an all-reduce sends; timing.ring_factor)
     collectives: str = "nccl"
+    # seconds: a collective call's fixed cost, and each ring step's wait for one hop inside a node and
+    # between nodes (NCCL_LATENCY for GPUs; 0 for CPU ranks, whose per-call cost the measured gloo
+    # efficiency includes: RESULTS.md §16)
+    call_latency: float = 0.0
+    intra_node_latency: float = 0.0
+    inter_node_latency: float = 0.0
 
     @property
     def cpu_ranks(self) -> bool:
@@ -79,6 +85,16 @@ NVLINK3 = 300 * GB  # A100 NVLink: 600 GB/s both directions
 NVLINK4 = 450 * GB  # H100 / H200 SXM NVLink: 900 GB/s both directions
 PCIE3, PCIE4 = 16 * GB, 32 * GB  # x16 link, per direction
 GBIT = GB / 8
+US = 1e-6
+# NCCL's own latency model for ring collectives with the Simple protocol (the one large messages use),
+# src/graph/tuning.cc: baseLat 8.4 us per call, hwLat per ring step 3.4 us over NVLink, 5.7 us over
+# PCIe, 14.0 us over the network. One call costs base + steps x hop.
+NCCL_LATENCY = {"call": 8.4 * US, "nvlink": 3.4 * US, "pcie": 5.7 * US, "net": 14.0 * US}
+
+
+def intra_node_link(bandwidth: float) -> str:
+    """The link class of an intra-node bandwidth of the table: NVLink figures are above any PCIe x16's."""
+    return "nvlink" if bandwidth > PCIE4 * 2 else "pcie"
 
 # name -> (GPU, GPUs per node, intra-node bandwidth per GPU, inter-node bandwidth per node, host memory GiB)
 INSTANCE_TYPES = {
@@ -104,6 +120,56 @@ INSTANCE_TYPES = {
 }
 
 
+# Nodes outside SageMaker, for a user leaving it: name -> (GPU, GPUs per node, intra-node bandwidth per
+# GPU, inter-node bandwidth per node, host memory GiB; 0: not known). Sources in docs/plan.md ("Node
+# presets"): the NVIDIA DGX datasheets for the SXM nodes (DGX H100 / H200: 8 ConnectX-7 at 400 Gbit/s,
+# 2 TB; DGX A100: 8 ConnectX-6 at 200 Gbit/s, 1 TB for 40GB GPUs, 2 TB for 80GB), which HGX servers
+# from other vendors follow; PCIe nodes have no reference design, so their network is a stated guess a
+# user should replace (--cluster FILE): 100 Gbit/s for L4 / L40S servers, 50 Gbit/s for T4 (g4dn's).
+NODE_PRESETS = {
+    "8xH100-SXM": (H100_SXM, 8, NVLINK4, 3200 * GBIT, 2048),
+    "8xH200-SXM": (H200, 8, NVLINK4, 3200 * GBIT, 2048),
+    "8xA100-SXM-80GB": (A100_80, 8, NVLINK3, 1600 * GBIT, 2048),
+    "8xA100-SXM-40GB": (A100_40, 8, NVLINK3, 1600 * GBIT, 1024),
+    "8xL40S-PCIe": (L40S, 8, PCIE4, 100 * GBIT, 0),
+    "8xL4-PCIe": (L4, 8, PCIE4, 100 * GBIT, 0),
+    "4xL4-PCIe": (L4, 4, PCIE4, 100 * GBIT, 0),
+    "4xT4-PCIe": (T4, 4, PCIE3, 50 * GBIT, 0),
+}
+GPUS = {g.name: g for g in (A100_40, A100_80, H100_SXM, H200, V100_16, V100_32, A10G, T4, L4, L40S)}
+
+
+def table_cluster(name: str, entry: tuple, count: int) -> Cluster:
+    """A Cluster of ``count`` nodes of a table entry (INSTANCE_TYPES, NODE_PRESETS): NCCL's latencies for
+    the entry's link classes."""
+    gpu, per_node, intra, inter, host_gib = entry
+    return Cluster(name, per_node, count, gpu.memory, gpu.flops, intra, inter, gpu.usable_memory, host_gib * GiB,
+                   gpu.name, call_latency=NCCL_LATENCY["call"], intra_node_latency=NCCL_LATENCY[intra_node_link(intra)],
+                   inter_node_latency=NCCL_LATENCY["net"])
+
+
+def check_count(count, flag: str = "--instance-count") -> None:
+    from smp_adapter.plan.input_errors import PlanInputError
+
+    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+        raise PlanInputError("instance count", flag, "must be a positive integer", "give the number of nodes", count)
+
+
+def node_cluster(name: str, count: int) -> Cluster:
+    """``plan --node NAME``: a preset node (NODE_PRESETS)."""
+    from smp_adapter.plan.input_errors import PlanInputError
+
+    if name not in NODE_PRESETS:
+        import difflib
+
+        close = difflib.get_close_matches(str(name), list(NODE_PRESETS), n=2, cutoff=0.5)
+        raise PlanInputError("node", "--node", "is not a node preset plan knows",
+                             (f"did you mean {' or '.join(close)}? " if close else "")
+                             + f"Use one of {', '.join(NODE_PRESETS)}, or describe your nodes with --cluster FILE", name)
+    check_count(count)
+    return table_cluster(name, NODE_PRESETS[name], count)
+
+
 def instance_cluster(name: str, count: int) -> Cluster:
     from smp_adapter.plan.input_errors import PlanInputError
 
@@ -113,11 +179,7 @@ def instance_cluster(name: str, count: int) -> Cluster:
         close = difflib.get_close_matches(str(name), list(INSTANCE_TYPES), n=2, cutoff=0.6)
         raise PlanInputError("instance type", "--instance-type", "is not a SageMaker GPU instance type plan knows",
                              (f"did you mean {' or '.join(close)}? " if close else "")
-                             + f"Use one of {', '.join(INSTANCE_TYPES)}, or describe the hardware with --gpus-per-node "
-                             "--gpu-memory --intra-node-bandwidth --inter-node-bandwidth --gpu-flops", name)
-    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
-        raise PlanInputError("instance count", "--instance-count", "must be a positive integer", "give the number of nodes",
-                             count)
-    gpu, per_node, intra, inter, host_gib = INSTANCE_TYPES[name]
-    return Cluster(name, per_node, count, gpu.memory, gpu.flops, intra, inter, gpu.usable_memory, host_gib * GiB,
-                   gpu.name)
+                             + f"Use one of {', '.join(INSTANCE_TYPES)}; outside SageMaker, --node {' | '.join(NODE_PRESETS)} "
+                             "or --cluster FILE (docs/plan.md)", name)
+    check_count(count)
+    return table_cluster(name, INSTANCE_TYPES[name], count)

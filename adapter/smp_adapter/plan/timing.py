@@ -1,11 +1,14 @@
 """The step-time model of ``smp-adapter plan``, written once (docs/plan.md, "Time"): compute at a
-stated efficiency per GPU type and precision, collectives at a stated share of the link bandwidth,
-the communication the engine overlaps with compute hidden behind that compute, the pipeline bubble
+stated efficiency per GPU type and precision, collectives at a stated share of the link bandwidth plus
+NCCL's per-call latency, each collective hidden behind the compute of its own phase (forwards, backwards,
+the last microbatch's backward, the pipeline's other microbatches) link by link, the pipeline bubble
 of each schedule, and the figures a practitioner compares runs by (tokens/s per GPU, MFU). Pure
 arithmetic: no torch.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 COMM_EFFICIENCY = 0.70  # achieved / link bandwidth of large NCCL collectives (bus bandwidth): stated, not calibrated
 # gloo over TCP between CPU ranks: achieved / the link's rate. Stated before measuring (TCP reaches ~0.96 of a
@@ -97,6 +100,15 @@ def ring_factor(op: str, n: int, collectives: str = "nccl") -> float:
     return {"all_gather": (n - 1) / n, "reduce_scatter": (n - 1) / n}.get(op, 1.0)
 
 
+def ring_steps(op: str, n: int) -> int:
+    """Steps of a ring collective, each waiting for one hop's latency: all_reduce 2 (n-1) (reduce-scatter
+    then all-gather), all_gather / reduce_scatter / all_to_all n - 1, a send 1 (NCCL's tuning model counts
+    them so: src/graph/tuning.cc, nsteps)."""
+    if op == "all_reduce":
+        return 2 * (n - 1)
+    return 1 if op in ("send", "recv") else n - 1
+
+
 def rings_on_node_link(term, cluster) -> int:
     """How many of the term's rings (one per group: the node's GPUs in different groups of this kind)
     cross one node's network link at once: a group spanning nodes has one edge leaving each node."""
@@ -117,8 +129,17 @@ def comm_efficiency(cluster) -> float:
     return GLOO_COMM_EFFICIENCY if cluster.collectives == "gloo" else COMM_EFFICIENCY
 
 
-def collective_seconds(term, cluster) -> float:
-    """A term's time at a share of the link bandwidth (comm_efficiency). A group spanning nodes runs at
+def latency_seconds(term, cluster) -> float:
+    """The term's fixed cost per call: the library's launch cost (cluster.call_latency) + one hop's
+    latency per ring step, at the slowest link the ring crosses (a ring step waits for its slowest hop)."""
+    if term.op == "recv" or term.calls <= 0:
+        return 0.0
+    hop = cluster.intra_node_latency if term.intra_node else cluster.inter_node_latency
+    return term.calls * (cluster.call_latency + ring_steps(term.op, term.size) * hop)
+
+
+def bandwidth_seconds(term, cluster) -> float:
+    """A term's bytes at a share of the link bandwidth (comm_efficiency). A group spanning nodes runs at
     the node's network bandwidth shared by the rings of the node that take part, else at the
     intra-node link."""
     if term.op == "recv":
@@ -131,29 +152,76 @@ def collective_seconds(term, cluster) -> float:
     return term.bytes * factor / (bandwidth * comm_efficiency(cluster))
 
 
-# How each CommTerm's time relates to compute (CommTerm.overlap):
-EXPOSED = ""  # on the critical path (TP's exchanges, ZeRO-0's all-reduce after backward, pipeline p2p)
-WHOLE_STEP = "step"  # prefetched / reduced on side streams all through the step (ZeRO-3 gathers and reduce-scatters)
-LAST_BACKWARD = "last_backward"  # reduced by backward hooks during the last microbatch's backward (ZeRO-1, overlap_comm)
+def collective_seconds(term, cluster) -> float:
+    """A term's time: its bytes over the link it is bound by, plus its calls' latency."""
+    return bandwidth_seconds(term, cluster) + latency_seconds(term, cluster)
+
+
+# The phase a CommTerm can hide behind (CommTerm.overlap): the compute the engine runs it beside.
+EXPOSED = ""  # on the critical path (TP's exchanges, ZeRO-0's all-reduce after backward, ZeRO-1's parameter gather)
+FORWARD = "forward"  # gathers prefetched during the forward passes (ZeRO-3, hpZ, MiCS)
+BACKWARD = "backward"  # during recompute + backward of every microbatch (re-gathers, reduce-scatters)
+LAST_BACKWARD = "last_backward"  # backward hooks at the accumulation boundary: the last microbatch's
+# recompute + backward only (ZeRO-1's reduction with overlap_comm, MiCS's replica all-reduce)
+NEIGHBOURS = "neighbours"  # pipeline sends, beside the other microbatches' compute
+PHASES = (FORWARD, BACKWARD, LAST_BACKWARD, NEIGHBOURS)
+INTRA, INTER = "intra-node", "inter-node"
+
+
+@dataclass
+class Phase:
+    """One overlap window: the compute it offers, the collectives' seconds on each link inside it, and
+    what shows (the busiest link's excess: the links run at once, each collective on its own stream)."""
+
+    name: str
+    window_s: float
+    links: dict = field(default_factory=dict)  # INTRA / INTER -> seconds
+
+    @property
+    def comm_s(self) -> float:
+        return max(self.links.values(), default=0.0)
+
+    @property
+    def exposed_s(self) -> float:
+        return max(0.0, self.comm_s - self.window_s)
+
+
+def phase_windows(compute_s: float, passes: int, microbatches: int) -> dict:
+    """Compute seconds of each window, from the step's compute of ``passes`` forward-equivalents (3, or 4
+    with recompute) over ``microbatches`` (m x k): the forwards (1 of the passes); recompute + backward
+    of all but the last microbatch; of the last one; and for pipeline sends every microbatch but one
+    (the first forward's send and the last backward's have nothing of the rank's to hide behind)."""
+    n = max(1, microbatches)
+    backward = compute_s * (passes - 1) / passes
+    return {FORWARD: compute_s / passes, BACKWARD: backward * (n - 1) / n, LAST_BACKWARD: backward / n,
+            NEIGHBOURS: compute_s * (n - 1) / n}
+
+
+def phases(terms, cluster, compute_s: float, microbatches: int, passes: int) -> tuple[list, float]:
+    """(the overlap windows with their traffic, seconds on the critical path). BACKWARD traffic runs
+    through every microbatch's backward: its last microbatch's share lands in the LAST_BACKWARD window,
+    beside the reduction the hooks start there. On CPU ranks (gloo) nothing is hidden: the engines
+    overlap on CUDA side streams, and a CPU rank's collectives run in line with its compute (measured:
+    benchmarks/cluster_comm.py --plan, RESULTS.md §16)."""
+    windows = phase_windows(compute_s, passes, microbatches)
+    out = {name: Phase(name, windows[name]) for name in PHASES}
+    exposed = 0.0
+    n = max(1, microbatches)
+    for term in terms:
+        seconds = collective_seconds(term, cluster)
+        if cluster.cpu_ranks or term.overlap not in out:
+            exposed += seconds
+            continue
+        link = INTRA if term.intra_node else INTER
+        shares = {BACKWARD: (n - 1) / n, LAST_BACKWARD: 1 / n} if term.overlap == BACKWARD else {term.overlap: 1.0}
+        for name, share in shares.items():
+            out[name].links[link] = out[name].links.get(link, 0.0) + seconds * share
+    return [p for p in out.values() if any(v > 0 for v in p.links.values())], exposed
 
 
 def exposed_seconds(terms, cluster, compute_s: float, microbatches: int, passes: int) -> tuple[float, float]:
-    """(all communication seconds, the part not hidden behind compute). Overlapped traffic hides
-    behind the compute it overlaps (the whole step's, or the last microbatch's backward: 2 of the
-    ``passes`` forward-equivalents of one of the ``microbatches``); what exceeds it shows. On CPU ranks
-    (gloo) nothing is hidden: the engines overlap on CUDA side streams, and a CPU rank's collectives run
-    in line with its compute (measured: benchmarks/cluster_comm.py --plan, RESULTS.md §16)."""
-    total = exposed = step = last = 0.0
-    for term in terms:
-        seconds = collective_seconds(term, cluster)
-        total += seconds
-        if cluster.cpu_ranks:
-            exposed += seconds
-        elif term.overlap == WHOLE_STEP:
-            step += seconds
-        elif term.overlap == LAST_BACKWARD:
-            last += seconds
-        else:
-            exposed += seconds
-    window = compute_s * 2 / passes / max(1, microbatches)
-    return total, exposed + max(0.0, step - compute_s) + max(0.0, last - window)
+    """(all communication seconds, the part not hidden behind compute): the critical-path terms, plus
+    each window's excess of its busiest link over the window's compute."""
+    windows, exposed = phases(terms, cluster, compute_s, microbatches, passes)
+    total = sum(collective_seconds(t, cluster) for t in terms)
+    return total, exposed + sum(p.exposed_s for p in windows)
