@@ -20,11 +20,12 @@ _COPYREG = r"copyreg\Z"  # the module the warning is attributed to when a copy r
 
 def quiet_torch_pipelining() -> None:
     """Filter the LeafSpec copy warning (above); idempotent."""
-    if not any(_ours(f) for f in warnings.filters):
+    if not any(is_leafspec_filter(f) for f in warnings.filters):
         warnings.filterwarnings("ignore", message=LEAFSPEC_MESSAGE, category=FutureWarning, module=_COPYREG)
 
 
-def _ours(entry) -> bool:
+def is_leafspec_filter(entry) -> bool:
+    """Whether a warnings.filters entry is the one quiet_torch_pipelining installs."""
     _, message, category, module, _ = entry
     return (category is FutureWarning and getattr(message, "pattern", None) == LEAFSPEC_MESSAGE
             and getattr(module, "pattern", None) == _COPYREG)
@@ -33,4 +34,4 @@ def _ours(entry) -> bool:
 @on_shutdown
 def _remove() -> None:
     # an "ignore" entry leaves nothing in the warning registries, so dropping it needs no cache reset
-    warnings.filters[:] = [f for f in warnings.filters if not _ours(f)]
+    warnings.filters[:] = [f for f in warnings.filters if not is_leafspec_filter(f)]
