@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The main job: set up .venv, then fine-tune a tiny GPT-2 with sharded data parallel (ZeRO-3) on 2
+# The main job: set up .venv, then train a tiny GPT-2 (created from its config) with sharded data parallel (ZeRO-3) on 2
 # CPU processes through the deepspeed launcher, and write the report. Extra arguments go to
 # `smp-adapter launch` (e.g. --hp steps=100 passes --steps 100 to the training script).
 set -euo pipefail

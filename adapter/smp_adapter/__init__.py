@@ -1,4 +1,4 @@
-"""smp-adapter: SageMaker model parallelism v1 scripts on DeepSpeed and Megatron-core.
+"""smp-adapter: SageMaker model parallelism v1 scripts on DeepSpeed, torch FSDP2, Megatron-core and torch pipelining.
 
 The import name of the user-facing API is ``smdistributed.modelparallel.torch``; this package
 holds the implementation. Importing it (or its ``config``/``translate`` layers) never imports

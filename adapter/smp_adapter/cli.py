@@ -22,7 +22,8 @@ EXIT_USAGE = 2  # same status as argparse usage errors
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="smp-adapter",
-        description="Run SageMaker model parallelism v1 scripts on DeepSpeed and Megatron-core.")
+        description="Run SageMaker model parallelism v1 scripts on DeepSpeed, torch FSDP2, Megatron-core and torch "
+                    "pipelining (the layout picks the engine: `smp-adapter translate OPTIONS --explain` names it).")
     parser.add_argument("--version", action="version", version=f"smp-adapter {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name in COMMANDS:

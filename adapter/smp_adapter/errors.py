@@ -17,8 +17,11 @@ class SMPConfigError(SMPAdapterError, ValueError):
     ``problems`` is the list of ``ConfigProblem``s; ``str(err)`` lists them all.
     """
 
-    def __init__(self, problems):
+    def __init__(self, problems, partial=None):
         self.problems = list(problems)
+        # the options without the keys whose values were invalid (an SMPConfig, or None): what the layout
+        # rules can still be checked on, so that one message lists every problem (dims.with_layout_problems)
+        self.partial = partial
         lines = [f"  - {p}" for p in self.problems]
         noun = "problem" if len(self.problems) == 1 else "problems"
         super().__init__(f"invalid smp configuration ({len(self.problems)} {noun}):\n" + "\n".join(lines))

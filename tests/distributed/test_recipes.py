@@ -75,6 +75,8 @@ def test_recipe_runs_through_launch(recipe, tmp_path):
                                  "report", str(tmp_path)], env=base_env(), capture_output=True, text=True)
         assert report.returncode == 0 and (tmp_path / "report.png").stat().st_size > 1000
         assert "peak RSS rank 1" in report.stdout
+        assert report.stdout.splitlines()[0].split(None, 1) == ["layout", summary["layout"]]  # the recipe's own
+        assert summary["layout"].startswith("pp 1 x tp 1 x rdp 2, sdp 2")
     if recipe == "hf_trainer/gpt2_trainer.yaml":
         _check_trainer_run(output, tmp_path)
 

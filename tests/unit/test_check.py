@@ -251,3 +251,80 @@ def test_the_old_vit_layer_name_as_a_fallback_is_no_slip(expr):
     assert "vit.encoder.layer" not in names
     names = [u.name for u in check_source(source.replace(expr, "vit.encoder.layer"), "train.py").uses]
     assert "vit.encoder.layer" in names
+
+
+STEP_SCRIPT = """
+import torch
+import smdistributed.modelparallel.torch as smp
+smp.init({"ddp": True, "pipeline_parallel_degree": 2, "microbatches": 2})
+model = smp.DistributedModel(torch.nn.Linear(2, 2))
+
+
+@smp.step
+def train_step(model, data):
+    loss = model(data).sum()
+    model.backward(loss)
+    return loss
+
+
+@smp.step()
+def both(model, data):
+    out = model(data)
+    return out.sum(), out
+
+
+@smp.step
+def as_dict(model, data):
+    return {"out": model(data)}
+
+
+loss = train_step(model, torch.ones(2, 2)).reduce_mean()
+out = train_step(model, torch.ones(2, 2))
+out.concat(); out.detach()
+first, second = both(model, torch.ones(2, 2))
+first.reduce_sum(); second.stack(); both(model, torch.ones(2, 2))[1].concat()
+as_dict(model, torch.ones(2, 2)).keys()
+loss = out.reduce_mean()
+print(loss.shape)
+"""
+
+
+def test_methods_of_what_a_step_returns_are_checked():
+    """A StepOutput method that does not exist (a typo of reduce_mean) makes the verdict "does not run",
+    with the method it resembles; real methods, forwarded tensor methods, tuple results and rebound
+    names are supported, and a step returning a dict is not taken for a StepOutput."""
+    good = check_source(STEP_SCRIPT)
+    methods = {u.name: u.status for u in good.uses if u.kind == "method" and u.name.startswith("StepOutput.")}
+    assert methods == {f"StepOutput.{m}": "supported" for m in
+                       ("reduce_mean", "concat", "detach", "reduce_sum", "stack")}, methods
+    assert good.exit_status() == 0, [u for u in good.uses if u.status in FAILING]
+    bad = check_source(STEP_SCRIPT.replace(".reduce_mean()\nout =", ".reduce_meen()\nout =")
+                       .replace("second.stack()", "second.shape"))
+    unknown = {u.name: u.note for u in bad.uses if u.status == "unknown"}
+    assert set(unknown) == {"StepOutput.reduce_meen", "StepOutput.shape"}
+    assert "did you mean 'reduce_mean'?" in unknown["StepOutput.reduce_meen"]
+    assert bad.exit_status() == 1 and "does not run as-is" in bad.text()
+
+
+def test_misspelled_smp_names_get_a_suggestion():
+    src = STEP_SCRIPT.replace("model = smp.DistributedModel(", "model = smp.DistributedModle(") + "optimizer.stepp()\n"
+    src = src.replace("loss = out", "optimizer = smp.DistributedOptimizer(None)\nloss = out")
+    report = check_source(src)
+    notes = {u.name: u.note for u in report.uses if u.status == "unknown"}
+    assert notes["DistributedModle"].startswith("did you mean smp.DistributedModel?")
+    assert "did you mean 'step'?" in notes["DistributedOptimizer.stepp"]
+    far = check_source(src.replace("smp.DistributedModle", "smp.Frobnicate"))
+    assert "did you mean" not in next(u.note for u in far.uses if u.name == "Frobnicate")
+
+
+def test_the_engine_note_follows_the_options():
+    """The note on DistributedModel names the engine the script's literal options get, and otherwise
+    the rule (the README's example takes its options from the launcher)."""
+    from smp_adapter.config.dims import ENGINE_RULE, ENGINE_WORDS
+
+    def note(src):
+        return next(u.note for u in check_source(src).uses if u.name == "DistributedModel")
+
+    assert note(STEP_SCRIPT).startswith(ENGINE_WORDS["pipeline"])
+    assert note(STEP_SCRIPT.replace(', "pipeline_parallel_degree": 2', "")).startswith(ENGINE_WORDS["deepspeed"])
+    assert note((ROOT / "examples/smp_v1_train.py").read_text()) == ENGINE_RULE

@@ -228,3 +228,74 @@ def test_launch_failure_summary_reads_the_cause_of_a_rank():
     assert _cause(["Traceback (most recent call last):", '  File "x.py", line 1, in <module>',
                    "torch.distributed.DistBackendError: boom"]) == "torch.distributed.DistBackendError: boom"
     assert _cause(["loss 0.5", "done"]) is None
+
+
+def test_every_problem_of_options_and_layout_in_one_message(capsys):
+    """The options' own problems and the layout's on the world asked for come in one message (usage.md's
+    promise), from translate, launch and smp.init alike; a fix already given is not repeated."""
+    from smp_adapter.config.distribution import JobSpec
+    from smp_adapter.errors import SMPConfigError
+    from smp_adapter.launch.command import to_launch_plan
+    from smp_adapter.runtime.init import resolve_layout
+
+    raw = {"pipline_parallel_degree": 2, "microbatches": "four", "tensor_parallel_degree": 3}
+    assert main(["translate", json.dumps(raw), "--world-size", "4"]) == 2
+    err = capsys.readouterr().err
+    assert "(4 problems)" in err and "did you mean 'pipeline_parallel_degree'" in err and "'four'" in err
+    assert "add ddp: true" in err and "= 3 does not divide the number of processes (4)" in err
+    job = JobSpec(options=raw)
+    for front_door in (lambda: to_launch_plan(job, None, "train.py", nprocs_per_node=4, cpu=True),
+                       lambda: resolve_layout(raw, {"RANK": "0", "WORLD_SIZE": "4"})):
+        with pytest.raises(SMPConfigError) as caught:
+            front_door()
+        assert len(caught.value.problems) == 4 and "does not divide" in str(caught.value)
+    # the layout's "ddp must be true" says what the options' "requires ddp: true" already said: once
+    assert main(["translate", '{"tensor_parallel_degree": 2}', "--world-size", "4"]) == 2
+    assert capsys.readouterr().err.count("add ddp: true") == 1
+
+
+@pytest.mark.parametrize("text,fix", [
+    ('{"tensor_parallel_degree": 3', "end the JSON with '}'"),
+    ('{"a": [1, {"b": 2', "end the JSON with '}]}'"),
+    ("{ddp: true}", "the keys have no double quotes"),
+    ('{"ddp": tru}', "correct the JSON at char 8"),
+])
+def test_inline_json_that_does_not_parse_gets_the_fix_for_what_is_wrong(text, fix, capsys):
+    assert main(["translate", text]) == 2
+    err = capsys.readouterr().err
+    assert fix in err and ("quote the JSON for your shell" not in err), err
+
+
+def test_report_points_at_what_a_directory_holds(tmp_path, capsys):
+    """report on a launch's job directory names its rank logs and what report reads; --help says what
+    RUN_DIR is without citing source files."""
+    job = tmp_path / "smp-job"
+    (job / "output" / "rank-logs").mkdir(parents=True)
+    assert main(["report", str(job)]) == 2
+    err = capsys.readouterr().err
+    assert f"its ranks' output is in {job / 'output' / 'rank-logs'}" in err and "--comm-ledger DIR" in err
+    assert main(["report", "--help"]) == 0
+    text = capsys.readouterr().out
+    assert "metrics.jsonl" in text and "--comm-ledger" in text and ".py" not in text
+
+
+def test_report_gives_the_layout_and_one_mean_step_time(tmp_path):
+    """The table names the layout the recipe recorded, and its mean step time is metrics.jsonl's steps
+    after the first: summary.json carries no second timer."""
+    from smp_adapter.commands.report import write_report
+
+    rows = [{"step": i + 1, "loss": 2.0 - i / 10, "step_time_s": t, "tokens_per_s": 100.0}
+            for i, t in enumerate([5.0, 0.2, 0.4])]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "summary.json").write_text(json.dumps({"layout": "pp 1 x tp 1 x rdp 2, sdp 2, ZeRO stage 3"}))
+    _, table = write_report(tmp_path)
+    assert table.splitlines()[0].split(None, 1) == ["layout", "pp 1 x tp 1 x rdp 2, sdp 2, ZeRO stage 3"]
+    assert "mean step time (s)          0.3000 (after the first step)" in table
+    source = (Path(__file__).resolve().parents[2] / "recipes/causal_lm/train.py").read_text()
+    assert "mean_step_time" not in source and '"layout": smp.state.dims.describe()' in source
+
+
+def test_checkpoint_help_cites_no_source_files(capsys):
+    assert main(["checkpoint", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert "reshard" in out and "verify" in out and not re.search(r"\w+/\w+\.py", out), out

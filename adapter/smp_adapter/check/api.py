@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import difflib
 import functools
 import importlib
 import inspect
@@ -37,12 +38,15 @@ ZERO_INTERNALS: dict[str, str] = {
 }
 
 _WRAPPER_MODULES = {"DistributedModel": "smp_adapter.runtime.model",
-                    "DistributedOptimizer": "smp_adapter.runtime.optimizer"}
+                    "DistributedOptimizer": "smp_adapter.runtime.optimizer",
+                    "StepOutput": "smp_adapter.runtime.step"}  # what an @smp.step function returns
 _UNKNOWN_HINT = {
     "DistributedModel": "it is an nn.Module around your model and does not forward other names: use "
                         "model.get_module().{name} for the wrapped model's",
     "DistributedOptimizer": "neither smp's optimizer, DeepSpeed's ZeRO optimizer nor torch.optim.Optimizer "
                             "defines it (a custom optimizer's own attributes are forwarded, but not checked)",
+    "StepOutput": "it holds one tensor per microbatch: reduce_mean(), reduce_sum(), concat(), stack(), .outputs, "
+                  "or a torch.Tensor method applied to each",
 }
 
 
@@ -101,12 +105,24 @@ def wrapper_attribute(wrapper: str, name: str) -> tuple[str, str] | None:
         return "partial", ZERO_INTERNALS[name]
     if not is_private(name) and name in known_attributes(wrapper_class(wrapper)):
         return "supported", ""
+    if wrapper == "StepOutput" and not is_private(name) and _tensor_method(name):
+        return "supported", "a torch.Tensor method: StepOutput applies it to each microbatch's tensor"
     return None
+
+
+def _tensor_method(name: str) -> bool:
+    """StepOutput forwards the callable attributes of torch.Tensor (runtime/step.py, __getattr__)."""
+    import torch
+
+    return callable(getattr(torch.Tensor, name, None))
 
 
 def unknown_wrapper_note(wrapper: str, name: str) -> str:
     why = "a private name" if is_private(name) else _UNKNOWN_HINT[wrapper].format(name=name)
-    return f"smp-adapter's {wrapper} has no attribute {name!r} ({why}): AttributeError"
+    public = sorted(n for n in known_attributes(wrapper_class(wrapper)) if not n.startswith("_"))
+    close = difflib.get_close_matches(name, public, n=1, cutoff=0.85) if not is_private(name) else []  # typos only
+    hint = f"did you mean {close[0]!r}? " if close else ""
+    return f"smp-adapter's {wrapper} has no attribute {name!r} ({hint}{why}): AttributeError"
 
 
 def pre_1_10_state_names() -> tuple[str, ...]:

@@ -23,11 +23,13 @@ The script is parsed with ``ast``, never executed. Reported, with line numbers:
 from __future__ import annotations
 
 import ast
+import difflib
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from smp_adapter.check import api as provided
+from smp_adapter.config.dims import ENGINE_RULE, ENGINE_WORDS
 from smp_adapter.parallel.hf_hooks import HOOKED as HF_HOOKED
 from smp_adapter.check.apex_names import helper_uses, status as apex_status, uses_in as apex_uses_in
 from smp_adapter.check.local import APEX_ROOTS, GPU_ONLY_PACKAGES, imported_roots, missing_imports, module_files
@@ -77,8 +79,8 @@ SUPPORT: dict[str, tuple[str, str]] = {
                              "set_activation_checkpointing", "register_parameter", "save", "load",
                              "save_checkpoint", "resume_from_checkpoint", "exceptions")},
     "is_tracing": (_S, "always False: there is no tracing pass"),
-    "DistributedModel": (_S, "a DeepSpeed engine (ZeRO stage from the options)"),
-    "DistributedOptimizer": (_S, "the DeepSpeed engine's optimizer"),
+    "DistributedModel": (_S, ENGINE_RULE),
+    "DistributedOptimizer": (_S, "the optimizer of the model's engine"),
     "delay_param_initialization": (_S, "deepspeed.zero.Init under sharded data parallel; otherwise parameters are "
                                    "created without storage and each rank materialises only what it keeps (its "
                                    "pipeline stage) with the undelayed values"),
@@ -172,7 +174,9 @@ def lookup(name: str) -> tuple[str, str, str]:
             if i < len(parts) and key in _NAMESPACES:
                 break
             return (key, *SUPPORT[key])
-    return name, UNKNOWN, f"not an smp v1 API that smp-adapter knows: smp.{name} fails with AttributeError"
+    close = difflib.get_close_matches(name, list(SUPPORT), n=1, cutoff=0.85)  # typos, not look-alike names
+    hint = f"did you mean smp.{close[0]}? " if close else ""
+    return name, UNKNOWN, f"{hint}not an smp v1 API that smp-adapter knows: smp.{name} fails with AttributeError"
 
 
 class _Checker:
@@ -190,7 +194,10 @@ class _Checker:
         self.bound: set[tuple[ast.AST, str]] = set()  # (scope, name) assigned there
         self.params: set[tuple[ast.AST, str]] = set()  # (function, parameter name)
         self.literals: dict[str, list[tuple[int, ast.AST]]] = {}  # name -> [(line, value)] of assignments
+        self.steps: dict[str, str] = {}  # @smp.step function -> what it returns (step_functions)
+        self.step_bound: dict[str, list[tuple[int, bool]]] = {}  # name -> [(line, holds a StepOutput)] per binding
         self.sharded = False  # the options shard optimizer state: a full optimizer state_dict raises
+        self.engine: str | None = None  # ParallelDims.engine of the literal smp.init options, if it is settled
         self.init_options: dict | None = None  # the literal dict given to smp.init, if any
 
     def add(self, node: ast.AST, expr: str, name: str, kind: str, status: str, note: str = "") -> None:
@@ -224,6 +231,7 @@ class _Checker:
                     if relative is not None:
                         key, status, note = lookup(relative)
                         self.add(node, f"from {node.module} import {a.name}", key, "import", status, note)
+        self.steps = step_functions(self.tree, self.smp_api)
         for node in ast.walk(self.tree):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
                 a = node.args
@@ -233,6 +241,7 @@ class _Checker:
             elif isinstance(node, ast.Assign):
                 wrapper = self.smp_api(node.value.func) if isinstance(node.value, ast.Call) else None
                 value_path = self.full_path(node.value)
+                self.bind_step_outputs(node)
                 for target in node.targets:
                     if wrapper in _WRAPPERS:
                         self.wrapped[ast.unparse(target)] = wrapper
@@ -260,6 +269,10 @@ class _Checker:
         if self.sharded:
             self.uses = [Use(u.line, u.col, u.expr, u.name, u.kind, PARTIAL, u.note)
                          if u.name == "DistributedOptimizer.state_dict" else u for u in self.uses]
+        if self.engine:  # the options in the script settle the engine: name it, not the rule
+            note = f"{ENGINE_WORDS[self.engine]}, from the smp.init options (launch-time options override them)"
+            self.uses = [Use(u.line, u.col, u.expr, u.name, u.kind, u.status, note)
+                         if u.name == "DistributedModel" and u.note == ENGINE_RULE else u for u in self.uses]
         for u in sorted(self.uses, key=lambda u: (u.line, u.col)):  # stable: a line's uses in found order
             if (u.line, u.expr, u.name, u.status) not in seen:  # the same call twice on one line: once
                 seen.add((u.line, u.expr, u.name, u.status))
@@ -286,6 +299,31 @@ class _Checker:
                 return node
         return self.tree
 
+    def bind_step_outputs(self, node: ast.Assign) -> None:
+        """Record each name this assignment binds, and whether it now holds a StepOutput: ``out =
+        train_step(...)`` / ``loss, logits = train_step(...)``, as the step function's returns say."""
+        call = node.value.func.id if isinstance(node.value, ast.Call) and isinstance(node.value.func, ast.Name) else None
+        shape = self.steps.get(call)
+        for target in node.targets:
+            if isinstance(target, ast.Name):
+                self.step_bound.setdefault(target.id, []).append((node.lineno, shape == "one"))
+            elif isinstance(target, (ast.Tuple, ast.List)):
+                for name in (t for t in target.elts if isinstance(t, ast.Name)):
+                    self.step_bound.setdefault(name.id, []).append((node.lineno, shape == "tuple"))
+
+    def owner_of(self, node: ast.AST) -> str | None:
+        """What smp made ``node``: a wrapper (wrapper_of), or the StepOutput of a step call
+        (``train_step(...)``, ``train_step(...)[0]`` when the step returns a tuple)."""
+        call = node.value if isinstance(node, ast.Subscript) else node
+        if isinstance(call, ast.Call) and isinstance(call.func, ast.Name) and call.func.id in self.steps:
+            shape = self.steps[call.func.id]
+            return "StepOutput" if (shape == "one") == (node is call) else None
+        if isinstance(node, ast.Name) and node.id in self.step_bound:  # its last binding on an earlier line says
+            earlier = sorted((line, held) for line, held in self.step_bound[node.id] if line < node.lineno)
+            if earlier:  # (ast.walk is breadth-first: the bindings come unsorted)
+                return "StepOutput" if earlier[-1][1] else self.wrapper_of(node)
+        return self.wrapper_of(node)
+
     def wrapper_of(self, node: ast.AST) -> str | None:
         """"DistributedModel" / "DistributedOptimizer" if ``node`` denotes a wrapped object. A plain
         name: from its wrapping line on in the scope that wraps it; elsewhere a parameter or a free
@@ -300,7 +338,7 @@ class _Checker:
 
     def visit_ref(self, node: ast.AST) -> None:
         parent = self.parents.get(node)
-        owner = self.wrapper_of(node.value) if isinstance(node, ast.Attribute) else None
+        owner = self.owner_of(node.value) if isinstance(node, ast.Attribute) else None
         if owner and isinstance(node.ctx, ast.Load):  # setting an attribute creates it: nothing to check
             self.add(node, ast.unparse(node), f"{owner}.{node.attr}", "method", *_wrapper_status(owner, node.attr))
         if isinstance(parent, ast.Attribute) and parent.value is node or isinstance(getattr(node, "ctx", None), ast.Store):
@@ -337,7 +375,7 @@ class _Checker:
         """Keywords (and too many positional arguments) the real callable refuses; model_creation
         keywords the runtime accepts without carrying them out."""
         api = self.smp_api(call.func)
-        owner = self.wrapper_of(call.func.value) if isinstance(call.func, ast.Attribute) else None
+        owner = self.owner_of(call.func.value) if isinstance(call.func, ast.Attribute) else None
         if api in SUPPORT:  # a table entry itself (smp.save), not an attribute chain (smp.state.cfg.x)
             name, sig = api, provided.smp_signature(api)
         elif owner:
@@ -444,8 +482,29 @@ class _Checker:
         for warning in cfg.warnings:
             self.add(call, expr, "options", "options", PARTIAL, warning)
         self.sharded |= cfg.shard_optimizer_state or cfg.sharded_data_parallel_degree > 1
+        # the engine these options get, where it does not depend on the world size (MiCS does)
+        self.engine = ("pipeline" if cfg.pipeline_parallel_degree > 1 else
+                       "deepspeed" if cfg.sharded_data_parallel_degree == 1 else None)
         if not any(u.kind == "options" and u.line == call.lineno for u in self.uses):
             self.add(call, expr, "options", "options", SUPPORTED, "valid smp options")
+
+
+def step_functions(tree: ast.Module, smp_api) -> dict[str, str]:
+    """Name -> "one" / "tuple" for each function decorated with ``@smp.step`` (bare or called) whose
+    returns say what it gives back: one StepOutput (every return a single value), or a tuple of them
+    (every return a tuple literal). Functions returning dicts or lists, or mixing the two, are left out:
+    their results are not StepOutputs themselves."""
+    found = {}
+    for fn in ast.walk(tree):
+        if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) or not any(
+                smp_api(d.func if isinstance(d, ast.Call) else d) == "step" for d in fn.decorator_list):
+            continue
+        returns = [n.value for n in ast.walk(fn) if isinstance(n, ast.Return) and n.value is not None]
+        shapes = {"tuple" if isinstance(r, ast.Tuple) else "other" if isinstance(
+            r, (ast.Dict, ast.List, ast.ListComp, ast.DictComp, ast.Set, ast.Constant)) else "one" for r in returns}
+        if len(shapes) == 1 and shapes != {"other"}:
+            found[fn.name] = shapes.pop()
+    return found
 
 
 def _wrapper_status(owner: str, attr: str) -> tuple[str, str]:

@@ -17,6 +17,7 @@ directory, or the directory ``save_checkpoint`` wrote into (its ``newest`` tag i
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from pathlib import Path
@@ -27,11 +28,26 @@ from smp_adapter.runtime.checkpoint.integrity import manifest as digests
 from smp_adapter.runtime.checkpoint.integrity import sidecars
 
 MANIFEST = digests.MANIFEST
+# --help's words: what each action does for the user (the module docstring above says where the code is)
+HELP = """Read and rewrite smp checkpoints without a GPU or a process group. DIR is a checkpoint's
+<tag>_partial directory, or the directory smp.save_checkpoint wrote into (its newest tag is taken).
+
+  inspect DIR                   the layout it was saved with, its tag, files and sizes, and what a
+                                resume needs
+  export DIR --to hf OUT        the model in Hugging Face's save_pretrained layout (config.json,
+                                model.safetensors); from_pretrained loads it
+  reshard DIR --to OPTIONS --world-size N OUT
+                                the checkpoint rewritten for another layout (docs/checkpoints.md)
+  verify DIR                    every file checked against the digests recorded at the save, one line
+                                per problem; export and reshard check first and refuse a damaged one.
+                                A full checkpoint, or a file smp.save wrote, is checked against its
+                                <file>.smp_digest records
+"""
 
 
 def add_parser(subparsers):
     p = subparsers.add_parser("checkpoint", help="inspect, export or reshard a partial checkpoint (no GPU, no process group)",
-                              description=__doc__)
+                              description=HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="action", metavar="ACTION", required=True)
     inspect = sub.add_parser("inspect", help="layout, tag, files and what a resume needs")
     inspect.add_argument("dir", metavar="DIR")

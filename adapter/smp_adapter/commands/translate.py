@@ -1,4 +1,4 @@
-"""``smp-adapter translate INPUT``: show what a SageMaker smp job becomes on DeepSpeed/Megatron.
+"""``smp-adapter translate INPUT``: show what a SageMaker smp job becomes, and which engine runs it.
 
 INPUT is a JSON/YAML file or inline JSON holding plain smp options, a SageMaker distribution dict
 (optionally with instance_count), or a file with an ``smp_options:`` section. Prints the DeepSpeed
@@ -25,7 +25,8 @@ from smp_adapter.config.problems import ConfigProblem, raise_if_any
 from smp_adapter.errors import SMPAdapterError
 from smp_adapter.translate.deepspeed import to_deepspeed_config
 from smp_adapter.translate.explain import ExplainRow, explain, format_table
-from smp_adapter.launch.command import DEFAULT_MASTER_PORT, LAUNCHERS, LaunchPlan, resolve_processes, to_launch_plan
+from smp_adapter.launch.command import (DEFAULT_MASTER_PORT, LAUNCHERS, LaunchPlan, job_config, resolve_processes,
+                                        to_launch_plan)
 from smp_adapter.translate.kernels import compile_setting_from
 from smp_adapter.translate.megatron import to_megatron_plan
 from smp_adapter.launch.sagemaker_toolkit import TOOLKIT, toolkit_command
@@ -34,7 +35,7 @@ NAME = "translate"
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
-    p = subparsers.add_parser(NAME, help="translate smp options to DeepSpeed / Megatron settings and launch commands",
+    p = subparsers.add_parser(NAME, help="translate smp options to engine settings (DeepSpeed, Megatron) and launch commands; --explain names the engine",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("input", metavar="INPUT", help="JSON/YAML file or inline JSON ('{\"ddp\": true, ...}')")
     procs = p.add_mutually_exclusive_group()
@@ -64,7 +65,7 @@ def translation_bundle(job: JobSpec, world_size: int | None = None, instance_cou
                        processes_per_host: int | None = None, batch_size: int | None = None,
                        script: str = "train.py", master_port: int | None = None, cpu: bool = False) -> dict[str, Any]:
     """Everything ``translate`` shows, as JSON-ready data (also what configs/golden/*.json hold)."""
-    cfg = job.config()
+    cfg = job_config(job, world_size, processes_per_host, instance_count)  # bad options: every problem at once
     if world_size is not None:
         nnodes = job.instance_count if instance_count is None else instance_count
         if not isinstance(nnodes, int) or nnodes < 1 or world_size % nnodes:

@@ -26,6 +26,14 @@ SDP_ENGINE_ENV = "SMP_ADAPTER_SDP_ENGINE"
 SDP_ENGINES = ("mics", "hpz")
 
 
+# What each engine (ParallelDims.engine) is, in the words the front doors (check, explain) use
+ENGINE_WORDS = {"pipeline": "torch.distributed.pipelining stages (pipeline_parallel_degree > 1)",
+                "mics": "smp v1's MiCS on torch FSDP2 (1 < sharded_data_parallel_degree < model replicas)",
+                "deepspeed": "a DeepSpeed engine (ZeRO 0/1/3 or hpZ from the options)"}
+ENGINE_RULE = (f"the layout picks the engine: {ENGINE_WORDS['pipeline']}; {ENGINE_WORDS['mics']}; otherwise "
+               f"{ENGINE_WORDS['deepspeed']} (`smp-adapter translate OPTIONS --explain` names it)")
+
+
 def per_microbatch(samples: int, microbatches: int) -> int | None:
     """Samples in each microbatch when ``samples`` split evenly into ``microbatches``, else None: the
     one rule behind translate's and plan's check of the per-rank batch and smp.step's split."""
@@ -40,6 +48,25 @@ def sdp_engine_from(environ: Mapping[str, str]) -> str:
                                     f"set {SDP_ENGINE_ENV}=mics (smp v1's MiCS, the default) or {SDP_ENGINE_ENV}=hpz "
                                     "(DeepSpeed ZeRO-3 + hpZ), or unset it", value)])
     return value
+
+
+def with_layout_problems(error, world_size: int | None, sdp_engine: str = "mics"):
+    """``error`` (an SMPConfigError of invalid options) with the problems ParallelDims also finds on
+    ``world_size``, judged on the options whose values were valid (``error.partial``), so that one
+    message lists every problem; a layout problem whose fix the options' problems already give is not
+    repeated. Returns the error to raise."""
+    from smp_adapter.errors import SMPConfigError
+
+    if error.partial is None or world_size is None:
+        return error
+    try:
+        ParallelDims.from_config(error.partial, world_size, sdp_engine)
+    except SMPConfigError as layout:
+        fixes = {p.fix for p in error.problems}
+        extra = [p for p in layout.problems if p.fix not in fixes]
+        if extra:
+            return SMPConfigError([*error.problems, *extra])
+    return error
 
 
 @dataclass(frozen=True)

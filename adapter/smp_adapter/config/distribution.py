@@ -188,6 +188,30 @@ def _looks_inline(text: str) -> bool:
         return True
 
 
+def inline_json_fix(text: str, exc: json.JSONDecodeError) -> str:
+    """The fix for inline JSON that does not parse, from what is wrong with it: brackets left open, keys
+    without double quotes (what a shell leaves of an unquoted argument), or the character at fault."""
+    opened, closed, in_string, escaped = [], 0, False, False
+    for ch in text:  # brackets outside strings: which are still open at the end
+        if in_string:
+            in_string, escaped = (ch != '"' or escaped), (ch == "\\" and not escaped)
+        elif ch == '"':
+            in_string = True
+        elif ch in "{[":
+            opened.append(ch)
+        elif ch in "}]" and opened and opened[-1] == "{["["}]".index(ch)]:
+            opened.pop()
+        elif ch in "}]":  # a closer without its opener: not a matter of what is missing at the end
+            closed += 1
+    if opened and not closed:
+        closers = "".join("}" if ch == "{" else "]" for ch in reversed(opened))
+        return f"close what is left open: end the JSON with {closers!r}"
+    if '"' not in text and exc.msg.startswith("Expecting property name enclosed in double quotes"):
+        return ("the keys have no double quotes (a shell removes them from an unquoted argument): put the whole "
+                "JSON in single quotes, e.g. '{\"ddp\": true}'")
+    return f"correct the JSON at char {exc.pos} ({text[max(0, exc.pos - 20):exc.pos + 20]!r}), e.g. '{{\"ddp\": true}}'"
+
+
 def parse_inline_or_file(text: str) -> dict[str, Any]:
     """CLI helper: inline JSON (starts with '{') or a path to a JSON/YAML file."""
     if _looks_inline(text):
@@ -198,7 +222,7 @@ def parse_inline_or_file(text: str) -> dict[str, Any]:
             data = _load_json(text, "INPUT")
         except json.JSONDecodeError as exc:
             raise_if_any([ConfigProblem("INPUT", f"is not valid inline JSON ({exc.msg} at char {exc.pos})",
-                                        "quote the JSON for your shell, e.g. '{\"ddp\": true}'", text)])
+                                        inline_json_fix(text, exc), text)])
         if not isinstance(data, dict):
             raise_if_any([ConfigProblem("INPUT", f"options must be a JSON object ({{...}}), got a JSON "
                                         f"{type(data).__name__}", "e.g. '{\"ddp\": true}'", text)])

@@ -112,7 +112,13 @@ class SMPConfig:
             if row.policy is Policy.IGNORED:
                 warnings.append(f"smp option '{key}' is accepted and ignored: {row.note}")
         _check_cross_key_rules(values, raw, problems)
-        raise_if_any(problems)
+        if problems:  # the valid values still make a config: the layout rules are checked on it too
+            raise_if_any(problems, cls._from_values(values, raw, warnings))
+        return cls._from_values(values, raw, warnings)
+
+    @classmethod
+    def _from_values(cls, values: dict[str, Any], raw: dict[str, Any], warnings: list[str]) -> "SMPConfig":
+        """The config of per-key-valid ``values``, formula defaults resolved (from_dict's last step)."""
         kwargs = {k: v for k, v in values.items() if k in _FIELD_NAMES}
         pp = kwargs.get("pipeline_parallel_degree", 1)
         mb = kwargs.get("microbatches", 1)

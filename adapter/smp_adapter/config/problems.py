@@ -22,9 +22,9 @@ class ConfigProblem:
         return f"{self.key}{given}: {self.message}. Fix: {self.fix}"
 
 
-def raise_if_any(problems):
-    """Raise one SMPConfigError listing every problem, or return quietly."""
+def raise_if_any(problems, partial=None):
+    """Raise one SMPConfigError listing every problem (``partial``: SMPConfigError.partial), or return quietly."""
     if problems:
         from smp_adapter.errors import SMPConfigError
 
-        raise SMPConfigError(problems)
+        raise SMPConfigError(problems, partial)

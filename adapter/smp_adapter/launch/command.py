@@ -34,15 +34,18 @@ the deepspeed/torchrun launches (on the mpirun line they stay flags).
 from __future__ import annotations
 
 import json
+import math
+import os
 import shlex
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
-from smp_adapter.config.dims import ParallelDims
+from smp_adapter.config.dims import ParallelDims, sdp_engine_from, with_layout_problems
 from smp_adapter.config.distribution import JobSpec
 from smp_adapter.config.limits import MAX_WORLD_SIZE
 from smp_adapter.config.options import ENV_MP_PARAMETERS, SMPConfig
 from smp_adapter.config.problems import ConfigProblem, raise_if_any
+from smp_adapter.errors import SMPConfigError
 
 LAUNCHERS = ("deepspeed", "torchrun", "mpirun", "srun")
 DEFAULT_MASTER_PORT = 29500  # torch.distributed's and DeepSpeed's default (SageMaker used 7777)
@@ -98,6 +101,21 @@ def resolve_processes(job: JobSpec, cfg: SMPConfig, nprocs_per_node: int | None 
     return nnodes, nprocs_per_node
 
 
+def job_config(job: JobSpec, world_size: int | None = None, nprocs_per_node: int | None = None,
+               nnodes: int | None = None) -> SMPConfig:
+    """The job's options. Invalid ones are refused with what the layout rules also find on the job's world
+    (``world_size``, else as resolve_processes reads it), so one message lists every problem."""
+    try:
+        return job.config()
+    except SMPConfigError as exc:
+        if world_size is None and exc.partial is not None:
+            try:
+                world_size = math.prod(resolve_processes(job, exc.partial, nprocs_per_node, nnodes))
+            except SMPConfigError:  # no world to judge the layout on: the options' own problems are the message
+                pass
+        raise with_layout_problems(exc, world_size, sdp_engine_from(os.environ)) from None
+
+
 def _check_count(key: str, value: Any) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise_if_any([ConfigProblem(key, "must be an integer >= 1", "give a positive number of processes/instances", value)])
@@ -115,7 +133,7 @@ def to_launch_plan(job: JobSpec, cfg: SMPConfig | None, script: str, script_args
     """The command that starts ``script`` as this job. Raises SMPConfigError when the world
     size does not fit the degrees (ParallelDims.from_config) or an argument is invalid. ``dims``:
     the layout the caller already placed on this world (a translate bundle places it once)."""
-    cfg = job.config() if cfg is None else cfg
+    cfg = job_config(job, None, nprocs_per_node, nnodes) if cfg is None else cfg
     if launcher not in LAUNCHERS:
         raise_if_any([ConfigProblem("launcher", "is not a known launcher", f"Available: {', '.join(LAUNCHERS)}", launcher)])
     nnodes, nprocs = resolve_processes(job, cfg, nprocs_per_node, nnodes)

@@ -22,11 +22,12 @@ from smp_adapter.config.options import SMPConfig
 from smp_adapter.config.problems import ConfigProblem, raise_if_any
 from smp_adapter.launch.inputs import cuda_available, launcher_program, resolve_job, split_command
 from smp_adapter.launch.env_bundle import deepspeed_env_file
-from smp_adapter.errors import SMPAdapterError
+from smp_adapter.errors import SMPAdapterError, SMPConfigError
 from smp_adapter.launch.free_port import free_port
 from smp_adapter.launch.command import DEFAULT_MASTER_PORT, LAUNCHERS, to_launch_plan
 
 CUDA_ON_CPU = "SMP_ADAPTER_CUDA_ON_CPU"
+RANK_LOGS = Path("output", "rank-logs")  # each rank's output, under the job directory
 # run the launchers with this interpreter, so the ranks get it too (both use sys.executable)
 LAUNCHER_MODULES = {"deepspeed": "deepspeed.launcher.runner", "torchrun": "torch.distributed.run"}
 # rank variables of an enclosing launcher must not leak into this job
@@ -153,7 +154,7 @@ def build(args: argparse.Namespace, script_options) -> dict[str, Any]:
         import torch
 
         nprocs = torch.cuda.device_count() or None
-    cfg = SMPConfig.from_dict({**script_options(script), **job.options})
+    cfg = _job_options(script_options(script), job, nnodes * nprocs if nprocs else None)
     hps = {**recipe.get("hyperparameters", {}), **{k: _json_or_text(v) for k, v in
                                                     parse_pairs(args.hyperparameter, "--hyperparameter", "KEY=VALUE").items()}}
     if job.options and getattr(args, "mp_parameters", True):
@@ -177,7 +178,7 @@ def build(args: argparse.Namespace, script_options) -> dict[str, Any]:
     job_dir = Path(args.job_dir).resolve()
     dirs = {"model": Path(args.model_dir or job_dir / "model").resolve(),
             "output": Path(args.output_data_dir or job_dir / "output" / "data").resolve(),
-            "logs": job_dir / "output" / "rank-logs"}
+            "logs": job_dir / RANK_LOGS}
     channels = {name: str(Path(path).resolve()) for name, path in parse_pairs(args.channel, "--channel", "NAME=PATH").items()}
     hosts = hosts or (["algo-1"] if nnodes == 1 else [f"algo-{i + 1}" for i in range(nnodes)])
     sm = {"SM_MODEL_DIR": str(dirs["model"]), "SM_OUTPUT_DATA_DIR": str(dirs["output"]),
@@ -218,7 +219,8 @@ def build(args: argparse.Namespace, script_options) -> dict[str, Any]:
     tail = len(hp_args) + len(script_args) + 1  # the script and its arguments end every command
     head, rest = command[:-tail], command[-tail:]
     if launcher == "deepspeed":
-        head = [sys.executable, "-m", LAUNCHER_MODULES[launcher], *head[1:], "--enable_each_rank_log", str(dirs["logs"])]
+        head = [sys.executable, "-m", LAUNCHER_MODULES[launcher], *head[1:], "--enable_each_rank_log", str(dirs["logs"]),
+                "--log_level", deepspeed_log_level(plan.nnodes)]
     elif launcher == "torchrun":
         head = [sys.executable, "-m", LAUNCHER_MODULES[launcher], *head[1:], "--tee", "3", "--log-dir", str(dirs["logs"])]
     elif launcher == "mpirun":  # it exports only what -x names (plan.env is named already); the interpreter ends head
@@ -241,6 +243,25 @@ def build(args: argparse.Namespace, script_options) -> dict[str, Any]:
     return {"command": [*head, *rest], "set": sm, "plan": plan, "dirs": dirs, "launcher": launcher, "cpu": cpu,
             "rank_offset": node_rank * plan.nprocs_per_node, "channels": channels, "deepspeed_env": deepspeed_env,
             "heartbeat": heartbeat, "notes": [options_source, *notes, *plan.notes]}
+
+
+def deepspeed_log_level(nnodes: int) -> str:
+    """The deepspeed runner's --log_level (it passes it on to its per-node launch.py). Its INFO lines
+    repeat what launch prints itself (the command, the world) and name CUDA_VISIBLE_DEVICES on CPU jobs
+    too; on one node its only warning is the hostfile it never needs (launch passes none there), so only
+    errors are shown. On several nodes its warnings stay."""
+    return "error" if nnodes == 1 else "warning"
+
+
+def _job_options(in_script: dict, job, world_size: int | None) -> SMPConfig:
+    """The options the ranks get (the script's smp.init dict, overridden by the launch's). Invalid ones are
+    refused with the layout's problems on this world too, as translate does: one message, every problem."""
+    from smp_adapter.config.dims import sdp_engine_from, with_layout_problems
+
+    try:
+        return SMPConfig.from_dict({**in_script, **job.options})
+    except SMPConfigError as exc:
+        raise with_layout_problems(exc, world_size, sdp_engine_from(os.environ)) from None
 
 
 def _sdp_engine_note(cfg, world_size: int) -> str | None:

@@ -13,9 +13,9 @@ from datetime import timedelta
 from typing import Any, Mapping
 
 from smp_adapter import run_shutdown_resets
-from smp_adapter.config.dims import ParallelDims, sdp_engine_from
+from smp_adapter.config.dims import ParallelDims, sdp_engine_from, with_layout_problems
 from smp_adapter.config.options import SMPConfig
-from smp_adapter.errors import SMPUsageError, UnsupportedFeatureError
+from smp_adapter.errors import SMPAdapterError, SMPConfigError, SMPUsageError, UnsupportedFeatureError
 from smp_adapter.launch.free_port import free_port
 from smp_adapter.ledger import record as comm_ledger
 from smp_adapter.runtime import process_exit
@@ -38,7 +38,20 @@ def resolve_layout(config: Mapping[str, Any] | None, environ: Mapping[str, str])
     """The pure part of smp.init: (options, ParallelDims, LaunchEnv) from the script's dict and the
     environment. Every layout rule is ParallelDims' own, so translate and launch (which build the
     same ParallelDims) accept and refuse exactly what smp.init does."""
-    return place_options(SMPConfig.from_sources(config, environ), environ)
+    return place_options(read_options(config, environ), environ)
+
+
+def read_options(config: Mapping[str, Any] | None, environ: Mapping[str, str]) -> SMPConfig:
+    """``SMPConfig.from_sources``; invalid options are refused with the layout's problems on this
+    process's world too, as translate and launch refuse them: one message, every problem."""
+    try:
+        return SMPConfig.from_sources(config, environ)
+    except SMPConfigError as exc:
+        try:
+            world = LaunchEnv.from_environ(environ).world_size
+        except SMPAdapterError:  # no readable world: the options' own problems are the message
+            world = None
+        raise with_layout_problems(exc, world, sdp_engine_from(environ)) from None
 
 
 def place_options(cfg: SMPConfig, environ: Mapping[str, str]):
@@ -51,7 +64,7 @@ def init(config: Mapping[str, Any] | None = None) -> None:
     """smp.init(): environment options (SM_HP_MP_PARAMETERS) override the script's dict. The options
     are read once; the layout names the engine (ParallelDims.engine), which is chosen here, before
     any model exists, and starts the process group and builds its one config for the job."""
-    cfg = SMPConfig.from_sources(config, os.environ)
+    cfg = read_options(config, os.environ)
     if state.initialized:
         if cfg != state.cfg:
             raise SMPUsageError(

@@ -17,7 +17,7 @@ import json
 from dataclasses import asdict, dataclass
 from typing import Any, Mapping
 
-from smp_adapter.config.dims import SDP_ENGINE_ENV, ParallelDims
+from smp_adapter.config.dims import ENGINE_WORDS, SDP_ENGINE_ENV, ParallelDims
 from smp_adapter.config.distribution import JobSpec
 from smp_adapter.config.keys import KEYS, Policy
 from smp_adapter.config.options import SMPConfig
@@ -108,8 +108,9 @@ def _map_key(key: str, cfg: SMPConfig, dims: ParallelDims, ds: Mapping[str, Any]
                          "PipelineEngine (the DeepSpeed config's pipeline.stages is for reference only)")
             return ("pipeline engine: torch.distributed.pipelining stages; megatron pipeline_model_parallel_size",
                     dims.pp, "exact", "; ".join(notes))
-        return f"megatron pipeline_model_parallel_size; {_ds('pipeline_parallel_degree')}", dims.pp, "exact", \
-            "; ".join(notes)
+        # no pipeline: the DeepSpeed config has no pipeline section, so name the engine that runs the layout
+        notes.append(f"no pipeline: the whole model on every rank, run by {ENGINE_WORDS[dims.engine]}")
+        return "megatron pipeline_model_parallel_size", dims.pp, "exact", "; ".join(notes)
     if key == "tensor_parallel_degree":
         return "megatron tensor_model_parallel_size", dims.tp, "exact", "Megatron-core parallel layers for marked modules"
     if key == "microbatches":
