@@ -197,7 +197,9 @@ class PipelineEngine(StartsThroughDeepSpeed, Engine):
                 "(the Hugging Face Trainer does under fp16): it clips the unscaled fp32 master gradients")
         from smp_adapter.runtime.engines.pipeline.tied import clip_grad_norm_pipeline
 
-        return clip_grad_norm_pipeline(self.runner, max_norm, only={id(p) for p in params})
+        norm = clip_grad_norm_pipeline(self.runner, max_norm, only={id(p) for p in params})
+        self._internals._global_grad_norm = norm  # what clip_master_grads records, for the same logs
+        return norm
 
     def _state_sharding(self):
         """shard_optimizer_state with rdp > 1: the owner of each stage parameter's state
