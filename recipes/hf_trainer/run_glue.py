@@ -12,8 +12,8 @@ transformers' Trainer takes its SageMaker model-parallel path and drives smp its
 CSV files: a ``label`` column (integers or names; in the test file it is left out, as transformers' own
 ``run_glue.py`` removes it before ``predict``) and one or two text
 columns (``sentence`` or ``sentence1``/``sentence2``, as GLUE's tasks). The model directory holds a
-config, weights and a tokenizer (``save_pretrained``). Rank 0 writes ``train_losses.json`` (the loss
-logged at each logging step), ``eval_results.json``, ``test_logits.json`` and ``test_predictions.csv`` into
+config, weights and a tokenizer (``save_pretrained``). Rank 0 writes ``train_losses.json`` and
+``train_grad_norms.json`` (the loss and gradient norm logged at each logging step), ``eval_results.json``, ``test_logits.json`` and ``test_predictions.csv`` into
 ``output_dir``.
 """
 
@@ -121,6 +121,9 @@ def main():
             losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
             with open(os.path.join(out, "train_losses.json"), "w") as f:
                 json.dump(losses, f)
+            norms = [entry["grad_norm"] for entry in trainer.state.log_history if "grad_norm" in entry]
+            with open(os.path.join(out, "train_grad_norms.json"), "w") as f:
+                json.dump(norms, f)
     if training_args.do_eval:
         metrics = trainer.evaluate()
         trainer.log_metrics("eval", metrics)

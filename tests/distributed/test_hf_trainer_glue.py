@@ -6,7 +6,8 @@ with the environment and arguments `smp-adapter launch --cpu --no-mp-parameters`
 pp 2 (2 microbatches, BERT, dropout off, ``--max_grad_norm 0.01``, which clips every step): the logged
 losses, the evaluation metrics (12 rows: a last, smaller batch) and the logits predicted on the test rows
 without their labels (as transformers' run_glue predicts) equal the same Trainer run without smp on one process
-within 1e-5; the Trainer's clip_grad_norm_ (through accelerate) clips by the norm over both stages, and the
+within 1e-5, and so do the gradient norms it logs: the Trainer's clip_grad_norm_ (through accelerate) clips by
+the norm over both stages (each stage's own norm is smaller than the whole model's), and the
 evaluation and prediction calls run stages traced for their own inputs (runtime/engines/pipeline/signature.py).
 The checkpoint at the last step holds the optimizer saved through accelerate's wrapper. tp 2 and sdp 2
 (RoBERTa): finite, falling losses; at tp 2 rank 0 says nothing was split. Runs on transformers 5.x
@@ -74,6 +75,10 @@ def test_pp2_equals_one_process_and_saves_through_accelerate(tmp_path):
     for key in ("eval_loss", "eval_accuracy"):
         assert abs(metrics[key] - ref_metrics[key]) < 1e-5, (key, metrics, ref_metrics)
     assert _max_difference(logits, ref_logits) < 1e-5, (logits, ref_logits)
+    # the norm the Trainer logs (transformers rounds the loss to 4 digits, not the norm): over both stages
+    norms, ref_norms = (json.loads((out / "train_grad_norms.json").read_text()) for out in (tmp_path / "pp2", single))
+    assert len(norms) == STEPS and min(ref_norms) > 0.01, ref_norms  # 0.01 clips every step
+    assert _max_difference(norms, ref_norms) < 1e-5 * max(ref_norms), (norms, ref_norms)
     saved = {p.name for p in (tmp_path / "pp2" / f"checkpoint-{STEPS}").iterdir()}
     assert {"optimizer.pt_0_0", "optimizer.pt_1_0", "model.safetensors"} <= saved, saved
 

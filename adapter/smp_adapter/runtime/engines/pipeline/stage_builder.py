@@ -1,7 +1,7 @@
 """Building a pipeline rank's stages (``StageBuilder``, held by runtime.py's ``PipelineRunner``): at the
 first ``@smp.step``, and again, cut at the same modules, for each other set of model inputs (runtime.py's
-signatures). Profile and partition the model on fake stand-ins (stage_memory.py), cut it with ``pipeline()`` (torch.export), thread values read past the next stage (pass_through.py),
-keep this rank's stage(s) on its device and release the rest, put the tensor-parallel modules back, and
+signatures). Profile and partition the model on fake stand-ins (stage_memory.py), cut it with ``pipeline()``
+(torch.export), thread values read past the next stage (pass_through.py), keep this rank's stage(s) on its device and release the rest, put the tensor-parallel modules back, and
 build torch's ``PipelineStage`` objects over smp's PP group. ``build`` returns what the runner keeps
 (``BuiltStages``); the steps themselves run in runtime.py.
 """
