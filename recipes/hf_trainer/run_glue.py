@@ -9,10 +9,12 @@ transformers' Trainer takes its SageMaker model-parallel path and drives smp its
         --model_name_or_path MODEL_DIR --train_file train.csv --validation_file dev.csv --test_file test.csv \\
         --do_train --do_eval --do_predict --output_dir out --per_device_train_batch_size 8
 
-CSV files: a ``label`` column (integers or names; absent in the test file) and one or two text
+CSV files: a ``label`` column (integers or names; in the test file it is left out, as transformers' own
+``run_glue.py`` removes it before ``predict``) and one or two text
 columns (``sentence`` or ``sentence1``/``sentence2``, as GLUE's tasks). The model directory holds a
-config, weights and a tokenizer (``save_pretrained``). Rank 0 writes ``train_losses.json`` (the loss
-logged at each logging step), ``eval_results.json`` and ``test_predictions.csv`` into ``output_dir``.
+config, weights and a tokenizer (``save_pretrained``). Rank 0 writes ``train_losses.json`` and
+``train_grad_norms.json`` (the loss and gradient norm logged at each logging step), ``eval_results.json``, ``test_logits.json`` and ``test_predictions.csv`` into
+``output_dir``.
 """
 
 import csv
@@ -89,6 +91,8 @@ def main():
 
     splits = {name: read_csv(path) for name, path in (("train", data_args.train_file), ("validation",
               data_args.validation_file), ("test", data_args.test_file)) if path}
+    if "test" in splits:  # predicted without labels, as transformers' run_glue does (remove_columns("label"))
+        splits["test"] = [{k: v for k, v in row.items() if k != "label"} for row in splits["test"]]
     labeled = [rows for name, rows in splits.items() if name != "test"]
     if not labeled:
         raise SystemExit("give --train_file or --validation_file (CSV with a label column)")
@@ -117,6 +121,9 @@ def main():
             losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
             with open(os.path.join(out, "train_losses.json"), "w") as f:
                 json.dump(losses, f)
+            norms = [entry["grad_norm"] for entry in trainer.state.log_history if "grad_norm" in entry]
+            with open(os.path.join(out, "train_grad_norms.json"), "w") as f:
+                json.dump(norms, f)
     if training_args.do_eval:
         metrics = trainer.evaluate()
         trainer.log_metrics("eval", metrics)
@@ -124,9 +131,12 @@ def main():
             with open(os.path.join(out, "eval_results.json"), "w") as f:
                 json.dump(metrics, f)
     if training_args.do_predict:
-        predictions = trainer.predict(datasets["test"]).predictions
-        predictions = np.argmax(predictions[0] if isinstance(predictions, tuple) else predictions, axis=1)
+        logits = trainer.predict(datasets["test"]).predictions
+        logits = logits[0] if isinstance(logits, tuple) else logits
+        predictions = np.argmax(logits, axis=1)
         if trainer.is_world_process_zero():
+            with open(os.path.join(out, "test_logits.json"), "w") as f:
+                json.dump(np.asarray(logits, dtype=np.float64).tolist(), f)
             with open(os.path.join(out, "test_predictions.csv"), "w", newline="") as f:
                 writer = csv.writer(f)
                 writer.writerow(["index", "prediction"])

@@ -72,4 +72,4 @@ def make_csv(path: Path, n: int, seed: int, labels: bool = True) -> Path:
 def make_inputs(root: Path, kind: str = "bert", dropout: float = 0.0) -> dict:
     root.mkdir(parents=True, exist_ok=True)
     return {"model": make_model(kind, root / kind, dropout), "train": make_csv(root / "train.csv", 64, 0),
-            "validation": make_csv(root / "dev.csv", 16, 1), "test": make_csv(root / "test.csv", 8, 2)}
+            "validation": make_csv(root / "dev.csv", 12, 1), "test": make_csv(root / "test.csv", 8, 2)}

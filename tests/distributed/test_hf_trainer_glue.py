@@ -3,10 +3,13 @@ CSV data, do_train / do_eval / do_predict) on transformers' own SageMaker model-
 with the environment and arguments `smp-adapter launch --cpu --no-mp-parameters` gives its ranks
 (launch_util.run_as_launched), on tiny BERT- and RoBERTa-style models made here (glue_inputs.py).
 
-pp 2 (2 microbatches, BERT, dropout off): the logged losses equal the same Trainer run without smp on
-one process within 1e-5 (gradient clipping off: on the smp path transformers clips each pipeline
-stage by its own norm, through accelerate), the checkpoint at the last step holds the optimizer
-saved through accelerate's wrapper, and evaluation and prediction complete. tp 2 and sdp 2
+pp 2 (2 microbatches, BERT, dropout off, ``--max_grad_norm 0.01``, which clips every step): the logged
+losses, the evaluation metrics (12 rows: a last, smaller batch) and the logits predicted on the test rows
+without their labels (as transformers' run_glue predicts) equal the same Trainer run without smp on one process
+within 1e-5, and so do the gradient norms it logs: the Trainer's clip_grad_norm_ (through accelerate) clips by
+the norm over both stages (each stage's own norm is smaller than the whole model's), and the
+evaluation and prediction calls run stages traced for their own inputs (runtime/engines/pipeline/signature.py).
+The checkpoint at the last step holds the optimizer saved through accelerate's wrapper. tp 2 and sdp 2
 (RoBERTa): finite, falling losses; at tp 2 rank 0 says nothing was split. Runs on transformers 5.x
 (the default stack) and 4.57 (the support matrix's transformers-4.57 point, scripts/test.sh), whose
 Trainer wraps smp's optimizer in accelerate's AcceleratedOptimizer (compat/hf_transformers.py)."""
@@ -30,7 +33,7 @@ def _args(inputs: dict, out) -> list[str]:
             "--do_train", "--do_eval", "--do_predict", "--per_device_train_batch_size", "8",
             "--per_device_eval_batch_size", "8", "--max_steps", str(STEPS), "--learning_rate", "2e-3",
             "--logging_steps", "1", "--report_to", "none", "--save_strategy", "steps", "--save_steps", str(STEPS),
-            "--max_grad_norm", "0", "--seed", "1", "--output_dir", str(out)]
+            "--max_grad_norm", "0.01", "--seed", "1", "--output_dir", str(out)]
 
 
 def _launched(tmp_path, name: str, options: dict, inputs: dict) -> tuple[str, list[float]]:
@@ -44,6 +47,19 @@ def _launched(tmp_path, name: str, options: dict, inputs: dict) -> tuple[str, li
     return output, losses
 
 
+def _results(out) -> tuple[list[float], dict, list]:
+    return (json.loads((out / "train_losses.json").read_text()), json.loads((out / "eval_results.json").read_text()),
+            json.loads((out / "test_logits.json").read_text()))
+
+
+def _max_difference(a, b) -> float:
+    import numpy as np
+
+    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    assert a.shape == b.shape, (a.shape, b.shape)
+    return float(np.abs(a - b).max())
+
+
 def test_pp2_equals_one_process_and_saves_through_accelerate(tmp_path):
     inputs = make_inputs(tmp_path / "data", "bert")
     single = tmp_path / "single"
@@ -51,10 +67,18 @@ def test_pp2_equals_one_process_and_saves_through_accelerate(tmp_path):
                           capture_output=True, text=True, timeout=300, cwd=tmp_path,
                           env={**__import__("os").environ, "CUDA_VISIBLE_DEVICES": ""})
     assert proc.returncode == 0, proc.stderr[-3000:]
-    reference = json.loads((single / "train_losses.json").read_text())
-    _, losses = _launched(tmp_path, "pp2", {"pipeline_parallel_degree": 2, "microbatches": 2}, inputs)
-    assert max(abs(a - b) for a, b in zip(losses, reference)) < 1e-5, (losses, reference)
+    reference, ref_metrics, ref_logits = _results(single)
+    _launched(tmp_path, "pp2", {"pipeline_parallel_degree": 2, "microbatches": 2}, inputs)
+    losses, metrics, logits = _results(tmp_path / "pp2")
+    assert _max_difference(losses, reference) < 1e-5, (losses, reference)
     assert sum(losses[-4:]) < sum(losses[:4]), losses
+    for key in ("eval_loss", "eval_accuracy"):
+        assert abs(metrics[key] - ref_metrics[key]) < 1e-5, (key, metrics, ref_metrics)
+    assert _max_difference(logits, ref_logits) < 1e-5, (logits, ref_logits)
+    # the norm the Trainer logs (transformers rounds the loss to 4 digits, not the norm): over both stages
+    norms, ref_norms = (json.loads((out / "train_grad_norms.json").read_text()) for out in (tmp_path / "pp2", single))
+    assert len(norms) == STEPS and min(ref_norms) > 0.01, ref_norms  # 0.01 clips every step
+    assert _max_difference(norms, ref_norms) < 1e-5 * max(ref_norms), (norms, ref_norms)
     saved = {p.name for p in (tmp_path / "pp2" / f"checkpoint-{STEPS}").iterdir()}
     assert {"optimizer.pt_0_0", "optimizer.pt_1_0", "model.safetensors"} <= saved, saved
 

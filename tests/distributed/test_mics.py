@@ -174,13 +174,18 @@ def test_mics_bf16_matches_the_recipe_in_one_process(tmp_path, init_weights, npr
     assert torch.tensor(results[0]["losses"]).sub(torch.tensor(fp32)).abs().max() > 1e-5  # it did run in bf16
 
 
-def test_sdp_gradient_clipping_clips_by_the_global_norm(tmp_path, init_weights):
-    """sdp_gradient_clipping 0.05 (smp's default is 1.0): the MiCS job against one process that clips with
-    torch.nn.utils.clip_grad_norm_ before each SGD step (the gradients' norm here is ~1: every step clips)."""
+@pytest.mark.parametrize("how", ["sdp_gradient_clipping", "torch"])
+def test_sdp_gradient_clipping_clips_by_the_global_norm(tmp_path, init_weights, how):
+    """sdp_gradient_clipping 0.05 (smp's default is 1.0), or the script's torch.nn.utils.clip_grad_norm_(
+    model.parameters(), 0.05) under the default sdp_gradient_clipping (torch's own clip of the FSDP2 DTensor
+    gradients takes the norm over the mesh; the step's 1.0 then changes nothing): the MiCS job against one
+    process that clips with torch.nn.utils.clip_grad_norm_ before each SGD step (the gradients' norm here is
+    ~1: every step clips)."""
     from common import global_batch
 
-    results = _run(tmp_path, {"sharded_data_parallel_degree": 2, "sdp_gradient_clipping": 0.05}, 4,
-                   "--optimizer", "sgd", "--lr", LR["sgd"], "--init-weights", init_weights)
+    options = {"sharded_data_parallel_degree": 2, "sdp_gradient_clipping": 0.05 if how != "torch" else 1.0}
+    results = _run(tmp_path, options, 4, "--optimizer", "sgd", "--lr", LR["sgd"], "--init-weights", init_weights,
+                   *(["--torch-clip", 0.05] if how == "torch" else []))
     model = tiny_vit()
     model.load_state_dict(torch.load(init_weights, weights_only=True))
     opt, losses, norms = torch.optim.SGD(model.parameters(), lr=LR["sgd"]), [], []

@@ -157,16 +157,47 @@ def test_unsplittable_models_fail_on_every_rank(tmp_path, case, error, text):
         assert re.search(text, r["message"], re.S), r["message"]
 
 
-def test_a_step_without_a_traced_input_is_refused_by_name(tmp_path):
-    """Traced with a keyword input (target), then called without it (Trainer.predict on rows without labels):
-    the first stage refuses, naming the input, instead of torch's stage failing inside; the other stage ends
-    too (its peer is gone), with an error, not a hang."""
+def test_other_inputs_get_their_own_stages_and_torch_clipping_is_global(tmp_path):
+    """Traced with a keyword input (target) at the first step, then called without it in eval mode
+    (Trainer.predict on rows without labels), on a batch of another size, and again; training goes on after.
+    Every call equals one process; each new signature was traced once (3: train with target, eval without,
+    eval on 6 rows), every stage holds the model's own parameters. Training clips with
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.01): the norm over both stages, as one process
+    (a per-stage norm gives other losses from step 2 on)."""
+    import importlib.util
+
+    script = ROOT / "tests/distributed/scripts/train_pp_signatures.py"
     options = {"pipeline_parallel_degree": 2, "microbatches": 2, "ddp": True}
-    results = run_ranks(ERRORS, 2, args=["--case", "missing_input"], env={"SM_HP_MP_PARAMETERS": json.dumps(options)},
-                        out_dir=tmp_path, timeout=120)
-    assert results[0]["error"] == "UnsupportedFeatureError", results
-    assert "passes no 'target'" in results[0]["message"] and "pipeline_parallel_degree 1" in results[0]["message"]
-    assert results[1]["error"] is not None, results
+    results = run_ranks(script, 2, env={"SM_HP_MP_PARAMETERS": json.dumps(options)}, out_dir=tmp_path, timeout=150)
+    spec = importlib.util.spec_from_file_location("train_pp_signatures", script)
+    ref = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ref)
+    torch.manual_seed(0)
+    model = ref.WithTarget()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    train, first, other = ref.data()
+
+    def step(x, target):
+        optimizer.zero_grad()
+        loss = model(x, target=target)
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.01)
+        optimizer.step()
+        return float(loss.detach()), float(norm)
+
+    steps = [step(x, t) for x, t in train[:3]]
+    with torch.no_grad():
+        predicted = [model.eval()(x) for x in (first, other, first)]
+    model.train()
+    steps.append(step(*train[3]))
+    assert steps[0][1] > 0.1  # 0.01 clips
+    for r in results:
+        torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor([s[0] for s in steps]), rtol=RTOL, atol=1e-6)
+        torch.testing.assert_close(torch.tensor(r["norms"]), torch.tensor([s[1] for s in steps]), rtol=RTOL, atol=1e-6)
+        for got, expected in zip(r["predicted"], predicted):
+            torch.testing.assert_close(torch.tensor(got), expected, rtol=RTOL, atol=1e-6)
+        assert r["shared"], r
+    assert results[0]["signatures"] == 3, results[0]
 
 
 @pytest.mark.parametrize("model,nprocs,extra,cli", [

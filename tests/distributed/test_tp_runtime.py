@@ -83,21 +83,25 @@ def test_sdp_with_tensor_parallelism_tp2_sdp2_of_rdp4(tmp_path, engine):
 
 
 @pytest.mark.parametrize("tp,extra", [(2, {}), (2, {"pipeline_parallel_degree": 2, "microbatches": 2}),
-                                     (2, {"shard_optimizer_state": True, "microbatches": 2})],
-                         ids=["tp2", "tp2-pp2", "tp2-dp2-zero1"])
+                                     (2, {"shard_optimizer_state": True, "microbatches": 2}),
+                                     (1, {"sharded_data_parallel_degree": 2})],
+                         ids=["tp2", "tp2-pp2", "tp2-dp2-zero1", "sdp2"])
 def test_clip_master_grads_with_tensor_parallelism(tmp_path, tp, extra):
     """clip_master_grads with TP: the norm counts each split weight's shards once over the TP group and
     replicated parameters once, so every TP rank clips by the same factor (otherwise replicated
     parameters drift apart) and training matches torch's clip_grad_norm_ in one process. ZeRO 0 and
-    pp > 1 clip in smp-adapter; ZeRO 1 (GPT-2, TP 2 x DP 2) in DeepSpeed's optimizer, given our mpu."""
+    pp > 1 clip in smp-adapter; ZeRO 1 (GPT-2, TP 2 x DP 2) in DeepSpeed's optimizer, given our mpu.
+    Every other step clips with torch.nn.utils.clip_grad_norm_(model.parameters()) instead (a plain script's
+    and the Trainer's clip, runtime/clipping.py routes it), the same global norm; sdp 2 (ZeRO-3, gradients
+    in DeepSpeed's partitions) with it too: its norm from the local partitions, DeepSpeed clipping in the step."""
     options = {"placement_strategy": "cluster", "tensor_parallel_degree": tp, "ddp": True, **extra}
-    nprocs = tp * extra.get("pipeline_parallel_degree", 1)
+    nprocs = max(2, tp * extra.get("pipeline_parallel_degree", 1))
     if "microbatches" in extra:  # the pipeline script: loss from @smp.step, the seed's TP+PP net
         from launch_util import ROOT as root
         from train_pp_common import reference as pp_reference
 
         results = run_ranks(root / "tests/distributed/scripts/train_pp.py", nprocs,
-                            args=["--model", "net", "--steps", 3, "--clip", 0.05],
+                            args=["--model", "net", "--steps", 3, "--clip", 0.05, "--clip-with", "both"],
                             env={"SM_HP_MP_PARAMETERS": json.dumps(options)}, out_dir=tmp_path)
         global_batch = 8 * results[0]["dp_size"]  # each TP rank reads its own 8 samples (no prescaled_batch)
         ref_losses, ref_state = pp_reference("net", 3, global_batch, 2, clip=0.05)
@@ -110,6 +114,8 @@ def test_clip_master_grads_with_tensor_parallelism(tmp_path, tp, extra):
         return
     model = "gpt2" if extra.get("shard_optimizer_state") else "convnet"
     nprocs = 4 if model == "gpt2" else nprocs
-    results = run_ranks(SCRIPT, nprocs, args=["--model", model, "--clip", 0.05],
+    # sdp: torch's clip at every step (clip_master_grads would set DeepSpeed's clip for the steps after it too)
+    clip_with = "torch" if "sharded_data_parallel_degree" in extra else "both"
+    results = run_ranks(SCRIPT, nprocs, args=["--model", model, "--clip", 0.05, "--clip-with", clip_with],
                         env={"SM_HP_MP_PARAMETERS": json.dumps(options)}, out_dir=tmp_path)
     _check(results, model, clip=0.05)

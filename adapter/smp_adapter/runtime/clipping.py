@@ -12,12 +12,21 @@ and with pp > 1 each stage's norm^2 is summed over the PP group (a parameter tie
 counted on one stage only). Every rank then multiplies its gradients by the same factor
 max_norm / (norm + 1e-6) when that is < 1, as torch.nn.utils.clip_grad_norm_ does. A per-rank norm
 would give TP ranks different factors and let their replicated parameters drift apart.
+
+Scripts and the Hugging Face Trainer also clip with ``torch.nn.utils.clip_grad_norm_(model.parameters(), n)``
+(the Trainer through accelerate), which sees only this rank's gradients: one stage's, one TP shard.
+``route_torch_clipping`` (installed by an engine whose ranks hold parts of the model) makes that call clip by
+the same global norm when it is given the model's parameters.
 """
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.distributed as dist
+
+from smp_adapter import on_shutdown
 
 
 def clip_by_global_norm(grads: list[tuple[torch.Tensor, bool, bool]], max_norm: float, tp_group=None,
@@ -50,3 +59,50 @@ def clip_by_global_norm(grads: list[tuple[torch.Tensor, bool, bool]], max_norm: 
         for g, _, _ in grads:
             g.detach().mul_(coef)
     return norm
+
+
+_route: dict = {}  # "engine": a weak reference to the engine that clips globally; "torch": torch's own function
+
+
+def route_torch_clipping(engine) -> None:
+    """From now until smp.shutdown(), ``torch.nn.utils.clip_grad_norm_`` given parameters of ``engine.model``
+    returns ``engine.clip_grad_norm(parameters, max_norm)``: the global norm over the ranks holding the
+    model's parts, every gradient scaled by the same factor (the engine's ``clip_master_grads`` rule)."""
+    import torch.nn.utils.clip_grad as clip_module
+
+    _route["engine"] = weakref.ref(engine)
+    if "torch" not in _route:
+        _route["torch"] = clip_module.clip_grad_norm_
+        torch.nn.utils.clip_grad_norm_ = clip_module.clip_grad_norm_ = _clip_grad_norm_
+
+
+def _clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=False, foreach=None):
+    engine = _route["engine"]() if "engine" in _route else None
+    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+    if engine is not None:
+        own = {id(p) for p in engine.model.parameters()}
+        if any(id(p) in own for p in params):
+            if float(norm_type) != 2.0:
+                from smp_adapter.errors import UnsupportedFeatureError
+
+                raise UnsupportedFeatureError(
+                    f"clip_grad_norm_ with norm_type={norm_type} on a model whose parts are on several ranks: "
+                    "smp-adapter computes the global 2-norm only. Use norm_type=2 (the default), or "
+                    "optimizer.clip_master_grads(max_norm)")
+            norm = engine.clip_grad_norm(params, float(max_norm))
+            if error_if_nonfinite and not torch.isfinite(torch.tensor(norm)):
+                raise RuntimeError(f"The total norm of order {norm_type} for gradients from `parameters` is "
+                                   "non-finite, so it cannot be clipped (error_if_nonfinite=True)")
+            return torch.tensor(norm)
+    return _route["torch"](params, max_norm, norm_type, error_if_nonfinite, foreach) if "torch" in _route else \
+        torch.nn.utils.clip_grad.clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite, foreach)
+
+
+@on_shutdown
+def _restore_torch_clipping() -> None:
+    import torch.nn.utils.clip_grad as clip_module
+
+    original = _route.pop("torch", None)
+    _route.pop("engine", None)
+    if original is not None:
+        torch.nn.utils.clip_grad_norm_ = clip_module.clip_grad_norm_ = original

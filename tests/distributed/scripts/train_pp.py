@@ -41,6 +41,9 @@ parser.add_argument("--loss-scale", default=None, help="fp16: static:<scale> or 
 parser.add_argument("--final-state", action="store_true",
                     help="report model.state_dict() at the end (also for gpt2) and right after --save-at")
 parser.add_argument("--clip", type=float, default=None, help="optimizer.clip_master_grads(max_norm) before each step")
+parser.add_argument("--clip-with", default="smp", choices=["smp", "torch", "both"],
+                    help="clip with optimizer.clip_master_grads, torch.nn.utils.clip_grad_norm_(model.parameters()), "
+                         "or the two on alternate steps")
 parser.add_argument("--tp", action="store_true",
                     help="create the model inside smp.tensor_parallelism() (GPT-2's layers split over the TP ranks)")
 parser.add_argument("--act-ckpt", action="store_true",
@@ -119,7 +122,9 @@ for step in range(args.first_step, args.first_step + args.steps):
         outputs_shape = list(output_mb.concat().shape)
     loss = loss_mb.reduce_mean()
     scales.append(optimizer.loss_scale)
-    if args.clip is not None:
+    if args.clip is not None and (args.clip_with == "torch" or (args.clip_with == "both" and step % 2)):
+        torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)  # a plain script's (and the Trainer's) clip
+    elif args.clip is not None:
         optimizer.clip_master_grads(args.clip)
     optimizer.step()
     overflows.append(optimizer.overflow)

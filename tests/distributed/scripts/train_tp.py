@@ -24,6 +24,9 @@ parser.add_argument("--steps", type=int, default=3)
 parser.add_argument("--per-rank-batch", type=int, default=4)
 parser.add_argument("--save-hf", default=None)
 parser.add_argument("--clip", type=float, default=None, help="optimizer.clip_master_grads(max_norm) before each step")
+parser.add_argument("--clip-with", default="smp", choices=["smp", "torch", "both"],
+                    help="clip with optimizer.clip_master_grads, torch.nn.utils.clip_grad_norm_(model.parameters()), "
+                         "or the two on alternate steps")
 parser.add_argument("--optimizer", default="sgd", help="sgd (lr 0.05) or adam (lr 1e-3)")
 parser.add_argument("--first-step", type=int, default=0)
 parser.add_argument("--save-at", type=int, default=-1, help="save a partial checkpoint after this many steps")
@@ -68,7 +71,9 @@ for step in range(args.first_step, args.first_step + args.steps):
         loss = loss.detach()
     else:
         loss = train_step(model, data, target).reduce_mean()
-    if args.clip is not None:
+    if args.clip is not None and (args.clip_with == "torch" or (args.clip_with == "both" and step % 2)):
+        torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)  # a plain script's (and the Trainer's) clip
+    elif args.clip is not None:
         optimizer.clip_master_grads(args.clip)
     optimizer.step()
     # mean over the readers = the loss of the whole global batch

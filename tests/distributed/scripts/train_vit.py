@@ -29,6 +29,8 @@ parser.add_argument("--save-at", type=int, default=-1)
 parser.add_argument("--resume", action="store_true")
 parser.add_argument("--ckpt-dir", default="ckpt")
 parser.add_argument("--checkpoint-activations", action="store_true")
+parser.add_argument("--torch-clip", type=float, default=None,
+                    help="torch.nn.utils.clip_grad_norm_(model.parameters(), n) before each step (a plain script's clip)")
 parser.add_argument("--init-weights", default=None, help="state dict to load after wrapping (fine-tune style)")
 parser.add_argument("--nan-in-shard-padding", action="store_true",
                     help="fill the padding of every ZeRO-3 shard with NaN after creation (DeepSpeed leaves it unwritten)")
@@ -115,6 +117,8 @@ for step in range(args.first_step, args.first_step + args.steps):
     loss = torch.tensor(loss_mb.reduce_mean().item())
     torch.distributed.all_reduce(loss, group=smp.get_dp_process_group())
     losses.append(loss.item() / smp.dp_size())
+    if args.torch_clip is not None:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), args.torch_clip)
     optimizer.step()
     if step == args.first_step and not args.resume:
         first_params = {k: v.tolist() for k, v in model.state_dict().items()}  # collective under ZeRO-3

@@ -88,6 +88,11 @@ class DeepSpeedEngine(StartsThroughDeepSpeed, Engine):
         # the reduction (see _reduce_gradients).
         self._manual_reduction = state.dims.tp > 1 and not state.cfg.prescaled_batch
         self._floating_buffers = [b for b in model.module.buffers() if b.is_floating_point()]
+        self._clip_at_step = None  # torch's clip_grad_norm_ on the model, carried out by DeepSpeed's optimizer
+        if state.dims.tp > 1 or state.dims.sdp > 1:  # a rank holds part of the model's gradients
+            from smp_adapter.runtime.clipping import route_torch_clipping
+
+            route_torch_clipping(self)
         if state.dims.zero_stage == 3:
             from smp_adapter.runtime.engines.base import model_dtype
             from smp_adapter.runtime.engines.deepspeed.zero3 import partition_for_zero3
@@ -215,7 +220,48 @@ class DeepSpeedEngine(StartsThroughDeepSpeed, Engine):
         if clip_norm is not None:
             self._clip(clip_norm)
         engine.set_gradient_accumulation_boundary(True)
-        engine.step()
+        inner, pending, self._clip_at_step = engine.optimizer, self._clip_at_step, None
+        if pending is None:
+            engine.step()
+            return
+        configured, inner.clip_grad = inner.clip_grad, pending  # this step only (the config's value after it)
+        try:
+            engine.step()
+        finally:
+            inner.clip_grad = configured
+
+    def clip_grad_norm(self, params, max_norm: float) -> float:
+        """``torch.nn.utils.clip_grad_norm_`` on the model (runtime/clipping.py routes it here). A plain optimizer
+        holds whole gradients: clipped now by the norm over the TP shards. DeepSpeed's ZeRO / fp16 optimizers
+        hold them in their partitions: DeepSpeed clips by its global norm in this step's update (``clip_grad``
+        for the step); ZeRO-3's norm is read from the local partitions (zero3.py), others' only in the step."""
+        import math
+
+        from smp_adapter.runtime.clipping import clip_by_global_norm
+
+        only = {id(p) for p in params}
+        mine = [p for p in self.model.module.parameters() if id(p) in only]
+        engine = self.deepspeed_engine
+        if self._plain_backward_pending and engine.zero_optimization_stage() < 3:
+            self._reduce_gradients()  # plain style: clipped as the whole batch's gradients, as in one process
+            self._plain_backward_pending = False
+        inner = engine.optimizer
+        tp_group = state.groups.tp if state.dims.tp > 1 else None
+        if not hasattr(inner, "clip_grad"):
+            grads = [(p.grad, self.model.is_distributed_parameter(p), True) for p in mine if p.grad is not None]
+            return clip_by_global_norm(grads, max_norm, tp_group=tp_group)
+        if not math.isinf(max_norm):  # (inf: the Trainer asks for the norm only)
+            self._clip_at_step = max_norm
+        if engine.zero_optimization_stage() == 3:
+            from smp_adapter.runtime.engines.deepspeed.zero3 import local_gradient_norm
+
+            return local_gradient_norm(mine, self.model.is_distributed_parameter, tp_group, state.groups.rdp)
+        from smp_adapter.runtime.state import warn_once
+
+        warn_once(["torch.nn.utils.clip_grad_norm_ on the model under ZeRO stage 1/2 or fp16/bf16: DeepSpeed "
+                   "clips by the global norm in the next optimizer.step(); the norm is known only then, so the call "
+                   "returns nan (read it after the step as optimizer._global_grad_norm)"], state.rank)
+        return float("nan")
 
     def _clip(self, max_norm: float) -> None:
         inner = self.deepspeed_engine.optimizer

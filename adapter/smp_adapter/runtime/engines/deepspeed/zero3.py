@@ -118,3 +118,21 @@ def load_local_shards(module, sd: dict) -> None:
     with torch.no_grad():
         for n, p in module.named_parameters():
             p.ds_tensor.copy_(sd[n])
+
+
+def local_gradient_norm(params, is_split, tp_group, shard_group) -> float:
+    """The global gradient norm of ZeRO-3 ``params`` before the optimizer step, from this rank's fp32 gradient
+    partitions (DeepSpeed's public ``safe_get_local_grad``): squares summed over the sharding group, split
+    weights' over the TP group too (runtime/clipping.py). Nothing is scaled here: DeepSpeed clips in its step."""
+    import math
+
+    from deepspeed.utils import safe_get_local_grad
+
+    from smp_adapter.runtime.clipping import clip_by_global_norm
+
+    grads = []
+    for p in params:
+        g = safe_get_local_grad(p) if p.requires_grad else None
+        if g is not None:
+            grads.append((g, is_split(p), True))
+    return clip_by_global_norm(grads, math.inf, tp_group=tp_group, shard_group=shard_group)

@@ -72,6 +72,9 @@ class PipelineEngine(StartsThroughDeepSpeed, Engine):
         if dtype is not None:  # fp16/bf16: no DeepSpeed engine to cast the model
             model.module.to(dtype)
         self.runner = PipelineRunner(model, tp_originals)  # stages are cut at the first step call
+        from smp_adapter.runtime.clipping import route_torch_clipping
+
+        route_torch_clipping(self)  # torch's clip_grad_norm_ on the model: the norm over every stage
         self._mixed = None
         self._sharding = None
         self._resume_optimizer_state = None  # a resume from another layout: finished at the first step
@@ -181,6 +184,22 @@ class PipelineEngine(StartsThroughDeepSpeed, Engine):
         mixed = self._mixed
         masters = mixed.masters_by_param() if mixed is not None and mixed.attached else None
         self._internals._global_grad_norm = clip_grad_norm_pipeline(self.runner, max_norm, masters)
+
+    def clip_grad_norm(self, params, max_norm: float) -> float:
+        """``torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)`` in a script or the Trainer
+        (runtime/clipping.py routes it here): the gradients the model holds now, by the norm over all stages."""
+        if self._mixed is not None and state.cfg.fp16:
+            from smp_adapter.errors import UnsupportedFeatureError
+
+            raise UnsupportedFeatureError(
+                "torch.nn.utils.clip_grad_norm_ on the model with fp16 at pipeline_parallel_degree > 1: the model's "
+                "gradients are still multiplied by the loss scale then. Use optimizer.clip_master_grads(max_norm) "
+                "(the Hugging Face Trainer does under fp16): it clips the unscaled fp32 master gradients")
+        from smp_adapter.runtime.engines.pipeline.tied import clip_grad_norm_pipeline
+
+        norm = clip_grad_norm_pipeline(self.runner, max_norm, only={id(p) for p in params})
+        self._internals._global_grad_norm = norm  # what clip_master_grads records, for the same logs
+        return norm
 
     def _state_sharding(self):
         """shard_optimizer_state with rdp > 1: the owner of each stage parameter's state

@@ -22,6 +22,10 @@ class ComputeClock:
         self.busy = 0.0  # seconds of compute in the current step
         self.wall = 0.0  # seconds of schedule runs in the current step
         self.steps: list[tuple[float, float]] = []  # (wall, busy) of each finished training step
+        self.watch(stages)
+
+    def watch(self, stages: list) -> None:
+        """Time these stages' compute too (the stages built for another set of model inputs)."""
         for stage in stages:
             for name in ACTIONS:
                 if hasattr(stage, name):

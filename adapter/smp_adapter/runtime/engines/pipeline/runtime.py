@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from smp_adapter.errors import SMPUsageError, UnsupportedFeatureError
+from smp_adapter.errors import SMPUsageError
 from smp_adapter.runtime import cpu_attention
 from smp_adapter.runtime.engines.base import model_dtype
 from smp_adapter.runtime.engines.pipeline import surgery
@@ -40,13 +40,22 @@ from smp_adapter.runtime.engines.pipeline.virtual_stages import StageLayout
 from smp_adapter.runtime.state import state
 
 
-_MODE_DEPENDENT = (nn.Dropout, nn.modules.batchnorm._BatchNorm)
-
-
 class _Captured(Exception):
     def __init__(self, args, kwargs):
         super().__init__("model inputs captured")
         self.args, self.kwargs = args, kwargs
+
+
+_MANY_SIGNATURES = 8  # sets of model inputs traced before a warning says each costs a trace
+
+
+class _Signature:
+    """The stages of one set of model inputs (and module mode) and the schedules run over them."""
+
+    def __init__(self, built):
+        self.built = built
+        self.schedules: dict = {}
+        self.last_schedule = None
 
 
 class PipelineRunner:
@@ -68,9 +77,13 @@ class PipelineRunner:
         self.local_keys: set[str] = set()
         self.tied: list[tuple[nn.Parameter, object]] = []  # (parameter, group of the stages holding it)
         self.out_spec = None
-        self._schedules: dict = {}
-        self._last_schedule = None
-        self._traced_training, self._mode_warned, self._mode = True, False, None
+        # the stages of every set of model inputs met so far, all cut at the first step's modules, and (on
+        # the first stage, which sees the inputs) those sets' signatures, in the same order (signature.py)
+        self._signatures: list[_Signature] = []
+        self._signature_keys: list = []
+        self._current = None
+        self._first_built = None  # the first step's BuiltStages (the cut, the parameters, the tied groups)
+        self._mode = None
         self._detach_results = True  # run_step sets it (the step's detach_outputs)
         self._autocast = None  # (device type, dtype) active around model(...) in the step body, or None
         self._replay = self._loss = None
@@ -82,14 +95,27 @@ class PipelineRunner:
         return self.model.module
 
     def _build(self, args, kwargs) -> None:
-        """Cut the model into stages (stage_builder.py) and keep what this rank runs."""
-        built = self._builder.build(args, kwargs)
-        self._builder = None
-        self.stages, self.stage_modules, self.stage_units = built.stages, built.stage_modules, built.stage_units
-        self._stage_calls, self.local_params, self.local_keys = built.stage_calls, built.local_params, built.local_keys
-        self.tied, self.out_spec, self.clock = built.tied, built.out_spec, built.clock
-        self.built = True
-        self.model.mark_partitioned()
+        """Cut the model into stages for these inputs (stage_builder.py) and keep what this rank runs: at the
+        first step the partition itself; later, for inputs of another signature, the same cut traced again."""
+        built = self._builder.build(args, kwargs, self._first_built)
+        self._signatures.append(_Signature(built))
+        if self._first_built is None:
+            self._first_built = built
+            self.stage_modules, self.stage_units = built.stage_modules, built.stage_units
+            self.local_params, self.local_keys, self.tied, self.clock = (built.local_params, built.local_keys,
+                                                                         built.tied, built.clock)
+            self.built = True
+            self.model.mark_partitioned()
+        elif len(self._signatures) == _MANY_SIGNATURES and state.rank == 0:
+            warnings.warn(f"pipeline parallelism: the model was called with {_MANY_SIGNATURES} different sets of "
+                          "inputs (keywords, shapes or values), and each was traced and cut again: give the model "
+                          "inputs of fixed shapes (pad batches to one length, drop the last smaller batch)")
+
+    def _use(self, index: int) -> None:
+        """Run the stages of signature ``index`` from now on (its traced graph, its schedules)."""
+        self._current = self._signatures[index]
+        built = self._current.built
+        self.stages, self._stage_calls, self.out_spec = built.stages, built.stage_calls, built.out_spec
 
     def on_partitioned(self, callback) -> None:
         """Run ``callback()`` once the stages exist (now, if they already do)."""
@@ -135,15 +161,7 @@ class PipelineRunner:
         if self.is_first or not self.built:
             for mb in range(m if self.is_first else 1):
                 inputs.append(self._capture(func, bound_mbs[mb]))
-        if not self.built:
-            self._build(*self._first_stage_inputs(inputs[0]))
-            self._traced_training = self.model.training
-        elif self.model.training != self._traced_training and not self._mode_warned:
-            self._mode_warned = True
-            if any(isinstance(m, _MODE_DEPENDENT) for m in self.model.module.modules()) and state.rank == 0:
-                warnings.warn("pipeline parallelism: the stages were traced in "
-                              f"{'train' if self._traced_training else 'eval'} mode at the first step and keep that "
-                              "mode's dropout / batch-norm behaviour (docs/pipeline.md)")
+        self._stages_for(inputs)
         training = torch.is_grad_enabled() and self.model.training
         results: list = [None] * m
         active = max(1, min(state.cfg.active_microbatches, m))
@@ -166,6 +184,26 @@ class PipelineRunner:
         if training:
             self._reduce_gradients()
         return results
+
+    def _stages_for(self, inputs) -> None:
+        """Choose (building them when new) the stages traced with this step's model inputs. Only the first
+        stage sees the inputs (the others may get placeholder batches), so it names the signature for all:
+        its index among those met, or NEW (every rank then traces the model with the first stage's inputs)."""
+        from smp_adapter.runtime.engines.pipeline import signature
+
+        key = signature.of_microbatches(inputs, self.model.module) if self.is_first else None
+        if not self.built:
+            self._build(*self._first_stage_inputs(inputs[0]))  # every rank captured its own inputs
+        else:
+            index = signature.agree(self._signature_keys, key, self.group, self.is_first, state.device)
+            if index != signature.NEW:
+                self._use(index)
+                return
+            captured = self._first_stage_inputs(inputs[0] if self.is_first else None)
+            with torch.enable_grad():  # traced for training too, as at the first step (an evaluation may come first)
+                self._build(*captured)
+        self._signature_keys.append(key)
+        self._use(len(self._signatures) - 1)
 
     def _first_stage_inputs(self, captured):
         """Microbatch 0's model inputs as the first stage captured them, on every rank of the PP group.
@@ -268,16 +306,16 @@ class PipelineRunner:
     def _schedule(self, n: int, training: bool, simple: bool):
         from smp_adapter.runtime.engines.pipeline.schedules import make_schedule
 
-        key = (n, training, simple)
-        if key not in self._schedules:
-            self._schedules[key] = make_schedule(self.stages, n, training, state.cfg.pipeline, self.num_stages)
-            self.clock.attach(self._schedules[key])
-        sched = self._schedules[key]
-        if key != self._last_schedule:
+        key, current = (n, training, simple), self._current
+        if key not in current.schedules:
+            current.schedules[key] = make_schedule(self.stages, n, training, state.cfg.pipeline, self.num_stages)
+            self.clock.attach(current.schedules[key])
+        sched = current.schedules[key]
+        if key != current.last_schedule:
             # the stage's buffers were set up by another schedule (train <-> eval, another group size):
             # make this one set them up again (every rank switches at the same call)
             sched.reset_stage_setup()
-            self._last_schedule = key
+            current.last_schedule = key
         return sched
 
     def _broadcast_results(self, results, detach: bool):
@@ -324,17 +362,6 @@ class PipelineRunner:
             bound = signature.bind(*args, **kwargs)
         except TypeError:
             return args, kwargs
-        traced = [a.target for a in node.args if isinstance(a, torch.fx.Node) and a.op == "placeholder"]
-        missing = [name for name in traced if name in signature.parameters and name not in bound.arguments]
-        if missing:
-            # the first stage's graph takes every input it was traced with; without one it would fail inside
-            # torch's stage (and the other stages with a lost connection)
-            raise UnsupportedFeatureError(
-                f"pipeline parallelism: this call of the model passes no {', '.join(map(repr, missing))}, which "
-                f"it was given at the first step, when the stages were traced with inputs "
-                f"{', '.join(map(repr, traced))}; the stages take the inputs they were traced with (docs/pipeline.md). "
-                "Pass the same inputs at every step (e.g. Trainer.predict on rows with labels), or predict "
-                "without labels at pipeline_parallel_degree 1")
         values = []
         for a in node.args:
             if not (isinstance(a, torch.fx.Node) and a.op == "placeholder" and a.target in bound.arguments):

@@ -1,7 +1,7 @@
-"""Building a pipeline rank's stages at the first ``@smp.step`` (``StageBuilder``, held by runtime.py's
-``PipelineRunner`` and run once): profile and partition the model on fake stand-ins (stage_memory.py),
-cut it with ``pipeline()`` (torch.export), thread values read past the next stage (pass_through.py),
-keep this rank's stage(s) on its device and release the rest, put the tensor-parallel modules back, and
+"""Building a pipeline rank's stages (``StageBuilder``, held by runtime.py's ``PipelineRunner``): at the
+first ``@smp.step``, and again, cut at the same modules, for each other set of model inputs (runtime.py's
+signatures). Profile and partition the model on fake stand-ins (stage_memory.py), cut it with ``pipeline()``
+(torch.export), thread values read past the next stage (pass_through.py), keep this rank's stage(s) on its device and release the rest, put the tensor-parallel modules back, and
 build torch's ``PipelineStage`` objects over smp's PP group. ``build`` returns what the runner keeps
 (``BuiltStages``); the steps themselves run in runtime.py.
 """
@@ -30,6 +30,24 @@ def _untraceable(module, e: Exception) -> UnsupportedFeatureError:
         "(no data-dependent Python control flow, tensors/containers as inputs and outputs; for Hugging "
         "Face models pass use_cache=False), or run with pipeline_parallel_degree: 1 and fit the model "
         "with tensor_parallel_degree or sharded_data_parallel_degree")
+
+
+def _refuse_tensors_of_other_stages(module, stage_modules) -> None:
+    """A stage traced for other inputs may reach only tensors this rank kept at the first step (the same cut
+    holds the same modules); one that reads another stage's tensor (meta here) would compute nothing real."""
+    names = {id(t): n for n, t in [*module.named_parameters(), *module.named_buffers()]}
+    foreign = [names.get(id(t), "?") for t in stage_memory.stage_tensors(stage_modules) if t.is_meta]
+    if foreign:
+        raise UnsupportedFeatureError(
+            f"pipeline parallelism: with these model inputs the stage of this rank reads {foreign[:3]}, which "
+            "another stage held when the model was cut at the first step (these inputs take another path "
+            "through the model). Give the first step the inputs that reach every module, or run at "
+            "pipeline_parallel_degree: 1")
+
+
+def _watching(clock: ComputeClock, stages) -> ComputeClock:
+    clock.watch(stages)
+    return clock
 
 
 def _profiling_failed(module, e: Exception) -> UnsupportedFeatureError:
@@ -74,24 +92,60 @@ class StageBuilder:
         self.stage_units: list = []
         self._stage_calls: list = []
 
-    def build(self, args, kwargs) -> BuiltStages:
-        from torch.distributed.pipelining import pipeline
+    def build(self, args, kwargs, first: BuiltStages | None = None) -> BuiltStages:
+        """The stages for these inputs. ``first``: the stages of the first step, built for other inputs (another
+        set of keywords, other shapes): then the model is traced again with these inputs and cut at the same
+        modules, and the new stages are pointed at the same tensors (no parameter is held twice)."""
         from torch.distributed.pipelining.stage import build_stage
 
         module = self.model.module
-        cfg = state.cfg
         surgery.no_generation_cache(module, state.rank)
         # traced with fake stand-ins: no rank ever holds the whole model on its device (stage_memory.py)
         from smp_adapter.runtime.deferred_init import record_of
 
-        record = record_of(module)  # delayed initialisation: what this rank's stage is replayed from
+        record = record_of(module) if first is None else None  # delayed initialisation: the stage's replay
+        pipe, out_spec, stage_mods = self._trace(module, args, kwargs, first)
+        owners = tied.point_stages_at_model(module, stage_mods)
+        ids = self.layout.stages_of(self.stage_index)
+        stage_modules = [stage_mods[i] for i in ids]
+        for i, mine in zip(ids, stage_modules):
+            self._prepare_stage_module(module, i, mine)
+        if first is None:  # this rank's stage(s) get their values on its device; every other tensor is released
+            stage_memory.keep_stage(module, stage_memory.stage_tensors(stage_modules), record, state.device)
+            del record  # the other stages' creation records are released with it
+            self._originals_to_meta()
+        else:
+            _refuse_tensors_of_other_stages(module, stage_modules)
+        marked = [n for mine in stage_modules for n in surgery.checkpoint_marked(module, mine)]
+        if marked and first is None:  # set_activation_checkpointing, lost by torch.export, applied again
+            print(f"Activation checkpointing in the stage(s) of pipeline rank {self.stage_index}: {', '.join(marked)}")
+        stages = [build_stage(mine, i, pipe.info(), state.device, group=self.group)
+                  for i, mine in zip(ids, stage_modules)]
+        self._prepare_stages(stages)
+        if first is not None:  # the same cut holds the same parameters: the first step's groups and lists serve
+            return BuiltStages(stages=stages, stage_modules=stage_modules, stage_units=first.stage_units,
+                               stage_calls=self._stage_calls, local_params=first.local_params,
+                               local_keys=first.local_keys, tied=first.tied, out_spec=out_spec,
+                               clock=_watching(first.clock, stages))
+        return BuiltStages(
+            stages=stages, stage_modules=stage_modules, stage_units=self.stage_units, stage_calls=self._stage_calls,
+            local_params=list({id(p): p for m in stage_modules for p in m.parameters()}.values()),
+            local_keys={k for m in stage_modules for k in m.state_dict().keys()},
+            tied=tied.tie_groups(self, owners), out_spec=out_spec, clock=ComputeClock(stages))
+
+    def _trace(self, module, args, kwargs, first):
+        """Profile (the first build only), choose the stages, and cut the model with ``pipeline()``, all on
+        fake stand-ins. Returns (the split pipe, the model output's pytree structure, every stage's module)."""
+        from torch.distributed.pipelining import pipeline
+
+        cfg = state.cfg
         stand_ins = stage_memory.FakeStandIns([module, *self.tp_originals.values()], state.device)
         args, kwargs = stand_ins.inputs((args, kwargs))
         with stand_ins, surgery.originals_swapped_in(module, self.tp_originals), activation_checkpoint.tracing_plain():
             try:
                 # the model sees the state torch.export gives it (compiling), so it takes the same paths here
                 with stand_ins.mode, torch_compat.compiling_state():
-                    prof = part.profile(module, args, kwargs)
+                    prof = part.profile(module, args, kwargs) if first is None else None
                     with torch.no_grad():
                         example_out = module(*args, **kwargs)
             except Exception as e:  # noqa: BLE001 - a forward that needs values (data-dependent control flow)
@@ -99,7 +153,9 @@ class StageBuilder:
                     raise
                 raise _profiling_failed(module, e) from e
             out_spec = torch.utils._pytree.tree_flatten(example_out)[1]
-            if cfg.auto_partition:
+            if first is not None:
+                self.stage_units = first.stage_units  # the same cut, whatever these inputs would weigh
+            elif cfg.auto_partition:
                 marked = [n for n, m in module.named_modules() if partition_mark(m) is not None]
                 if marked and state.rank == 0:
                     warnings.warn(f"auto_partition is true: smp.partition/set_partition marks are ignored ({marked[:3]}"
@@ -107,7 +163,7 @@ class StageBuilder:
                 self.stage_units = part.auto_split(module, prof, self.layout.total, cfg.memory_weight)
             else:
                 self.stage_units = part.manual_split(module, prof, self.num_stages, cfg.default_partition)
-            if state.rank == 0:
+            if state.rank == 0 and first is None:
                 part.log_assignment(module, self.stage_units, "auto" if cfg.auto_partition else "manual", self.layout)
             pipe = self._split(pipeline, module, args, kwargs)
             late = self._late_inputs()
@@ -121,48 +177,48 @@ class StageBuilder:
                 finally:
                     hook.remove()
                 self._check_inputs_reach_first_stage(module)
-            stage_mods = [pipe.get_stage_module(i) for i in range(self.layout.total)]
-        owners = tied.point_stages_at_model(module, stage_mods)
-        ids = self.layout.stages_of(self.stage_index)
-        stage_modules = [stage_mods[i] for i in ids]
-        for i, mine in zip(ids, stage_modules):
-            surgery.run_generated_code(mine)
-            surgery.contiguous_crossing_metadata(mine)
-            for name, original in self.tp_originals.items():  # the split (TP) modules go back in
-                if surgery.has_submodule(mine, name):
-                    surgery.set_submodule(mine, name, surgery.get_submodule(module, name))
-            if i != self.layout.total - 1:
-                # activations cross to the next stage in buffers of the traced dtype: an autocast forward's
-                # reduced-precision outputs are sent widened (exact), and the next stage's autocast
-                # narrows them again for its matmuls
-                traced = next((p.dtype for p in mine.parameters() if p.is_floating_point()), torch.get_default_dtype())
-                mine.register_forward_hook(surgery.SendableOutputs(traced))
-            if i > 0 and cfg.pipeline in SPLIT_BACKWARD:  # the first stage's backward is not split
-                surgery.own_outputs_read_inside(mine)
-                mine.register_forward_hook(surgery.OwnViewOutputs())
-        # this rank's stage(s) get their values on its device; every other tensor is released
-        stage_memory.keep_stage(module, stage_memory.stage_tensors(stage_modules), record, state.device)
-        del record  # the other stages' creation records are released with it
-        marked = [n for mine in stage_modules for n in surgery.checkpoint_marked(module, mine)]
-        if marked:  # set_activation_checkpointing, lost by torch.export, applied again to the stages
-            print(f"Activation checkpointing in the stage(s) of pipeline rank {self.stage_index}: {', '.join(marked)}")
-        stages = [build_stage(mine, i, pipe.info(), state.device, group=self.group)
-                  for i, mine in zip(ids, stage_modules)]
+            return pipe, out_spec, [pipe.get_stage_module(i) for i in range(self.layout.total)]
+
+    def _prepare_stage_module(self, module, i: int, mine) -> None:
+        """Stage ``i``'s traced module made ready to run on this rank (before its torch stage is built)."""
+        cfg = state.cfg
+        surgery.run_generated_code(mine)
+        surgery.contiguous_crossing_metadata(mine)
+        for name in self.tp_originals:  # the split (TP) modules go back in
+            if surgery.has_submodule(mine, name):
+                surgery.set_submodule(mine, name, surgery.get_submodule(module, name))
+        if i != self.layout.total - 1:
+            # activations cross to the next stage in buffers of the traced dtype: an autocast forward's
+            # reduced-precision outputs are sent widened (exact), and the next stage's autocast
+            # narrows them again for its matmuls
+            traced = next((p.dtype for p in mine.parameters() if p.is_floating_point()), torch.get_default_dtype())
+            mine.register_forward_hook(surgery.SendableOutputs(traced))
+        if i > 0 and cfg.pipeline in SPLIT_BACKWARD:  # the first stage's backward is not split
+            surgery.own_outputs_read_inside(mine)
+            mine.register_forward_hook(surgery.OwnViewOutputs())
+
+    def _prepare_stages(self, stages) -> None:
         for stage in stages:
             torch_compat.receive_integers(stage)
-        if cfg.pipeline in SPLIT_BACKWARD:
+        if state.cfg.pipeline in SPLIT_BACKWARD:
             for stage in stages:
                 surgery.merge_weight_groups(stage)
         if self.layout.v_shaped:
             for stage in stages:
                 stage.stage_index_to_group_rank = dict(enumerate(self.layout.ranks))
                 skip_self_warmup(stage)
-        self.tp_originals = {}  # the originals are no longer needed: release them
-        return BuiltStages(
-            stages=stages, stage_modules=stage_modules, stage_units=self.stage_units, stage_calls=self._stage_calls,
-            local_params=list({id(p): p for m in stage_modules for p in m.parameters()}.values()),
-            local_keys={k for m in stage_modules for k in m.state_dict().keys()},
-            tied=tied.tie_groups(self, owners), out_spec=out_spec, clock=ComputeClock(stages))
+
+    def _originals_to_meta(self) -> None:
+        """The pre-split TP modules are traced again for other inputs (another signature), but only their
+        shapes are read then (fake stand-ins): their values are released, the modules kept."""
+        from smp_adapter.runtime.deferred_init import meta_like, module_tensors, replace_in_place
+
+        model_tensors = {id(t) for t in module_tensors(self.model.module)}
+        with torch.no_grad():
+            for original in self.tp_originals.values():
+                for t in module_tensors(original):
+                    if id(t) not in model_tensors and not t.is_meta:
+                        replace_in_place(t, meta_like(t))
 
     def _split(self, pipeline, module, args, kwargs):
         spec = part.split_spec(self.stage_units)

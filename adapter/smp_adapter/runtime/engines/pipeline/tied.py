@@ -55,16 +55,18 @@ def tie_groups(runner, owners: dict) -> list:
     return found
 
 
-def clip_grad_norm_pipeline(runner, max_norm: float, masters: dict | None = None) -> float:
+def clip_grad_norm_pipeline(runner, max_norm: float, masters: dict | None = None, only: set | None = None) -> float:
     """Global-norm clipping over all stages and TP ranks (runtime/clipping.py). A parameter tied
     across stages is counted on the lowest stage holding it. ``masters`` (id(parameter) -> its fp32
-    master, fp16/bf16): clip the masters' gradients instead. Returns the norm before clipping."""
+    master, fp16/bf16): clip the masters' gradients instead. ``only``: the ids of the parameters to clip
+    (those a script gave torch's clip_grad_norm_; every rank names the same ones). Returns the norm
+    before clipping."""
     from smp_adapter.runtime.clipping import clip_by_global_norm
 
     model = runner.model
     holder = (lambda p: masters.get(id(p), p)) if masters else (lambda p: p)
     not_counted = {id(p) for p, grp in runner.tied if min(dist.get_process_group_ranks(grp)) != state.rank}
     grads = [(holder(p).grad, model.is_distributed_parameter(p), id(p) not in not_counted)
-             for p in runner.local_params if holder(p).grad is not None]
+             for p in runner.local_params if holder(p).grad is not None and (only is None or id(p) in only)]
     return clip_by_global_norm(grads, max_norm, tp_group=state.groups.tp if state.dims.tp > 1 else None,
                                pp_group=runner.group if runner.built and runner.num_stages > 1 else None)
