@@ -81,9 +81,9 @@ def tensor_bytes(params, grads) -> dict:
             return
         try:
             storage = t.untyped_storage()
-        except (RuntimeError, NotImplementedError):
+            key = storage.data_ptr()
+        except (RuntimeError, NotImplementedError):  # fake or functional tensors (a pipeline's traced graph)
             return
-        key = storage.data_ptr()
         if key and key not in seen:
             seen.add(key)
             out[kind] += storage.nbytes()
