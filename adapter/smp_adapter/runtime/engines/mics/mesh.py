@@ -47,11 +47,41 @@ def mics_mesh(dims, rank: int, shard_group, replicate_group, device_type: str):
                                  mesh_dim_names=(REPLICATE, SHARD))
 
 
+# A model without repeated blocks: a submodule becomes a unit once the parameters it holds outside
+# other units reach this many elements (4 MiB in fp32), as FSDP's size-based wrap policy does. Below
+# it one more gather per pass costs more in calls than the unit's bytes save.
+UNIT_MIN_ELEMENTS = 1 << 20
+
+
 def sharding_units(module: nn.Module) -> list[nn.Module]:
-    """The submodules FSDP2 gathers one at a time: the model's repeated blocks (runtime/kernels.py
+    """The submodules FSDP2 gathers one at a time, innermost first; the root module is the last unit and
+    holds what is left (embeddings, heads, norms). A model with repeated blocks (runtime/kernels.py
     ``repeated_blocks``: every parameter-holding element of an ``nn.ModuleList``, the same blocks
-    SMP_ADAPTER_COMPILE=blocks compiles). The root module is the last unit and holds what is left
-    (embeddings, heads, norms). A model without a ModuleList is one unit."""
+    SMP_ADAPTER_COMPILE=blocks compiles) has those as its units. Any other model (an ``nn.Sequential``
+    of layers, a module of named children): every submodule whose parameters outside smaller units reach
+    ``UNIT_MIN_ELEMENTS``, so that no gather holds much more than one layer. A parameter shared by two
+    modules (a tied weight) stays with the root: FSDP2 shards each parameter in one unit."""
     from smp_adapter.runtime.kernels import repeated_blocks
 
-    return repeated_blocks(module)
+    blocks = repeated_blocks(module)
+    if blocks:
+        return blocks
+    owners: dict[int, int] = {}
+    for m in module.modules():
+        for p in m.parameters(recurse=False):
+            owners[id(p)] = owners.get(id(p), 0) + 1
+    units: list[nn.Module] = []
+    claimed: set[int] = set()
+
+    def visit(m: nn.Module) -> None:
+        for child in m.children():
+            visit(child)
+        free = [p for p in m.parameters() if id(p) not in claimed]
+        if m is module or any(owners.get(id(p), 0) > 1 for p in free):
+            return
+        if sum(p.numel() for p in free) >= UNIT_MIN_ELEMENTS:
+            units.append(m)
+            claimed.update(id(p) for p in free)
+
+    visit(module)
+    return units
