@@ -130,37 +130,6 @@ def with_engine_arguments(config: dict[str, Any], dims: ParallelDims, loss_scale
     return ds
 
 
-# ZeRO-3's buffers, by DeepSpeed's config key: the smp key that sets it (None: smp v1 has none) and
-# DeepSpeed's default (elements). The defaults are sized for billion-parameter models.
-ZERO3_BUFFERS = {
-    "reduce_bucket_size": ("sdp_reduce_bucket_size", int(5e8)),
-    "stage3_max_live_parameters": ("sdp_max_live_parameters", int(1e9)),
-    "stage3_prefetch_bucket_size": (None, int(5e7)),
-    "stage3_max_reuse_distance": (None, int(1e9)),
-}
-BUFFER_BOUND_WORDS = ("at wrap time, a ZeRO-3 buffer the smp options leave at DeepSpeed's default is bounded by "
-                      "twice the model's largest parameter where the default is larger (a small model's rank "
-                      "would otherwise hold the whole model's gradients in the reduce bucket and keep every "
-                      "gathered layer live); a value given in the smp options is kept")
-
-
-def bounded_zero3_buffers(config: dict[str, Any], cfg, largest_parameter: int) -> tuple[dict[str, Any], dict]:
-    """(``config`` with ZeRO-3's default buffers bounded by twice ``largest_parameter`` elements,
-    {key: (default, bound)} of what was bounded). Keys the smp options set are kept (BUFFER_BOUND_WORDS)."""
-    zero = config.get("zero_optimization", {})
-    if zero.get("stage") != 3 or largest_parameter <= 0:
-        return config, {}
-    bound = 2 * largest_parameter
-    out, changed = copy.deepcopy(config), {}
-    for key, (smp_key, default) in ZERO3_BUFFERS.items():
-        if smp_key is not None and smp_key in cfg.given:
-            continue
-        if zero.get(key, default) > bound:
-            out["zero_optimization"][key] = bound
-            changed[key] = (zero.get(key, default), bound)
-    return out, changed
-
-
 def _engine_arguments(dims: ParallelDims, loss_scale: LossScaleArgs | None,
                       backward_passes_per_step: int) -> dict[str, Any]:
     """The entries DistributedModel's and DistributedOptimizer's arguments decide, written only here."""
