@@ -37,6 +37,9 @@ class Hand(nn.Module):
         self.own_generator = nn.Parameter(torch.rand(3, 3, generator=g))
         # a value read while creating (timm/Hugging Face drop-path rates)
         self.rates = [x.item() for x in torch.linspace(0, 0.1, 4)]
+        # a tensor held as a plain attribute, neither parameter nor buffer (transformers 4.x GPT-J's
+        # rotary table, embed_positions): it needs values as much as a buffer does
+        self.table = torch.outer(torch.arange(6.0), 1.0 / (100 ** (torch.arange(0, 4, 2) / 4.0)))
 
 
 def _tiny_gpt2():
@@ -88,7 +91,10 @@ BUILDERS = {"hand": Hand, "gpt2": _tiny_gpt2, "llama": _tiny_llama, "bert": _tin
 
 
 def _named(module) -> dict:
-    return {**dict(module.named_parameters()), **dict(module.named_buffers())}
+    """Parameters, buffers and the tensors held as plain attributes, by name."""
+    attributes = {f"{name}.{key}" if name else key: v for name, m in module.named_modules()
+                  for key, v in vars(m).items() if isinstance(v, torch.Tensor) and not isinstance(v, nn.Parameter)}
+    return {**dict(module.named_parameters()), **dict(module.named_buffers()), **attributes}
 
 
 def _created(build, seed=0):
@@ -115,6 +121,7 @@ def test_materialised_values_equal_the_undelayed_model(name):
     got = _named(model)
     assert sorted(got) == sorted(want)
     for key, tensor in got.items():
+        assert not isinstance(tensor, DeferredTensor), f"{key} was left without storage"
         assert type(tensor) is type(want[key]) or isinstance(tensor, nn.Parameter) == isinstance(want[key], nn.Parameter)
         assert tensor.dtype == want[key].dtype and torch.equal(tensor, want[key]), key
 

@@ -87,6 +87,7 @@ def init(config: Mapping[str, Any] | None = None) -> None:
     from smp_adapter.runtime.engines import engine_for
 
     engine = engine_for(dims)  # the engine of this job, chosen before any model exists
+    engine.refuse_unsupported(cfg)  # on every rank, before any collective
     engine.load_code()
     state.owns_process_group = not dist.is_initialized()
     if state.owns_process_group:

@@ -26,8 +26,8 @@ reporting a device for a meta-backed tensor.
 from smp_adapter.runtime.deferred_init.heap import release_freed_heap
 from smp_adapter.runtime.deferred_init.log import RecordingError
 from smp_adapter.runtime.deferred_init.modules import (
-    holds_deferred, materialize_in_place, meta_like, module_tensors, open_record, record_of, replace_in_place)
+    holds_deferred, materialize_in_place, meta_like, module_tensors, open_record, own_tensors, record_of, replace_in_place)
 from smp_adapter.runtime.deferred_init.record import DeferredInit, DeferredTensor
 
 __all__ = ["DeferredInit", "DeferredTensor", "RecordingError", "holds_deferred", "materialize_in_place", "meta_like",
-           "module_tensors", "open_record", "record_of", "release_freed_heap", "replace_in_place"]
+           "module_tensors", "open_record", "own_tensors", "record_of", "release_freed_heap", "replace_in_place"]

@@ -10,13 +10,23 @@ from smp_adapter.runtime.deferred_init.log import META, RecordingError, meta_ali
 from smp_adapter.runtime.deferred_init.record import DeferredInit, DeferredTensor
 
 
+def own_tensors(module) -> list[torch.Tensor]:
+    """``module``'s own parameters and buffers (not its children's), and the delayed tensors it holds
+    as plain attributes: transformers 4.x's GPT-J keeps its rotary table as ``self.embed_positions``,
+    neither parameter nor buffer, made by factories inside the creation. Left without storage, it
+    turned every forward into a recording and the gradients into record tensors."""
+    tensors = [t for t in list(module._parameters.values()) + list(module._buffers.values()) if t is not None]
+    return tensors + [v for v in vars(module).values() if isinstance(v, DeferredTensor)]
+
+
 def module_tensors(module) -> list[torch.Tensor]:
-    """Every parameter and buffer of ``module`` once (a tied weight once)."""
+    """Every tensor of ``module`` and its submodules (``own_tensors``) once (a tied weight once)."""
     seen, out = set(), []
-    for t in list(module.parameters()) + list(module.buffers()):
-        if id(t) not in seen:
-            seen.add(id(t))
-            out.append(t)
+    for m in module.modules():
+        for t in own_tensors(m):
+            if id(t) not in seen:
+                seen.add(id(t))
+                out.append(t)
     return out
 
 

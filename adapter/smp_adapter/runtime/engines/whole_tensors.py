@@ -22,6 +22,13 @@ class WholeTensorDefaults:
         return None
 
     @classmethod
+    def refuse_unsupported(cls, cfg) -> None:
+        """smp.init, before the process group starts: raise UnsupportedFeatureError for what this engine
+        cannot run on the installed libraries. Every rank raises at the same point, none inside a
+        collective: a refusal after the process group started let a fast rank exit while a slow one was
+        still connecting its groups, which died of "Connection reset by peer" instead of the refusal."""
+
+    @classmethod
     def load_code(cls) -> None:
         """smp.init, once the engine is chosen: import what the engine will run, so that its code
         (tens of MB of Python modules) is loaded before any model exists rather than mid-job."""

@@ -90,7 +90,7 @@ def materialize_into_shards(module, device, dtype) -> None:
     and a tied GPT-2 started at loss 577 instead of 9.2. Every rank of a replica group replays its
     first rank's random states (``sync_initial_state``), and each parameter is broadcast from its ZeRO
     group's first rank before partitioning, so every shard is a slice of one model."""
-    from smp_adapter.runtime.deferred_init import materialize_in_place, record_of
+    from smp_adapter.runtime.deferred_init import materialize_in_place, own_tensors, record_of
     from smp_adapter.runtime.engines.deepspeed.groups import zero3_partitioner
 
     record = record_of(module)
@@ -98,8 +98,7 @@ def materialize_into_shards(module, device, dtype) -> None:
         return
     partition = zero3_partitioner()
     for m in module.modules():
-        own = [t for t in list(m._parameters.values()) + list(m._buffers.values()) if t is not None]
-        materialize_in_place(record, own, device)
+        materialize_in_place(record, own_tensors(m), device)
         whole = [p for p in m.parameters(recurse=False) if not is_zero3_parameter(p)]
         for p in whole:
             if p.is_floating_point() and p.dtype != dtype:

@@ -40,6 +40,12 @@ class PipelineEngine(StartsThroughDeepSpeed, Engine):
     # same whatever its pipeline degree. Sharded data parallel is refused with pp > 1, so no
     # parameter is ever a ZeRO-3 shard here: the other class hooks keep Engine's defaults.
     @classmethod
+    def refuse_unsupported(cls, cfg) -> None:
+        from smp_adapter.runtime.engines.pipeline import torch_compat
+
+        torch_compat.check_schedule(cfg.pipeline)
+
+    @classmethod
     def load_code(cls) -> None:
         """torch's pipelining, torch.export and the fake tensors the stages are traced with: ~75 MB
         of modules at import and ~28 MB (about 400 modules: export's passes, networkx) that the first
@@ -62,9 +68,6 @@ class PipelineEngine(StartsThroughDeepSpeed, Engine):
         """Nothing yet: which tensors this rank keeps is known when the first step cuts the stages."""
 
     def __init__(self, model, tp_originals: dict):
-        from smp_adapter.runtime.engines.pipeline import torch_compat
-
-        torch_compat.check_schedule(state.cfg.pipeline)  # on every rank, before the model is cut
         super().__init__(model, tp_originals)
         from smp_adapter.runtime.engines.pipeline.runtime import PipelineRunner
 
