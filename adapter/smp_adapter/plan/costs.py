@@ -262,9 +262,10 @@ def model_state_memory(mem: dict, dims, cluster: Cluster, job: Job, spec, tensor
         mem["mics_gathered_parameters"] = working
         mem["mics_unsharded_gradients"] = working
         return
-    # Adam's fp32 moments, and fp32 master weights: under fp16/bf16, and always under ZeRO-1/3, whose
-    # optimizer steps a fp32 copy of the rank's partition (DeepSpeed clones it even from fp32 weights)
-    opt_per_param = adam + (4 if mixed or stage in (1, 3) else 0)
+    # Adam's fp32 moments, and fp32 master weights: under fp16/bf16, and always under ZeRO-1, whose
+    # optimizer steps an fp32 copy of the rank's partition (DeepSpeed clones it even from fp32 weights);
+    # an fp32 ZeRO-3 optimizer steps the partition itself (zero3.fp32_master_shared_with_partition)
+    opt_per_param = adam + (4 if mixed or stage == 1 else 0)
     if stage == 3:  # DeepSpeed partitions over its whole data-parallel group (rdp); hpZ adds a second,
         # node-local copy sharded over sdp ranks (smp v1's MiCS sharded over sdp only: docs/plan.md)
         sharded = n_rank - kept

@@ -20,6 +20,8 @@ gradients are reduced when the step function returns, as smp v1 guarantees.
 
 from __future__ import annotations
 
+import contextlib
+
 import os
 from pathlib import Path
 
@@ -125,9 +127,13 @@ class DeepSpeedEngine(StartsThroughDeepSpeed, Engine):
         config = engine_config(loss_scale, self.model.backward_passes_per_step)
         module = self.model.module
         params = [p for p in module.parameters() if p.requires_grad] if optimizer is None else None
+        from smp_adapter.runtime.engines.deepspeed.zero3 import fp32_master_shared_with_partition
+
         adopt_smp_hpz_group()
-        engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, config=config, mpu=mpu_or_none(),
-                                               model_parameters=params, dist_init_required=False)
+        sharing = fp32_master_shared_with_partition() if state.dims.zero_stage == 3 else contextlib.nullcontext()
+        with sharing:  # an fp32 job's optimizer steps the partition itself (no second fp32 copy)
+            engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, config=config,
+                                                   mpu=mpu_or_none(), model_parameters=params, dist_init_required=False)
         return engine
 
     # -- model -----------------------------------------------------------------------------------

@@ -106,6 +106,36 @@ def materialize_into_shards(module, device, dtype) -> None:
         partition(whole)
 
 
+@contextlib.contextmanager
+def fp32_master_shared_with_partition():
+    """Inside: a ZeRO-3 optimizer DeepSpeed builds steps the rank's parameter partition itself when that
+    partition is already fp32 on the optimizer's device (an fp32 job), instead of a clone of it.
+    DeepSpeed means to (stage3.py, "we don't need another copy of the weights"), but compares the
+    partition's ``torch.device`` with its accelerator's device *name*, a string, which is never equal:
+    every fp32 ZeRO-3 rank held a second copy of its partition (128 MiB of the 256 MiB MLP's rank at sdp
+    2, as the kernel counts it). The comparison is made with the device as a ``torch.device`` while the
+    partitions are created, and the name is put back. fp16/bf16 jobs keep their fp32 master: the dtypes
+    differ, DeepSpeed clones as before."""
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+
+    original = DeepSpeedZeroOptimizer_Stage3._create_fp32_partitions
+
+    def create_fp32_partitions(self):
+        name = self.device
+        if isinstance(name, str):
+            self.device = torch.device(name)
+        try:
+            return original(self)
+        finally:
+            self.device = name
+
+    DeepSpeedZeroOptimizer_Stage3._create_fp32_partitions = create_fp32_partitions
+    try:
+        yield
+    finally:
+        DeepSpeedZeroOptimizer_Stage3._create_fp32_partitions = original
+
+
 def local_tensors(module) -> dict:
     """This rank's shards of a ZeRO-3 module (copies), with its buffers."""
     sd = {n: p.ds_tensor.detach().clone().cpu() for n, p in module.named_parameters()}
