@@ -164,7 +164,7 @@ class StageBuilder:
             else:
                 self.stage_units = part.manual_split(module, prof, self.num_stages, cfg.default_partition)
             if state.rank == 0 and first is None:
-                part.log_assignment(module, self.stage_units, "auto" if cfg.auto_partition else "manual", self.layout)
+                part.log_assignment(self.stage_units, "auto" if cfg.auto_partition else "manual", self.layout)
             pipe = self._split(pipeline, module, args, kwargs)
             late = self._late_inputs()
             if late:
