@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from smp_adapter.compat.torch_warnings import torch_pipelining_quiet
 from smp_adapter.config.pipeline_schedule import SPLIT_BACKWARD
 from smp_adapter.errors import SMPUsageError, UnsupportedFeatureError
 from smp_adapter.runtime import activation_checkpoint
@@ -226,7 +227,8 @@ class StageBuilder:
         # _build) would then recurse forever. Put every forward back exactly as it was.
         saved = {name: module.get_submodule(name).__dict__.get("forward") for name in spec}
         try:
-            pipe = pipeline(module, tuple(args), dict(kwargs), split_spec=spec)
+            with torch_pipelining_quiet():  # torch's copies of its own LeafSpecs warn
+                pipe = pipeline(module, tuple(args), dict(kwargs), split_spec=spec)
         except Exception as e:  # noqa: BLE001 - export failures come in many types
             from smp_adapter.ledger import record as comm_ledger
 
