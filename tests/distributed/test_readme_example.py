@@ -56,6 +56,8 @@ def test_the_readme_command_trains_the_readme_script(tmp_path):
     text = out.stdout + out.stderr
     assert out.returncode == 0, text[-5000:]
     assert not NOISE.findall(text), [line for line in text.splitlines() if NOISE.search(line)]
+    # rank 0's partition lines name the script's modules by their path in the nn.Sequential, not as bare indexes
+    assert re.findall(r"^\[rank 0\]   (\S+) -> \d$", text, re.M) == ["model.0", "model.2", "model.4"], text[-3000:]
     losses = [float(x) for x in re.findall(r"step \d+: loss ([0-9.]+)", text)]
     reference = _single_process_losses(20)
     assert len(losses) == 20, text[-3000:]

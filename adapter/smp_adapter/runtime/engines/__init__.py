@@ -47,12 +47,7 @@ def engine_class(name: str):
 
 def engine_for(dims):
     """The Engine class a layout needs: smp.init's choice, and the fallback of ``job_engine``."""
-    name = engine_name_for(dims)
-    if name == "pipeline":  # torch's pipelining warns about its own LeafSpec copies: not the script's to fix
-        from smp_adapter.compat.torch_warnings import quiet_torch_pipelining
-
-        quiet_torch_pipelining()
-    return engine_class(name)
+    return engine_class(engine_name_for(dims))
 
 
 def job_engine():

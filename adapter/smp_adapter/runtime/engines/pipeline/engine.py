@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from smp_adapter.compat.torch_warnings import torch_pipelining_quiet
 from smp_adapter.runtime.engines.base import Engine, model_dtype, refuse_full_sharded_optimizer_state
 from smp_adapter.runtime.engines.deepspeed.process_group import StartsThroughDeepSpeed
 from smp_adapter.runtime.state import state
@@ -55,7 +56,8 @@ class PipelineEngine(StartsThroughDeepSpeed, Engine):
         import torch
         from torch.distributed.pipelining import SplitPoint, pipeline
         tiny = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
-        pipeline(tiny, (torch.zeros(1, 2),), {}, split_spec={"1": SplitPoint.BEGINNING})
+        with torch_pipelining_quiet():
+            pipeline(tiny, (torch.zeros(1, 2),), {}, split_spec={"1": SplitPoint.BEGINNING})
 
     @classmethod
     def place_module(cls, module, device) -> None:

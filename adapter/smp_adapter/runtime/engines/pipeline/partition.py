@@ -191,14 +191,26 @@ def split_spec(stages: list[list[str]]) -> dict:
     return {s[0]: SplitPoint.BEGINNING for s in stages[1:]}
 
 
-def log_assignment(module: nn.Module, stages: list[list[str]], how: str, layout=None) -> None:
-    """Rank 0 prints "Partition assignments:" then "module -> stage" per line (smp's log); with
-    several stages per rank, "module -> stage (rank r)"."""
+def unit_path(name: str) -> str:
+    """A unit as the script reaches it: its path from the model given to smp.DistributedModel
+    (``model.transformer.h.3``; an nn.Sequential's layers are ``model.0``, ``model.2``, which printed bare
+    read as stage numbers)."""
+    return f"model.{name}" if name else "model"
+
+
+def assignment_text(stages: list[list[str]], how: str, layout=None) -> str:
+    """What rank 0 prints once the stages are chosen (smp's log): "Partition assignments (...):" then
+    "model.<path> -> stage" per unit; with several stages per rank, "model.<path> -> stage (rank r)"."""
     per_rank = f", {layout.v} per rank" if layout is not None and layout.v > 1 else ""
-    lines = [f"Partition assignments ({how}, {len(stages)} stages{per_rank}):"]
+    lines = [f"Partition assignments ({how}, {len(stages)} stages{per_rank}; model is the module given to "
+             "smp.DistributedModel):"]
     for i, units in enumerate(stages):
         for u in units:
-            lines.append(f"  {u} -> {layout.describe(i) if layout is not None else i}")
-    text = "\n".join(lines)
+            lines.append(f"  {unit_path(u)} -> {layout.describe(i) if layout is not None else i}")
+    return "\n".join(lines)
+
+
+def log_assignment(stages: list[list[str]], how: str, layout=None) -> None:
+    text = assignment_text(stages, how, layout)
     log.info(text)
     print(text, flush=True)

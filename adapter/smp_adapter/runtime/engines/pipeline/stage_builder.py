@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from smp_adapter.compat.torch_warnings import torch_pipelining_quiet
 from smp_adapter.config.pipeline_schedule import SPLIT_BACKWARD
 from smp_adapter.errors import SMPUsageError, UnsupportedFeatureError
 from smp_adapter.runtime import activation_checkpoint
@@ -164,7 +165,7 @@ class StageBuilder:
             else:
                 self.stage_units = part.manual_split(module, prof, self.num_stages, cfg.default_partition)
             if state.rank == 0 and first is None:
-                part.log_assignment(module, self.stage_units, "auto" if cfg.auto_partition else "manual", self.layout)
+                part.log_assignment(self.stage_units, "auto" if cfg.auto_partition else "manual", self.layout)
             pipe = self._split(pipeline, module, args, kwargs)
             late = self._late_inputs()
             if late:
@@ -226,7 +227,8 @@ class StageBuilder:
         # _build) would then recurse forever. Put every forward back exactly as it was.
         saved = {name: module.get_submodule(name).__dict__.get("forward") for name in spec}
         try:
-            pipe = pipeline(module, tuple(args), dict(kwargs), split_spec=spec)
+            with torch_pipelining_quiet():  # torch's copies of its own LeafSpecs warn
+                pipe = pipeline(module, tuple(args), dict(kwargs), split_spec=spec)
         except Exception as e:  # noqa: BLE001 - export failures come in many types
             from smp_adapter.ledger import record as comm_ledger
 
