@@ -101,6 +101,14 @@ def worker(args) -> None:
     sync = torch.cuda.synchronize if cuda else (lambda: None)
 
     model = build_model(**json.loads(args.model))
+    # the hand-written job sizes ZeRO-3's buffers for its model as the adapter does (bounded by twice the
+    # largest parameter where DeepSpeed's defaults are larger: translate/deepspeed.bounded_zero3_buffers),
+    # so the two run one config and what is compared is the adapter's own cost
+    from smp_adapter.config.options import SMPConfig
+    from smp_adapter.translate.deepspeed import bounded_zero3_buffers
+
+    native_cfg, _ = bounded_zero3_buffers(native_cfg, SMPConfig.from_dict(options),
+                                          max(p.numel() for p in model.parameters()))
     if args.adapter_override and use_smp:  # experiments: change entries of the adapter's DeepSpeed config
         import smp_adapter.translate.deepspeed as translation
 

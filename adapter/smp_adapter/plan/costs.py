@@ -20,8 +20,6 @@ from smp_adapter.plan.instances import Cluster
 
 CUDA_CONTEXT_BYTES = 600 * 2**20  # CUDA context + cuBLAS/NCCL workspaces, measured order on A100/T4 (stated)
 FRAGMENTATION = 0.10  # caching allocator slack on top of live tensors (stated allowance)
-# DeepSpeed's stage3_max_reuse_distance default (elements); smp-adapter's translation does not set it
-ZERO3_MAX_REUSE_DISTANCE = 10**9
 # DeepSpeed's gradient buffers (elements), defaults the translation leaves alone: the engine's flat
 # all-reduce buffer of plain data parallelism (engine.MEMORY_OPT_ALLREDUCE_SIZE) and ZeRO-1's
 # reduce bucket (zero_optimization.reduce_bucket_size); ZeRO-3's is sdp_reduce_bucket_size
@@ -32,12 +30,20 @@ ZERO1_REDUCE_BUCKET = 500_000_000
 REPLICATE_GROUP = "replicate"
 
 
-def zero3_released_fraction(gathered_numel: int, cfg) -> float:
+def zero3_buffers(cfg, tensors: list[int]) -> dict[str, int]:
+    """The ZeRO-3 buffers the runtime gives DeepSpeed for a rank holding ``tensors`` (element counts):
+    translate/deepspeed.zero3_buffer_sizes, bounded by the largest of them."""
+    from smp_adapter.translate.deepspeed import zero3_buffer_sizes
+
+    return zero3_buffer_sizes(cfg, max(tensors, default=0))
+
+
+def zero3_released_fraction(gathered_numel: int, buffers: dict[str, int]) -> float:
     """Share of gathered ZeRO-3 parameters DeepSpeed releases between a layer's forward and its
     backward. It keeps a parameter whose next use lies within max_reuse_distance elements of the
-    trace (and within sdp_max_live_parameters); a layer at depth i of N elements is used again after
+    trace (and within max_live_parameters); a layer at depth i of N elements is used again after
     about 2 (N - i) elements, so the last R / 2 elements of the model stay gathered."""
-    reach = min(ZERO3_MAX_REUSE_DISTANCE, cfg.sdp_max_live_parameters)
+    reach = min(buffers["stage3_max_reuse_distance"], buffers["stage3_max_live_parameters"])
     if gathered_numel <= 0:
         return 0.0
     return max(0.0, 1.0 - reach / (2 * gathered_numel))
@@ -278,11 +284,12 @@ def model_state_memory(mem: dict, dims, cluster: Cluster, job: Job, spec, tensor
         # zero3_released_fraction), at least two layers (the running one and the prefetched one)
         t = dims.tp
         layer_gathered = sum(n // t if s and t > 1 else n for n, s in spec.layer_tensors if not persistent(n, cfg))
-        kept_gathered = sharded * (1 - zero3_released_fraction(sharded, cfg))
+        buffers = zero3_buffers(cfg, tensors)
+        kept_gathered = sharded * (1 - zero3_released_fraction(sharded, buffers))
         mem["zero3_gathered_parameters"] = int(max(kept_gathered, min(2 * layer_gathered, sharded)) * pb)
-        # DeepSpeed allocates the whole reduce bucket (sdp_reduce_bucket_size elements) when the
-        # optimizer is built, however small the model: 2 GB at smp's default 5e8 in fp32
-        mem["gradient_buckets"] = int(cfg.sdp_reduce_bucket_size) * pb
+        # DeepSpeed allocates the whole reduce bucket when the optimizer is built: sdp_reduce_bucket_size
+        # elements when given, else its default bounded by the model (zero3_buffers)
+        mem["gradient_buckets"] = buffers["reduce_bucket_size"] * pb
         return
     # pp > 1: the rank's own stage only (pipeline_stage_tensors), like its gradients and optimizer state
     mem["parameters"] = n_rank * pb
@@ -404,7 +411,8 @@ def _zero3_terms(terms: _Terms, spec, dims, job: Job, tensors: list[int]) -> Non
     kept_bytes = sum(x for x in tensors if persistent(x, cfg)) * pb
     gathered_numel = sum(x for x in tensors if not persistent(x, cfg))
     gathered = gathered_numel * pb
-    released = gathered * zero3_released_fraction(gathered_numel, cfg)
+    buffers = zero3_buffers(cfg, tensors)
+    released = gathered * zero3_released_fraction(gathered_numel, buffers)
     per_pass = 1 + stage_layers(spec, dims.pp)
     terms.add("rdp", "all_gather", kept_bytes, 1, rdp, per_call=False)
     if dims.hpz_partition_size > 1:
@@ -414,7 +422,7 @@ def _zero3_terms(terms: _Terms, spec, dims, job: Job, tensors: list[int]) -> Non
     else:
         terms.add("rdp", "all_gather", gathered + released * (n - 1), per_pass * n, rdp, timing.FORWARD, per_call=False)
         terms.add("rdp", "all_gather", released * n, per_pass * n, rdp, timing.BACKWARD, per_call=False)
-    buckets = max(1, math.ceil(sum(tensors) / cfg.sdp_reduce_bucket_size))
+    buckets = max(1, math.ceil(sum(tensors) / buffers["reduce_bucket_size"]))
     terms.add("rdp", "reduce_scatter", sum(tensors) * pb * m, buckets * m, rdp, timing.BACKWARD)
 
 

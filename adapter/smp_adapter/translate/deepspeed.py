@@ -130,6 +130,59 @@ def with_engine_arguments(config: dict[str, Any], dims: ParallelDims, loss_scale
     return ds
 
 
+# ZeRO-3's buffers, by DeepSpeed's config key: the smp key that sets it (None: smp v1 has none), DeepSpeed's
+# default (elements, sized for billion-parameter models), and whether a default larger than twice the
+# model's largest parameter is bounded there. Only buffers that hold memory without changing what is
+# communicated are bounded: the reduce bucket (a small model's rank filled it with the whole model's
+# gradients) and the prefetch bucket (how far ahead layers are gathered). max_live_parameters and the reuse
+# distance decide whether a layer gathered for forward stays gathered until its backward: bounding them
+# re-gathers every layer for backward (1.5 x the all-gather traffic, what FSDP's reshard_after_forward
+# does), so they keep DeepSpeed's and smp v1's defaults unless sdp_max_live_parameters is given.
+ZERO3_BUFFERS = {
+    "reduce_bucket_size": ("sdp_reduce_bucket_size", int(5e8), True),
+    "stage3_max_live_parameters": ("sdp_max_live_parameters", int(1e9), False),
+    "stage3_prefetch_bucket_size": (None, int(5e7), True),
+    "stage3_max_reuse_distance": (None, int(1e9), False),
+}
+BUFFER_BOUND_WORDS = ("at wrap time, the reduce and prefetch buckets the smp options leave at DeepSpeed's default "
+                      "are bounded by twice the model's largest parameter where the default is larger (a small "
+                      "model's rank would otherwise hold the whole model's gradients in the reduce bucket); a "
+                      "value given in the smp options is kept")
+MAX_LIVE_WORDS = ("DeepSpeed's default keeps every layer gathered from its forward to its backward when the model "
+                  "has fewer elements: a rank then holds the whole model's parameters during the step; a smaller "
+                  "value (e.g. twice the largest layer) re-gathers layers for backward, trading 1.5 x the "
+                  "all-gather traffic for that memory")
+
+
+def zero3_buffer_sizes(cfg, largest_parameter: int) -> dict[str, int]:
+    """The ZeRO-3 buffers a job runs with (elements, by DeepSpeed's key), the one home of the bound that
+    the runtime applies at wrap time and plan predicts with: a value the smp options give is kept; a
+    bounded buffer's default is cut to twice ``largest_parameter`` where larger (BUFFER_BOUND_WORDS; 0, an
+    unknown model, leaves the defaults); the others keep DeepSpeed's defaults."""
+    bound = 2 * largest_parameter
+    sizes = {}
+    for key, (smp_key, default, bounded) in ZERO3_BUFFERS.items():
+        if smp_key is not None and smp_key in cfg.given:
+            sizes[key] = int(getattr(cfg, smp_key))
+        else:
+            sizes[key] = min(default, bound) if bounded and bound > 0 else default
+    return sizes
+
+
+def bounded_zero3_buffers(config: dict[str, Any], cfg, largest_parameter: int) -> tuple[dict[str, Any], dict]:
+    """(``config`` with ZeRO-3's buffers at ``zero3_buffer_sizes``, {key: (was, now)} of what changed)."""
+    zero = config.get("zero_optimization", {})
+    if zero.get("stage") != 3 or largest_parameter <= 0:
+        return config, {}
+    out, changed = copy.deepcopy(config), {}
+    for key, size in zero3_buffer_sizes(cfg, largest_parameter).items():
+        default = ZERO3_BUFFERS[key][1]
+        if zero.get(key, default) != size:
+            out["zero_optimization"][key] = size
+            changed[key] = (zero.get(key, default), size)
+    return out, changed
+
+
 def _engine_arguments(dims: ParallelDims, loss_scale: LossScaleArgs | None,
                       backward_passes_per_step: int) -> dict[str, Any]:
     """The entries DistributedModel's and DistributedOptimizer's arguments decide, written only here."""

@@ -22,7 +22,7 @@ from smp_adapter.config.distribution import JobSpec
 from smp_adapter.config.keys import KEYS, Policy
 from smp_adapter.config.options import SMPConfig
 from smp_adapter.config.pipeline_schedule import EXTENSION_SCHEDULES, TORCH_CLASS, V_SHAPED, bubble_formula
-from smp_adapter.translate.deepspeed import DEEPSPEED_KEYS, SDP_COPIED, deepspeed_value
+from smp_adapter.translate.deepspeed import BUFFER_BOUND_WORDS, DEEPSPEED_KEYS, MAX_LIVE_WORDS, SDP_COPIED, deepspeed_value
 from smp_adapter.translate.kernels import CompileSetting, explain_rows as kernel_rows
 from smp_adapter.translate.megatron import MegatronPlan
 from smp_adapter.translate.mics import ENGINE as MICS_ENGINE, MICS_KEYS, layout_note as mics_layout_note
@@ -208,7 +208,9 @@ def _map_key(key: str, cfg: SMPConfig, dims: ParallelDims, ds: Mapping[str, Any]
         if dims.mics_group_size > 1:
             engine_key, status, note = MICS_KEYS[key]
             return engine_key, getattr(cfg, key), status, note
-        return _ds(key), deepspeed_value(ds, DEEPSPEED_KEYS[key][0]), "exact", ""
+        notes = {"sdp_reduce_bucket_size": BUFFER_BOUND_WORDS if key not in cfg.given else "",
+                 "sdp_max_live_parameters": MAX_LIVE_WORDS if key not in cfg.given else ""}
+        return _ds(key), deepspeed_value(ds, DEEPSPEED_KEYS[key][0]), "exact", notes.get(key, "")
     return "-", "-", "ignored", row.note if row else "not an smp option"
 
 

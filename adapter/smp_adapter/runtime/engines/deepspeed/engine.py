@@ -126,6 +126,7 @@ class DeepSpeedEngine(StartsThroughDeepSpeed, Engine):
 
         config = engine_config(loss_scale, self.model.backward_passes_per_step)
         module = self.model.module
+        config = _with_bounded_buffers(config, module)
         params = [p for p in module.parameters() if p.requires_grad] if optimizer is None else None
         from smp_adapter.runtime.engines.deepspeed.zero3 import fp32_master_shared_with_partition
 
@@ -415,3 +416,19 @@ def _broadcast_buffers(buffers) -> None:
 
     broadcast_from_first_rank(buffers, state.groups.dp)
 
+
+def _with_bounded_buffers(config: dict, module) -> dict:
+    """ZeRO-3's default buffers bounded by the model (translate/deepspeed.bounded_zero3_buffers); rank 0
+    says once what it bounded."""
+    import sys
+
+    from smp_adapter.runtime.engines.deepspeed.zero3 import is_zero3_parameter
+    from smp_adapter.translate.deepspeed import bounded_zero3_buffers
+
+    largest = max((p.ds_numel if is_zero3_parameter(p) else p.numel() for p in module.parameters()), default=0)
+    config, changed = bounded_zero3_buffers(config, state.cfg, largest)
+    if changed and state.rank == 0:  # information, not a warning: the job does what explain says
+        print(f"smp-adapter: ZeRO-3 buffers bounded by the model (twice its largest parameter, {largest} elements): "
+              + ", ".join(f"{k} {old} -> {new}" for k, (old, new) in changed.items())
+              + " (sdp_reduce_bucket_size in the smp options sets the reduce bucket)", file=sys.stderr)
+    return config
