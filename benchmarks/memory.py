@@ -10,8 +10,9 @@ two full steps (so Adam's state exists), then runs the step function of a third 
                gathered ones) + hpZ's p.ds_secondary_tensor
   gradients    p.grad, DeepSpeed's gradient partitions (ZeRO-1 averaged_gradients and fp32 .grad,
                ZeRO-3 grad_partitions_flat_buffer)
-  optimizer    DeepSpeed's fp32 master partitions (ZeRO 1/3 keep one even in fp32 training) and the
-               torch optimizer's state (Adam moments)
+  optimizer    DeepSpeed's fp32 master partitions (ZeRO-1 keeps one even in fp32 training; an fp32
+               ZeRO-3 job's optimizer steps the parameter partition itself) and the torch
+               optimizer's state (Adam moments)
   buffers      DeepSpeed's reduce buckets (ZeRO-3 ipg buckets, allocated reduce_bucket_size
                elements; on CPU only the touched pages become resident)
   other        any other tensor reachable from the DeepSpeed optimizer object
@@ -25,7 +26,7 @@ Each storage is counted once (tensors are deduplicated by storage), with the sto
 Ideal per rank, P = parameter count, 4 bytes each (fp32):
   ZeRO 0       params 4P, grads 4P, optimizer 8P (Adam moments; the fp32 params are the master)
   ZeRO 1       params 4P, grads 4P, optimizer 12P / dp (fp32 master + moments, sharded)
-  ZeRO 3, hpZ  params 4P / sdp, grads 4P / sdp, optimizer 12P / sdp
+  ZeRO 3, hpZ  params 4P / sdp, grads 4P / sdp, optimizer 8P / sdp (moments; the partition is the master)
   TP           split layers / tp + the rest, for params and grads; optimizer 2x that (ZeRO 0)
   PP           total / pp for params and grads; optimizer 2x that (ZeRO 0), / dp with
                shard_optimizer_state
@@ -266,7 +267,7 @@ def ideal(r: dict) -> dict:
     if stage == 1:
         return {"params": B, "grads": B, "optimizer": 3 * B / r["dp"]}
     sdp = r["sdp"]
-    return {"params": B / sdp, "grads": B / sdp, "optimizer": 3 * B / sdp}
+    return {"params": B / sdp, "grads": B / sdp, "optimizer": 2 * B / sdp}
 
 
 def mib(x) -> str:
