@@ -32,10 +32,14 @@ def test_translate_explain_each_config(path, tmp_path, capsys, parse_ds):
     assert main(["translate", str(path), "--explain", "--out", str(out)]) == 0
     captured = capsys.readouterr()
     assert "Traceback" not in captured.err
-    for heading in ("DeepSpeed config:", "Megatron-core settings:", "Megatron-LM arguments: --tensor-model-parallel-size",
+    mics = "MiCS: groups of" in captured.out  # sdp < rdp: the MiCS engine's settings, no DeepSpeed config
+    engine_heading, engine_file = (("MiCS engine settings (torch FSDP2", "mics.json") if mics
+                                   else ("DeepSpeed config:", "deepspeed_config.json"))
+    assert ("DeepSpeed config:" in captured.out) is not mics
+    for heading in (engine_heading, "Megatron-core settings:", "Megatron-LM arguments: --tensor-model-parallel-size",
                     "Launch with deepspeed:", "Launch with torchrun:", "Launch with mpirun:", "Launch with srun:", "Mapping (smp -> engines):"):
         assert heading in captured.out
-    assert sorted(p.name for p in out.iterdir()) == ["deepspeed_config.json", "explain.txt", "launch.json", "megatron.json"]
+    assert sorted(p.name for p in out.iterdir()) == sorted([engine_file, "explain.txt", "launch.json", "megatron.json"])
     table = (out / "explain.txt").read_text()
     assert table.startswith("smp key") and table.rstrip() in captured.out
     # the layout line `plan` prints too (ParallelDims.describe), above the table
@@ -43,10 +47,14 @@ def test_translate_explain_each_config(path, tmp_path, capsys, parse_ds):
                      captured.out, re.M)
     if path.name == "sdp2_bf16_hpz.yaml":  # 8 ranks, sdp 2: MiCS by default (hpZ with SMP_ADAPTER_SDP_ENGINE=hpz)
         assert "Layout: pp 1 x tp 1 x rdp 8, sdp 2, MiCS: groups of 2 shard everything, 4 replicas" in captured.out
-    ds = json.loads((out / "deepspeed_config.json").read_text())
     megatron = json.loads((out / "megatron.json").read_text())
-    parsed = parse_ds(ds, megatron["data_parallel_size"])
-    assert parsed.zero_optimization_stage == ds["zero_optimization"]["stage"]
+    if mics:
+        settings = json.loads((out / "mics.json").read_text())
+        assert settings["reshard_after_forward"] is True and len(settings["shard_groups"][0]) == settings["mesh"]["shape"][1]
+    else:
+        ds = json.loads((out / "deepspeed_config.json").read_text())
+        parsed = parse_ds(ds, megatron["data_parallel_size"])
+        assert parsed.zero_optimization_stage == ds["zero_optimization"]["stage"]
     assert set(json.loads((out / "launch.json").read_text())) == {"deepspeed", "torchrun", "mpirun", "srun"}
 
 

@@ -29,6 +29,7 @@ from smp_adapter.launch.command import (DEFAULT_MASTER_PORT, LAUNCHERS, LaunchPl
                                         to_launch_plan)
 from smp_adapter.translate.kernels import compile_setting_from
 from smp_adapter.translate.megatron import to_megatron_plan
+from smp_adapter.translate.mics import mics_settings
 from smp_adapter.launch.sagemaker_toolkit import TOOLKIT, toolkit_command
 
 NAME = "translate"
@@ -56,7 +57,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--instance-type", default="ml.p3.16xlarge", metavar="TYPE",
                    help="SageMaker instance type for the toolkit's mpirun line (EFA flags; default: ml.p3.16xlarge)")
     p.add_argument("--explain", action="store_true", help="print the smp -> engine mapping table")
-    p.add_argument("--out", metavar="DIR", help="write deepspeed_config.json, megatron.json, launch.json (+ explain.txt)")
+    p.add_argument("--out", metavar="DIR", help="write deepspeed_config.json (mics.json at sdp < rdp on MiCS), megatron.json, launch.json "
+                                                   "(+ explain.txt)")
     p.add_argument("--format", choices=("text", "json"), default="text", help="output format (default: text)")
     return p
 
@@ -75,7 +77,7 @@ def translation_bundle(job: JobSpec, world_size: int | None = None, instance_cou
     else:
         nnodes, nprocs = resolve_processes(job, cfg, processes_per_host, instance_count)
     dims = ParallelDims.from_config(cfg, nnodes * nprocs, sdp_engine_from(os.environ))
-    ds = to_deepspeed_config(dims, batch_size)
+    ds = to_deepspeed_config(dims, batch_size)  # explain's rows read it; shown only where DeepSpeed runs
     plan = to_megatron_plan(dims, batch_size)
     launch = {name: to_launch_plan(job, cfg, script, launcher=name, nprocs_per_node=nprocs, nnodes=nnodes,
                                    master_port=master_port, cpu=cpu, dims=dims).to_dict() for name in LAUNCHERS}
@@ -87,7 +89,8 @@ def translation_bundle(job: JobSpec, world_size: int | None = None, instance_cou
         "smp_options": dict(job.options),
         "effective_options": cfg.to_dict(),
         "warnings": list(cfg.warnings),
-        "deepspeed": ds,
+        "deepspeed": None if dims.mics_group_size > 1 else ds,
+        "mics": mics_settings(dims) if dims.mics_group_size > 1 else None,
         "megatron": {**plan.to_dict(), "megatron_lm_args": plan.to_megatron_lm_args(),
                      "megatron_lm_note": plan.megatron_lm_note()},
         "launch": launch,
@@ -119,11 +122,18 @@ def sagemaker_toolkit_section(job: JobSpec, bundle: dict[str, Any], script: str,
     return {"toolkit": TOOLKIT, "command": list(cmd.command), "notes": list(cmd.notes)}
 
 
+def _engine_text(bundle: dict[str, Any]) -> list[str]:
+    """The sharding engine's settings: DeepSpeed's config, or at sdp < rdp what the MiCS engine is given."""
+    if bundle["mics"] is not None:
+        return ["MiCS engine settings (torch FSDP2; no DeepSpeed config is used at this layout):",
+                json.dumps(bundle["mics"], indent=2)]
+    return ["DeepSpeed config:", json.dumps(bundle["deepspeed"], indent=2)]
+
+
 def _text(bundle: dict[str, Any], table: str | None, layout: str | None = None) -> str:
     parts = [f"# world size {bundle['world_size']} = {bundle['nnodes']} node(s) x {bundle['nprocs_per_node']} processes, "
              f"per-rank batch {bundle['per_rank_batch']}",
-             "", "DeepSpeed config:", json.dumps(bundle["deepspeed"], indent=2),
-             "", "Megatron-core settings:", _megatron_text(bundle["megatron"])]
+             "", *_engine_text(bundle), "", "Megatron-core settings:", _megatron_text(bundle["megatron"])]
     for name, plan in bundle["launch"].items():
         parts += ["", f"Launch with {name}:", "  " + _shell(plan)]
         parts += [f"  note: {note}" for note in plan["notes"]]
@@ -139,7 +149,9 @@ def _text(bundle: dict[str, Any], table: str | None, layout: str | None = None) 
 
 def _write_outputs(out: str, bundle: dict[str, Any], table: str | None) -> list[Path]:
     directory = Path(out)
-    files = {"deepspeed_config.json": json.dumps(bundle["deepspeed"], indent=2) + "\n",
+    engine_file = ("mics.json", bundle["mics"]) if bundle["mics"] is not None else ("deepspeed_config.json",
+                                                                                     bundle["deepspeed"])
+    files = {engine_file[0]: json.dumps(engine_file[1], indent=2) + "\n",
              "megatron.json": json.dumps(bundle["megatron"], indent=2) + "\n",
              "launch.json": json.dumps(bundle["launch"], indent=2) + "\n"}
     if table is not None:

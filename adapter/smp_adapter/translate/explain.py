@@ -163,7 +163,9 @@ def _map_key(key: str, cfg: SMPConfig, dims: ParallelDims, ds: Mapping[str, Any]
         return "auto-partition memory_weight", cfg.memory_weight, "approximated", KEYS["optimize"].note if key == "optimize" else row.note
     if key == "ddp":
         how = {"mics": "MiCS engine, FSDP2", "pipeline": "pipeline engine"}.get(dims.engine, "DeepSpeed engine")
-        return f"data-parallel gradient reduction ({how})", cfg.ddp, "exact", f"over {dims.rdp} model replicas"
+        over = (f"over {dims.rdp} data-parallel ranks ({dims.rdp // dims.sdp} MiCS replicas of {dims.sdp}-rank groups)"
+                if dims.engine == "mics" else f"over {dims.rdp} model replicas")
+        return f"data-parallel gradient reduction ({how})", cfg.ddp, "exact", over
     if key == "ddp_port":
         return "launch --master_port / MASTER_PORT", cfg.ddp_port, "exact", "used when no master port is given to the launcher"
     if key == "ddp_dist_backend":

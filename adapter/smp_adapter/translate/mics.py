@@ -4,6 +4,8 @@ these meanings. Pure data; the engine reads none of it (it has no knob these key
 
 from __future__ import annotations
 
+from typing import Any
+
 from smp_adapter.config.dims import SDP_ENGINE_ENV
 
 ENGINE = "MiCS engine: torch FSDP2 fully_shard on a (replicate, shard) DeviceMesh"
@@ -32,3 +34,39 @@ def layout_note(dims) -> str:
     return (f"groups of {dims.sdp} ranks shard parameters, gradients and optimizer state (1/{dims.sdp} each); "
             f"{dims.rdp // dims.sdp} replicas, whose gradient shards are all-reduced once per optimizer step. "
             f"{SDP_ENGINE_ENV}=hpz runs DeepSpeed ZeRO-3 + hpZ instead")
+
+
+# A model without repeated blocks: a submodule becomes a sharding unit once the parameters it holds outside
+# other units reach this many elements (4 MiB in fp32), as FSDP's size-based wrap policy does. Below it one
+# more gather per pass costs more in calls than the unit's bytes save. (runtime/engines/mics/mesh.py)
+UNIT_MIN_ELEMENTS = 1 << 20
+# FSDP2's fully_shard(reshard_after_forward=...): a unit's whole parameters are freed after its forward
+# and gathered again for its backward (smp v1's MiCS kept no gathered layer between the two either)
+RESHARD_AFTER_FORWARD = True
+UNITS_RULE = ("every element of an nn.ModuleList holding parameters (the transformer blocks); a model without "
+              f"one: every submodule whose parameters outside smaller units reach {UNIT_MIN_ELEMENTS} elements; "
+              "the root module last, with what is left (embeddings, head, norms, tied weights)")
+
+
+def mics_settings(dims) -> dict[str, Any]:
+    """What the MiCS engine is given for this layout (runtime/engines/mics), for ``translate``: the
+    DeviceMesh of each RDP group, its groups, the sharding units' rule, mixed precision, resharding and
+    the replicas' all-reduce. JSON-ready; DeepSpeed's config is not used at sdp < rdp."""
+    cfg, sdp = dims.cfg, dims.sdp
+    compute = "float16" if cfg.fp16 else "bfloat16" if cfg.bf16 else "as created (float32)"
+    return {
+        "engine": ENGINE,
+        "mesh": {"dims": ["replicate", "shard"], "shape": [dims.rdp // sdp, sdp],
+                 "per": "each tensor-parallel rank's RDP group" if dims.tp > 1 else "the job's RDP group"},
+        "shard_groups": [list(g) for g in dims.grid.sdp_groups(sdp)],
+        "replicate_groups": [list(g) for g in dims.grid.sdp_replica_groups(sdp)],
+        "sharding_units": UNITS_RULE,
+        "mixed_precision": {"param_dtype": compute, "reduce_dtype": "float32" if cfg.fp16 or cfg.bf16 else compute,
+                            "shards": "float32"},
+        "reshard_after_forward": RESHARD_AFTER_FORWARD,
+        "gradient_reduction": ("reduce-scatter inside the shard group per unit in every backward (summed, then "
+                               "divided once: gloo has no average); the replicate group's all-reduce of each "
+                               "rank's shard once per optimizer step, in the last microbatch's backward"),
+        "gradient_clipping": cfg.sdp_gradient_clipping,
+        "delayed_initialization": "materialised one unit at a time, each sharded before the next",
+    }

@@ -79,6 +79,7 @@ class MicsEngine(Engine):
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         from smp_adapter.runtime.engines.mics.mesh import mics_mesh, sharding_units
+        from smp_adapter.translate.mics import RESHARD_AFTER_FORWARD
 
         mesh = mics_mesh(state.dims, state.rank, state.groups.sdp, state.groups.sdp_replicas, state.device.type)
         dtype = model_dtype(cfg)
@@ -94,7 +95,7 @@ class MicsEngine(Engine):
             if dtype is not None:  # the shards (the optimizer's masters) stay fp32; compute in the job's dtype
                 unit.float()
             marks.update({names[id(p)]: dict(vars(p)) for p in unit.parameters() if id(p) in names})
-            fully_shard(unit, mesh=mesh, mp_policy=policy, reshard_after_forward=True)
+            fully_shard(unit, mesh=mesh, mp_policy=policy, reshard_after_forward=RESHARD_AFTER_FORWARD)
             unit.set_force_sum_reduction_for_comms(True)  # gloo has no AVG: sums, then one divide (pytorch#162338)
             self.units.append(unit)
         for name, p in module.named_parameters():

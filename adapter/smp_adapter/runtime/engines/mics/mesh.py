@@ -18,6 +18,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from smp_adapter.translate.mics import UNIT_MIN_ELEMENTS  # the units rule's one home, beside translate's text
+
 SHARD, REPLICATE = "shard", "replicate"
 
 
@@ -45,12 +47,6 @@ def mics_mesh(dims, rank: int, shard_group, replicate_group, device_type: str):
     ranks = torch.tensor(rdp_group, dtype=torch.int).view(dims.rdp // dims.sdp, dims.sdp)
     return DeviceMesh.from_group([replicate_group, shard_group], device_type, mesh=ranks,
                                  mesh_dim_names=(REPLICATE, SHARD))
-
-
-# A model without repeated blocks: a submodule becomes a unit once the parameters it holds outside
-# other units reach this many elements (4 MiB in fp32), as FSDP's size-based wrap policy does. Below
-# it one more gather per pass costs more in calls than the unit's bytes save.
-UNIT_MIN_ELEMENTS = 1 << 20
 
 
 def sharding_units(module: nn.Module) -> list[nn.Module]:
