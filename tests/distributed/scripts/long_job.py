@@ -39,12 +39,15 @@ parser.add_argument("--save-delay", type=float, default=0.0,
                     help="--until-sigterm: seconds before the save (a large checkpoint's write time)")
 parser.add_argument("--hang-rank", type=int, default=-1, help="this rank sleeps at --hang-at-step (a stuck rank)")
 parser.add_argument("--hang-at-step", type=int, default=2)
+parser.add_argument("--width", type=int, default=16, help="hidden width (256: checkpoints of ~0.1 MB per save)")
+parser.add_argument("--raise-save-errors", action="store_true",
+                    help="a failed save ends the job, as in a script that does not catch it (the failure drill)")
 args, _ = parser.parse_known_args()
 
 smp.init({"ddp": True})
 torch.manual_seed(0)
 with smp.model_creation():
-    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+    model = nn.Sequential(nn.Linear(8, args.width), nn.Tanh(), nn.Linear(args.width, 1))
 model = smp.DistributedModel(model)
 optimizer = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05))
 
@@ -124,6 +127,8 @@ while step < first + args.steps or args.until_sigterm:
                                 num_kept_partial_checkpoints=args.keep)
             result["saved"].append(step)
         except SMPCheckpointError as exc:
+            if args.raise_save_errors:
+                raise
             result["save_errors"].append(str(exc))
         if step == args.fill_disk_after and smp.rank() == 0:
             fill_disk(args.ckpt_dir)
