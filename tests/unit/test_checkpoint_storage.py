@@ -58,3 +58,55 @@ def test_fsync_of_files_and_directories(tmp_path):
     (tmp_path / "a").write_text("x")
     storage.fsync_files([tmp_path / "a", tmp_path / "missing"])
     storage.fsync_tree(tmp_path)
+
+
+def _enospc(*args, **kwargs):
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+
+class _Engine:
+    """An object whose own method writes a file (DeepSpeed's engine copying its recovery script)."""
+
+    def copy_script(self, folder):
+        _enospc()
+
+    def broken(self):
+        raise ValueError("a bug, not the disk")
+
+
+def test_a_failed_write_is_kept_not_raised_so_the_rank_goes_on_through_the_saves_collectives(tmp_path):
+    """Issue 63: raising at the failed write left this rank out of the collectives its peers were in."""
+    from smp_adapter.runtime.checkpoint.io import CheckpointIO
+
+    io_ = CheckpointIO(tmp_path)
+    assert io_.torch_save({"w": torch.zeros(3)}, tmp_path / "a.pt")  # written, noted with its digest
+    assert not io_.write(tmp_path / "b.pt", _enospc)
+    engine = _Engine()
+    with io_.keeping_failures(engine, "copy_script"):
+        assert engine.copy_script(tmp_path) is None
+    assert "copy_script" not in vars(engine)  # the class's method again
+    assert [p.name for p, _ in io_.written] == ["a.pt"] and io_.written[0][1] is not None
+    assert [e.errno for e in io_.failures] == [errno.ENOSPC, errno.ENOSPC]
+    with pytest.raises(ValueError), io_.keeping_failures(engine, "broken"):  # only storage failures are kept
+        engine.broken()
+    assert len(io_.failures) == 2
+
+
+def test_every_rank_raises_the_agreed_failure_the_failing_one_its_own(tmp_path, monkeypatch):
+    """runtime/agreement.py in one process (the collective half is the distributed tests'): the cause is written
+    where the launcher reads it, the failing rank raises its own error, another rank one naming the failing rank."""
+    from smp_adapter.errors import SMPCheckpointError
+    from smp_adapter.runtime import agreement
+    from smp_adapter.runtime.state import state
+
+    monkeypatch.setenv(agreement.CAUSE_DIR_ENV, str(tmp_path / "causes"))
+    assert agreement.agree_on_failure(None, 1) == []
+    assert not (tmp_path / "causes").exists()
+    failures = agreement.agree_on_failure("disk full at /ckpt", 1, SMPCheckpointError)
+    assert failures == [(state.rank, "disk full at /ckpt")]
+    assert (tmp_path / "causes" / f"rank{state.rank}.txt").read_text() == "SMPCheckpointError: disk full at /ckpt\n"
+    with pytest.raises(SMPCheckpointError, match=r"^disk full at /ckpt$"):
+        agreement.raise_agreed(failures, SMPCheckpointError)
+    with pytest.raises(SMPCheckpointError, match=r"^rank 7 failed, so every rank stops here: disk full at /ckpt$"):
+        agreement.raise_agreed([(7, "disk full at /ckpt")], SMPCheckpointError)
+    agreement.raise_agreed([], SMPCheckpointError)  # nobody failed: nothing raised

@@ -31,6 +31,7 @@ parser.add_argument("--ckpt-dir", default="ckpt")
 parser.add_argument("--fill-disk-after", type=int, default=-1, help="after the save at this step, fill its disk")
 parser.add_argument("--fake-enospc-after", type=int, default=-1,
                     help="after the save at this step, every checkpoint file write raises ENOSPC (no small disk here)")
+parser.add_argument("--fake-enospc-rank", type=int, default=-1, help="--fake-enospc-after on this rank only")
 parser.add_argument("--resume", action="store_true")
 parser.add_argument("--try-tag", default=None, help="first resume this explicit tag, recording its refusal")
 parser.add_argument("--until-sigterm", action="store_true", help="train until SIGTERM, then save and exit 0")
@@ -78,12 +79,19 @@ def fill_disk(folder: str) -> None:
 
 
 def fake_enospc() -> None:
+    """Every checkpoint file write raises ENOSPC from now on: the files written hashed, and DeepSpeed's copy of
+    its recovery script (written beside its checkpoint engine, rank 0 only)."""
     from smp_adapter.runtime.checkpoint.integrity import hashing_io
 
     def write(self, data):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
+    def copyfile(src, dst, *args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), dst)
+
     hashing_io.HashingFile.write = write
+    if "deepspeed.runtime.engine" in sys.modules:
+        sys.modules["deepspeed.runtime.engine"].copyfile = copyfile
 
 
 result = {"save_errors": [], "saved": []}
@@ -132,7 +140,7 @@ while step < first + args.steps or args.until_sigterm:
             result["save_errors"].append(str(exc))
         if step == args.fill_disk_after and smp.rank() == 0:
             fill_disk(args.ckpt_dir)
-        if step == args.fake_enospc_after:
+        if step == args.fake_enospc_after and args.fake_enospc_rank in (-1, smp.rank()):
             fake_enospc()
         dist.barrier()
 

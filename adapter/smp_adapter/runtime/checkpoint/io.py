@@ -58,8 +58,13 @@ class CheckpointIO:
         return True
 
     def torch_save(self, obj, path) -> bool:
-        """torch.save, atomic and hashed as written (files.atomic_torch_save), noted (``write``)."""
-        return self.write(path, lambda p: atomic_torch_save(obj, str(p)))
+        """torch.save, atomic and hashed as written (files.atomic_torch_save), into its folder (created), noted
+        (``write``: a full disk, also at the folder's creation, is kept in ``failures``)."""
+        def save(p):
+            Path(p).parent.mkdir(parents=True, exist_ok=True)
+            return atomic_torch_save(obj, str(p))
+
+        return self.write(path, save)
 
     @contextlib.contextmanager
     def keeping_failures(self, owner, method: str):
