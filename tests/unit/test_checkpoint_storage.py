@@ -110,3 +110,18 @@ def test_every_rank_raises_the_agreed_failure_the_failing_one_its_own(tmp_path, 
     with pytest.raises(SMPCheckpointError, match=r"^rank 7 failed, so every rank stops here: disk full at /ckpt$"):
         agreement.raise_agreed([(7, "disk full at /ckpt")], SMPCheckpointError)
     agreement.raise_agreed([], SMPCheckpointError)  # nobody failed: nothing raised
+
+
+def test_naming_the_failed_file_survives_a_file_removed_meanwhile(tmp_path, monkeypatch):
+    """Another rank's failed atomic write removes its temporary file while this rank looks for the newest file."""
+    staging = tmp_path / ".t_partial.tmp"
+    staging.mkdir()
+    (staging / "kept.pt").write_bytes(b"x")
+    (staging / ".gone.pt.tmp.1").write_bytes(b"x")
+    (staging / ".gone.pt.tmp.1").unlink()  # after it was listed and seen to be a file: its stat fails
+    is_file = type(staging).is_file
+    monkeypatch.setattr(type(staging), "is_file", lambda self: self.name == ".gone.pt.tmp.1" or is_file(self))
+    monkeypatch.setattr(type(staging), "rglob", lambda self, pattern: iter([staging / ".gone.pt.tmp.1",
+                                                                            staging / "kept.pt"]))
+    message = str(storage.storage_failure(OSError(errno.ENOSPC, "No space left on device"), tmp_path, staging))
+    assert f"failed writing {staging}/kept.pt: No space left on device" in message

@@ -127,11 +127,23 @@ def _errno_of(exc: BaseException) -> int | None:
 
 
 def _last_written(folder: Path | None) -> Path | None:
-    """The newest file under ``folder``: the one being written when torch's writer failed."""
+    """The newest file under ``folder``: the one being written when torch's writer failed. Never raises:
+    another rank's failed write may remove its temporary file meanwhile (seen: a FileNotFoundError here
+    took the rank out before the ranks agreed on the failure)."""
     if folder is None or not folder.exists():
         return None
-    files = [p for p in folder.rglob("*") if p.is_file()]
-    return max(files, key=lambda p: p.stat().st_mtime_ns) if files else None
+    newest, when = None, -1
+    try:
+        for path in folder.rglob("*"):
+            try:
+                stamp = path.stat().st_mtime_ns if path.is_file() else -1
+            except OSError:  # removed since it was listed
+                continue
+            if stamp > when:
+                newest, when = path, stamp
+    except OSError:
+        pass
+    return newest
 
 
 def storage_failure(exc: BaseException, where: Path, staging: Path | None = None) -> SMPCheckpointError:
