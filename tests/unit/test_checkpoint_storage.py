@@ -125,3 +125,11 @@ def test_naming_the_failed_file_survives_a_file_removed_meanwhile(tmp_path, monk
                                                                             staging / "kept.pt"]))
     message = str(storage.storage_failure(OSError(errno.ENOSPC, "No space left on device"), tmp_path, staging))
     assert f"failed writing {staging}/kept.pt: No space left on device" in message
+
+
+def test_a_copy_that_fills_the_disk_is_named_by_the_file_it_wrote_not_its_source(tmp_path):
+    # shutil.copyfile's sendfile sets filename (the source) and filename2 (the destination) on ENOSPC
+    exc = OSError(errno.ENOSPC, "No space left on device", "/site-packages/deepspeed/utils/zero_to_fp32.py", None,
+                  str(tmp_path / ".t_partial.tmp/zero_to_fp32.py"))
+    message = str(storage.storage_failure(exc, tmp_path))
+    assert f"failed writing {tmp_path}/.t_partial.tmp/zero_to_fp32.py: No space left on device" in message

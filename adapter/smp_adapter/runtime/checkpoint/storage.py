@@ -149,7 +149,9 @@ def _last_written(folder: Path | None) -> Path | None:
 def storage_failure(exc: BaseException, where: Path, staging: Path | None = None) -> SMPCheckpointError:
     """The error a save that ``exc`` failed raises: the file, the cause, the free space."""
     cause, code = os_error_in(exc), _errno_of(exc)
-    name = getattr(cause, "filename", None) or _last_written(staging) or where
+    # a copy's or rename's error carries both paths, the source first (shutil.copyfile's sendfile on a full
+    # disk: DeepSpeed's zero_to_fp32.py in site-packages); the file written is the second
+    name = getattr(cause, "filename2", None) or getattr(cause, "filename", None) or _last_written(staging) or where
     reason = (f"{os.strerror(code)} (errno {errno.errorcode.get(code, code)})" if code is not None
               else str(exc).splitlines()[0])
     free = free_bytes(where)
