@@ -57,7 +57,7 @@ def _judge(output: str, disk: Path) -> dict:
     lines = output.splitlines()
     own = [i for i, t in enumerate(lines) if t.startswith("smp-adapter launch: ") and "failed" in t]
     last = "\n".join(lines[own[0]:]) if own else ""  # the launcher's report and what follows it
-    named = ("SMPCheckpointError" in last and f"checkpoint save to {disk} failed" in last
+    named = ("SMPCheckpointError" in last and f"checkpoint save to {disk} failed writing {disk}/" in last
              and "No space left on device" in last and "free space on that file system" in last)
     entries = sorted(p.name for p in disk.iterdir())
     newest = (disk / "newest").read_text().strip() if (disk / "newest").exists() else None
