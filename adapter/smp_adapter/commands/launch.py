@@ -170,5 +170,5 @@ def run(args: argparse.Namespace) -> int:
               "(--node-timeout)", file=sys.stderr, flush=True)
     sup = Supervisor(b["command"], env, b["launcher"], rank_offset=b["rank_offset"],
                      rank_log_dir=b["dirs"]["logs"] if b["launcher"] == "deepspeed" else None,
-                     timeout=args.timeout, grace=args.grace, heartbeat=heartbeat)
+                     timeout=args.timeout, grace=args.grace, heartbeat=heartbeat, cause_dir=b["dirs"]["causes"])
     return sup.run()

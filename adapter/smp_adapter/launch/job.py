@@ -20,6 +20,7 @@ from smp_adapter.config.distribution import job_from_mapping, load_mapping
 from smp_adapter.config.limits import MAX_WORLD_SIZE
 from smp_adapter.config.options import SMPConfig
 from smp_adapter.config.problems import ConfigProblem, raise_if_any
+from smp_adapter.launch.rank_env import CAUSE_DIR_ENV
 from smp_adapter.launch.inputs import cuda_available, launcher_program, resolve_job, split_command
 from smp_adapter.launch.env_bundle import deepspeed_env_file
 from smp_adapter.errors import SMPAdapterError, SMPConfigError
@@ -28,6 +29,7 @@ from smp_adapter.launch.command import DEFAULT_MASTER_PORT, LAUNCHERS, to_launch
 
 CUDA_ON_CPU = "SMP_ADAPTER_CUDA_ON_CPU"
 RANK_LOGS = Path("output", "rank-logs")  # each rank's output, under the job directory
+RANK_CAUSES = Path("output", "rank-causes")  # a failing rank's cause, written before it raises (rank_env.CAUSE_DIR_ENV)
 # run the launchers with this interpreter, so the ranks get it too (both use sys.executable)
 LAUNCHER_MODULES = {"deepspeed": "deepspeed.launcher.runner", "torchrun": "torch.distributed.run"}
 # rank variables of an enclosing launcher must not leak into this job
@@ -178,7 +180,7 @@ def build(args: argparse.Namespace, script_options) -> dict[str, Any]:
     job_dir = Path(args.job_dir).resolve()
     dirs = {"model": Path(args.model_dir or job_dir / "model").resolve(),
             "output": Path(args.output_data_dir or job_dir / "output" / "data").resolve(),
-            "logs": job_dir / RANK_LOGS}
+            "logs": job_dir / RANK_LOGS, "causes": job_dir / RANK_CAUSES}
     channels = {name: str(Path(path).resolve()) for name, path in parse_pairs(args.channel, "--channel", "NAME=PATH").items()}
     hosts = hosts or (["algo-1"] if nnodes == 1 else [f"algo-{i + 1}" for i in range(nnodes)])
     sm = {"SM_MODEL_DIR": str(dirs["model"]), "SM_OUTPUT_DATA_DIR": str(dirs["output"]),
@@ -203,6 +205,7 @@ def build(args: argparse.Namespace, script_options) -> dict[str, Any]:
     if front:
         sm["PYTHONPATH"] = os.pathsep.join([*front, *(p for p in paths if p not in front)])
     sm["PYTHONUNBUFFERED"] = "1"
+    sm[CAUSE_DIR_ENV] = str(dirs["causes"])
     if args.comm_ledger:
         sm["SMP_ADAPTER_COMM_LEDGER"] = str(Path(args.comm_ledger).resolve())
     if cpu and "OMP_NUM_THREADS" not in os.environ:  # torch's default (all cores per rank) oversubscribes

@@ -28,6 +28,9 @@ from typing import Callable, Mapping
 from smp_adapter.errors import SMPUsageError
 
 SAGEMAKER_MASTER_PORT = 7777
+# set by smp-adapter launch: a rank that fails on its own writes its cause to rank<R>.txt there before the other
+# ranks can abort it (runtime/agreement.py), and the launcher names it (launch/supervisor.py)
+CAUSE_DIR_ENV = "SMP_ADAPTER_CAUSE_DIR"
 SLURM_PORT_BASE, SLURM_PORT_SPAN = 20000, 10000
 
 

@@ -85,8 +85,10 @@ def describe(code: int) -> str:
 
 class Supervisor:
     def __init__(self, command, env, launcher: str, rank_offset: int = 0, rank_log_dir: Path | None = None,
-                 timeout: float | None = None, grace: float = 20.0, out=None, heartbeat=None):
+                 timeout: float | None = None, grace: float = 20.0, out=None, heartbeat=None,
+                 cause_dir: Path | None = None):
         self.command, self.env, self.launcher = list(command), dict(env), launcher
+        self.cause_dir = cause_dir  # where a rank writes its cause before it raises (rank_env.CAUSE_DIR_ENV)
         self.rank_offset, self.rank_log_dir, self.timeout, self.grace = rank_offset, rank_log_dir, timeout, grace
         self.out = out or sys.stdout
         self.lock = threading.Lock()
@@ -226,6 +228,8 @@ class Supervisor:
     def run(self) -> int:
         if self.rank_log_dir is not None:
             self.old_logs = set(self.rank_log_dir.glob("*_rank*.log"))
+        for old in self.cause_dir.glob("rank*.txt") if self.cause_dir is not None else ():
+            old.unlink(missing_ok=True)  # an earlier job's in the same job directory
         start = time.monotonic()
         self.proc = subprocess.Popen(self.command, env=self.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=_dies_with_parent())
@@ -363,7 +367,26 @@ class Supervisor:
         elif rank is not None and self._lost_a_peer(rank):  # every failing rank here only lost a peer
             print(f"smp-adapter launch: {who} lost its connection to another rank, which failed first and is not "
                   "one of this launcher's: look at the output of the other nodes' launch commands", file=err)
+        self._report_written_cause(rank, code, cause)
         return 128 - code if code < 0 else min(code, 255)
+
+    def _report_written_cause(self, rank: int | None, code: int, cause: str | None) -> None:
+        """The first cause a rank wrote before it raised (runtime/agreement.py), when the rank blamed did not
+        print it: it was killed (a collective mismatch aborts gloo before the error is printed) or another
+        rank's failure stopped it."""
+        written = []
+        for path in self.cause_dir.glob("rank*.txt") if self.cause_dir is not None else ():
+            try:
+                written.append((path.stat().st_mtime_ns, int(path.stem[len("rank"):]), path.read_text().strip()))
+            except (OSError, ValueError):
+                continue
+        if not written:
+            return
+        _, first, text = min(written)
+        if code >= 0 and cause and (first == rank or text.splitlines()[0][:200] in cause):
+            return  # the summary quotes it already
+        print(f"smp-adapter launch: rank {first} failed first, and wrote before it stopped: "
+              f"{text.splitlines()[0][:1000]}", file=sys.stderr)
 
     def _reported_codes(self) -> dict[int, int]:
         """rank -> exit status from torchrun's failure report or mpirun's messages."""

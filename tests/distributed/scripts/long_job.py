@@ -31,6 +31,7 @@ parser.add_argument("--ckpt-dir", default="ckpt")
 parser.add_argument("--fill-disk-after", type=int, default=-1, help="after the save at this step, fill its disk")
 parser.add_argument("--fake-enospc-after", type=int, default=-1,
                     help="after the save at this step, every checkpoint file write raises ENOSPC (no small disk here)")
+parser.add_argument("--fake-enospc-rank", type=int, default=-1, help="--fake-enospc-after on this rank only")
 parser.add_argument("--resume", action="store_true")
 parser.add_argument("--try-tag", default=None, help="first resume this explicit tag, recording its refusal")
 parser.add_argument("--until-sigterm", action="store_true", help="train until SIGTERM, then save and exit 0")
@@ -39,12 +40,15 @@ parser.add_argument("--save-delay", type=float, default=0.0,
                     help="--until-sigterm: seconds before the save (a large checkpoint's write time)")
 parser.add_argument("--hang-rank", type=int, default=-1, help="this rank sleeps at --hang-at-step (a stuck rank)")
 parser.add_argument("--hang-at-step", type=int, default=2)
+parser.add_argument("--width", type=int, default=16, help="hidden width (256: checkpoints of ~0.1 MB per save)")
+parser.add_argument("--raise-save-errors", action="store_true",
+                    help="a failed save ends the job, as in a script that does not catch it (the failure drill)")
 args, _ = parser.parse_known_args()
 
 smp.init({"ddp": True})
 torch.manual_seed(0)
 with smp.model_creation():
-    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+    model = nn.Sequential(nn.Linear(8, args.width), nn.Tanh(), nn.Linear(args.width, 1))
 model = smp.DistributedModel(model)
 optimizer = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05))
 
@@ -75,12 +79,19 @@ def fill_disk(folder: str) -> None:
 
 
 def fake_enospc() -> None:
+    """Every checkpoint file write raises ENOSPC from now on: the files written hashed, and DeepSpeed's copy of
+    its recovery script (written beside its checkpoint engine, rank 0 only)."""
     from smp_adapter.runtime.checkpoint.integrity import hashing_io
 
     def write(self, data):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
+    def copyfile(src, dst, *args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), dst)
+
     hashing_io.HashingFile.write = write
+    if "deepspeed.runtime.engine" in sys.modules:
+        sys.modules["deepspeed.runtime.engine"].copyfile = copyfile
 
 
 result = {"save_errors": [], "saved": []}
@@ -124,10 +135,12 @@ while step < first + args.steps or args.until_sigterm:
                                 num_kept_partial_checkpoints=args.keep)
             result["saved"].append(step)
         except SMPCheckpointError as exc:
+            if args.raise_save_errors:
+                raise
             result["save_errors"].append(str(exc))
         if step == args.fill_disk_after and smp.rank() == 0:
             fill_disk(args.ckpt_dir)
-        if step == args.fake_enospc_after:
+        if step == args.fake_enospc_after and args.fake_enospc_rank in (-1, smp.rank()):
             fake_enospc()
         dist.barrier()
 

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from smp_adapter.errors import SMPCheckpointError, SMPUsageError
+from smp_adapter.runtime import agreement
 from smp_adapter.runtime.checkpoint.integrity import manifest as digests
 from smp_adapter.runtime.checkpoint.integrity import resume_check
 from smp_adapter.runtime.checkpoint.integrity import saving
@@ -53,15 +54,10 @@ def _write_newest(path: Path, tag: str) -> None:
     storage.fsync_dir(path)
 
 
-def _agree(error: str | None, world_size: int) -> list[str]:
-    """Every rank's error (None where it had none), on every rank: all ranks raise together."""
-    if world_size == 1:
-        return [error] if error else []
-    import torch.distributed as dist
-
-    everyone: list = [None] * world_size
-    dist.all_gather_object(everyone, error)
-    return [e for e in everyone if e]
+def _agree(error: str | None, world_size: int) -> None:
+    """Every rank raises together when any rank's part of this phase failed (runtime/agreement.py): the
+    failing rank its own error, the others one naming it; also a barrier."""
+    agreement.raise_agreed(agreement.agree_on_failure(error, world_size, SMPCheckpointError), SMPCheckpointError)
 
 
 @_checkpoint_phase
@@ -82,9 +78,7 @@ def save_checkpoint(path, tag, partial: bool = True, model=None, optimizer=None,
             path.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             error = str(storage.storage_failure(exc, path))
-    errors = _agree(error, s.world_size)  # also the barrier after which the directory exists
-    if errors:
-        raise SMPCheckpointError(errors[0])
+    _agree(error, s.world_size)  # also the barrier after which the directory exists
     if partial:
         _save_partial(path, tag, model, optimizer, user_content, num_kept_partial_checkpoints)
         return
@@ -100,9 +94,7 @@ def save_checkpoint(path, tag, partial: bool = True, model=None, optimizer=None,
             if not storage.is_storage_failure(exc):
                 raise
             error = str(storage.storage_failure(exc, path))
-    errors = _agree(error, s.world_size)
-    if errors:
-        raise SMPCheckpointError(errors[0])
+    _agree(error, s.world_size)
 
 
 def _save_partial(path: Path, tag: str, model, optimizer, user_content, keep) -> None:
@@ -127,17 +119,20 @@ def _save_partial(path: Path, tag: str, model, optimizer, user_content, keep) ->
         if s.rank == 0 and user_content is not None:
             io.torch_save(user_content, staging / "user_content.pt")
         storage.fsync_files(p for p, _ in io.written)  # each rank its own files: on disk before the rename
-        own = saving.digest_written(staging, io.written, algorithm)
+        own = saving.digest_written(staging, io.written, algorithm) if not io.failures else {}
     except Exception as exc:
-        if not storage.is_storage_failure(exc):
+        if not storage.is_storage_failure(exc):  # a bug: the other ranks may be in a collective this one left
+            agreement.report_cause(f"{type(exc).__name__}: {exc}")  # so the launcher names it if gloo aborts
             raise
-        error = str(storage.storage_failure(exc, path, staging))
-    errors = _agree(error, s.world_size)
-    if errors:
+        io.failures.append(exc)
+    if io.failures:  # the first write that failed (they did not raise: the engine's collectives ran on)
+        error = str(storage.storage_failure(io.failures[0], path, staging))
+    failures = agreement.agree_on_failure(error, s.world_size, SMPCheckpointError)
+    if failures:
         if s.rank == 0:
             storage.remove_quietly(staging)
         _barrier()  # the staging folder is gone on every rank's return
-        raise SMPCheckpointError(errors[0])
+        agreement.raise_agreed(failures, SMPCheckpointError)
     # each rank digests what it wrote (still in the page cache); the gather is also the barrier after
     # which every rank's files are in staging
     recorded = saving.gather(own, s.world_size)
@@ -152,9 +147,7 @@ def _save_partial(path: Path, tag: str, model, optimizer, user_content, keep) ->
                 raise
             storage.remove_quietly(staging)
             error = str(storage.storage_failure(exc, path, staging))
-    errors = _agree(error, s.world_size)  # also the barrier after which the checkpoint is published
-    if errors:
-        raise SMPCheckpointError(errors[0])
+    _agree(error, s.world_size)  # also the barrier after which the checkpoint is published
 
 
 def _publish(path: Path, tag: str, staging: Path, final: Path, recorded: dict, algorithm: str,

@@ -127,17 +127,31 @@ def _errno_of(exc: BaseException) -> int | None:
 
 
 def _last_written(folder: Path | None) -> Path | None:
-    """The newest file under ``folder``: the one being written when torch's writer failed."""
+    """The newest file under ``folder``: the one being written when torch's writer failed. Never raises:
+    another rank's failed write may remove its temporary file meanwhile (seen: a FileNotFoundError here
+    took the rank out before the ranks agreed on the failure)."""
     if folder is None or not folder.exists():
         return None
-    files = [p for p in folder.rglob("*") if p.is_file()]
-    return max(files, key=lambda p: p.stat().st_mtime_ns) if files else None
+    newest, when = None, -1
+    try:
+        for path in folder.rglob("*"):
+            try:
+                stamp = path.stat().st_mtime_ns if path.is_file() else -1
+            except OSError:  # removed since it was listed
+                continue
+            if stamp > when:
+                newest, when = path, stamp
+    except OSError:
+        pass
+    return newest
 
 
 def storage_failure(exc: BaseException, where: Path, staging: Path | None = None) -> SMPCheckpointError:
     """The error a save that ``exc`` failed raises: the file, the cause, the free space."""
     cause, code = os_error_in(exc), _errno_of(exc)
-    name = getattr(cause, "filename", None) or _last_written(staging) or where
+    # a copy's or rename's error carries both paths, the source first (shutil.copyfile's sendfile on a full
+    # disk: DeepSpeed's zero_to_fp32.py in site-packages); the file written is the second
+    name = getattr(cause, "filename2", None) or getattr(cause, "filename", None) or _last_written(staging) or where
     reason = (f"{os.strerror(code)} (errno {errno.errorcode.get(code, code)})" if code is not None
               else str(exc).splitlines()[0])
     free = free_bytes(where)

@@ -123,8 +123,7 @@ def write_index(io, pieces, buffers, module, optimizer, keys, step, saved=None, 
         folder.mkdir(parents=True, exist_ok=True)
     if state.world_size > 1:
         dist.barrier()
-    out.save(folder / f"rank{state.rank}.safetensors")
-    io.note(folder / f"rank{state.rank}.safetensors")
+    io.write(folder / f"rank{state.rank}.safetensors", out.save)  # a full disk: kept in io.failures
     groups = [{k: g[k] for k in GROUP_KEYS if k in g} for g in optimizer.param_groups]
     config = getattr(module, "config", None)  # a Hugging Face model's: lets `checkpoint export --to hf` write config.json
     hf_config = (json.loads(config.to_json_string(use_diff=False))

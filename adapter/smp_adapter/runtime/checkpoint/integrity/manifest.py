@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from smp_adapter.errors import SMPCheckpointError
+from smp_adapter.runtime.agreement import max_over_ranks
 from smp_adapter.runtime.state import warn_once, warned as _warned  # noqa: F401  (_warned: tests clear it)
 from smp_adapter.runtime.checkpoint.integrity.records import (CHUNK_ENV, SKIP_ENV, default_algorithm, digest_file, hasher, unit_bytes,  # noqa: F401
                                                 damaged_units, unit_range, units)
@@ -206,23 +207,6 @@ def require_intact(folder: Path, action: str) -> dict:
     if problems:
         raise refusal(folder, problems, action)
     return manifest
-
-
-def max_over_ranks(values: list[int], world_size: int) -> list[int]:
-    """Element-wise maximum of ``values`` (the same length on every rank) over all ranks (collective):
-    one all-reduce of a small tensor, about a third of an all_gather_object's cost (which pickles,
-    and runs two collectives). On smp's CPU group for such bookkeeping (``state.groups.objects``:
-    gloo over the world, NCCL jobs too), so the tensor stays on the CPU."""
-    if world_size == 1 or not values:
-        return list(values)
-    import torch
-    import torch.distributed as dist
-
-    from smp_adapter.runtime.state import state
-
-    reduced = torch.tensor(values, dtype=torch.int64)
-    dist.all_reduce(reduced, op=dist.ReduceOp.MAX, group=state.groups.objects if state.initialized else None)
-    return reduced.tolist()
 
 
 def agree(problems: list, world_size: int, same: int = 0) -> list:

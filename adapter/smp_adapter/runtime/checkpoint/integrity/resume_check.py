@@ -15,9 +15,10 @@ import contextlib
 from pathlib import Path
 
 from smp_adapter.errors import SMPCheckpointError
+from smp_adapter.runtime.agreement import max_over_ranks
 from smp_adapter.runtime.checkpoint.integrity.manifest import (ALGORITHM, FILES, MANIFEST, Problem, agree,
                                                     check_contents, check_files, check_sizes, differs, extra_files,
-                                                    has_digests, max_over_ranks, read_manifest, refusal, shares,
+                                                    has_digests, read_manifest, refusal, shares,
                                                     skipped, units_of, used_unchecked)
 from smp_adapter.runtime.checkpoint.integrity.hashing_io import HashingReader
 from smp_adapter.runtime.checkpoint.integrity.records import due_units, hasher, small

@@ -346,17 +346,17 @@ class DeepSpeedEngine(StartsThroughDeepSpeed, Engine):
 
         staging, checkpoint_engine = Path(io.folder), self._ds.checkpoint_engine
         # the files DeepSpeed writes for this rank are hashed as they are written (its default engine)
-        with io.noting_saves(checkpoint_engine, type(checkpoint_engine).save is TorchCheckpointEngine.save) as failed:
+        # a write that fails (disk full) does not raise inside DeepSpeed's save, whose collectives the other
+        # ranks are in: kept in io.failures, raised on every rank by checkpoint/dirs.py once this returned
+        with io.noting_saves(checkpoint_engine, type(checkpoint_engine).save is TorchCheckpointEngine.save), \
+                io.keeping_failures(self._ds, "_copy_recovery_script"):  # rank 0's copy of zero_to_fp32.py
             if not universal.enabled():
                 self._ds.save_checkpoint(str(staging), tag="ds", save_latest=False)
             else:
                 with SavedTensors(self._ds, Path(staging)) as saved:  # the index points into these files
                     self._ds.save_checkpoint(str(staging), tag="ds", save_latest=False)
-        record = {} if not universal.enabled() else \
+        return {} if not universal.enabled() else \
             {"universal": universal_checkpoint.save(self._ds, self.model.module, io, saved)}
-        if failed:  # a write failed (disk full): raised once the save's collectives (DeepSpeed's, ours) are done
-            raise failed[0]
-        return record
 
     def load_universal(self, folder, universal: dict) -> None:
         from smp_adapter.runtime.engines.deepspeed import universal_checkpoint

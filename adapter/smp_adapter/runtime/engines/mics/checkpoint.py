@@ -40,7 +40,6 @@ def save(io, engine, optimizer) -> dict:
 
     torch_optimizer = engine.torch_optimizer
     path = Path(io.folder) / FILE.format(rank=state.rank)
-    path.parent.mkdir(parents=True, exist_ok=True)
     io.torch_save({"model": engine.local_tensors(), "optimizer": shards.to_local_tree(torch_optimizer.state_dict()),
                    "sdp": state.dims.sdp, "rdp": state.dims.rdp}, path)
     if not universal.enabled():
