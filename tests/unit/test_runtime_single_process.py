@@ -74,6 +74,31 @@ def test_step_splits_batches_and_averages_gradients(fresh):
         torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-6, atol=1e-7)
 
 
+def test_step_splits_mappings_that_are_not_dicts(fresh):
+    """transformers' collators return a BatchEncoding (a UserDict, not a dict): each microbatch gets its
+    share of every value, in the same mapping type (once it went whole to every microbatch: twice the
+    rows out of an evaluation, found by the SageMaker-MP GLUE script with per-batch padding)."""
+    from collections import UserDict
+
+    from transformers import BatchEncoding
+
+    smp.init({"microbatches": 2})
+    model = smp.DistributedModel(_mlp())
+    seen = []
+
+    @smp.step
+    def forward(model, inputs):
+        seen.append((type(inputs), tuple(inputs["x"].shape)))
+        return model(inputs["x"])
+
+    x = torch.randn(6, 4)
+    for kind in (UserDict, BatchEncoding):
+        seen.clear()
+        out = forward(model, kind({"x": x}))
+        assert seen == [(kind, (3, 4)), (kind, (3, 4))], seen
+        torch.testing.assert_close(out.concat(), model(x).detach())
+
+
 def test_step_misuse_errors(fresh):
     smp.init({"microbatches": 4})
     model = smp.DistributedModel(_mlp())

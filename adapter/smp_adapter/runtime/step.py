@@ -168,7 +168,19 @@ def _split(value: Any, m: int, axis: int, name: str) -> list:
     if isinstance(value, dict):
         parts = {k: _split(v, m, axis, f"{name}[{k!r}]") for k, v in value.items()}
         return [type(value)((k, p[mb]) for k, p in parts.items()) for mb in range(m)]
+    if isinstance(value, Mapping):  # not a dict: transformers' BatchEncoding (a UserDict), what its collators return
+        parts = {k: _split(v, m, axis, f"{name}[{k!r}]") for k, v in value.items()}
+        return [_same_mapping_type(value, {k: p[mb] for k, p in parts.items()}) for mb in range(m)]
     return [value] * m  # models, ints, strings: passed through unchanged
+
+
+def _same_mapping_type(original: Mapping, items: dict) -> Mapping:
+    """``items`` in the type of ``original`` where that type is built from a dict (UserDict, BatchEncoding),
+    else a dict: the step body reads a microbatch's mapping as it read the batch's."""
+    try:
+        return type(original)(items)
+    except TypeError:
+        return items
 
 
 def _is_namedtuple(value) -> bool:
