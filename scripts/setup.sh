@@ -22,7 +22,7 @@ if [ "$#" -eq 0 ]; then
   if ! .venv/bin/python -c "$KEY_PACKAGES" >/dev/null 2>&1 || [ pyproject.toml -nt .venv/.smp-installed ]; then
     .venv/bin/python -m pip install -q --upgrade pip
     .venv/bin/python -m pip install -q "torch==${TORCH_VERSION:-2.13.0}"
-    .venv/bin/python -m pip install -q -e ".[test]"
+    .venv/bin/python -m pip install -q -e ".[test,hf-data]"
     touch .venv/.smp-installed
   fi
   exit 0
@@ -45,7 +45,9 @@ if [ ! -f "$env/.smp-installed" ]; then
   # torch first, at the version the constraints pin (the CPU build; see above)
   torch_pin=$(grep -E '^torch==' "$constraints" | head -1)
   "$env/bin/python" -m pip install -q "${torch_pin:-torch==${TORCH_VERSION:-2.13.0}}"
-  "$env/bin/python" -m pip install -q -c "$constraints" -e ".[test]"
+  # the extras a point installs: its "# extras:" line (default: test), e.g. no hf-data where its tqdm pin is too low
+  extras=$(sed -n 's/^# extras: *//p' "$constraints" | head -1)
+  "$env/bin/python" -m pip install -q -c "$constraints" -e ".[${extras:-test}]"
   touch "$env/.smp-installed"
 else
   # the cached environment's dependencies are current: point its editable install at this clone

@@ -73,3 +73,32 @@ def make_inputs(root: Path, kind: str = "bert", dropout: float = 0.0) -> dict:
     root.mkdir(parents=True, exist_ok=True)
     return {"model": make_model(kind, root / kind, dropout), "train": make_csv(root / "train.csv", 64, 0),
             "validation": make_csv(root / "dev.csv", 12, 1), "test": make_csv(root / "test.csv", 8, 2)}
+
+
+def _varied_sentence(rng, mood) -> str:
+    """One to three mood words: sentences of different lengths, so that padding per batch gives batches of
+    different shapes."""
+    words = [rng.choice(("the", "a")), rng.choice(("movie", "film", "plot", "story")), rng.choice(("was", "is"))]
+    for i in range(rng.randint(1, 3)):
+        words += (["and"] if i else []) + [rng.choice(mood)]
+    return " ".join(words)
+
+
+def make_glue_csv(path: Path, n: int, seed: int, test: bool = False) -> Path:
+    """GLUE's columns as its CSV exports have them (``idx``, the sentence pair, ``label``; -1 on the test
+    split, whose labels GLUE does not publish), with sentences of varied length."""
+    rng = random.Random(seed)
+    with open(path, "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["idx", "sentence1", "sentence2", "label"])
+        for i in range(n):
+            a = rng.random() < 0.5
+            mood = POSITIVE if a else NEGATIVE
+            writer.writerow([i, _varied_sentence(rng, mood), _varied_sentence(rng, mood), -1 if test else int(a)])
+    return path
+
+
+def make_glue_inputs(root: Path, kind: str = "bert") -> dict:
+    root.mkdir(parents=True, exist_ok=True)
+    return {"model": make_model(kind, root / kind), "train": make_glue_csv(root / "train.csv", 64, 0),
+            "validation": make_glue_csv(root / "dev.csv", 12, 1), "test": make_glue_csv(root / "test.csv", 8, 2, test=True)}

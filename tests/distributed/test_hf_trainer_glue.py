@@ -12,7 +12,11 @@ evaluation and prediction calls run stages traced for their own inputs (runtime/
 The checkpoint at the last step holds the optimizer saved through accelerate's wrapper. tp 2 and sdp 2
 (RoBERTa): finite, falling losses; at tp 2 rank 0 says nothing was split. Runs on transformers 5.x
 (the default stack) and 4.57 (the support matrix's transformers-4.57 point, scripts/test.sh), whose
-Trainer wraps smp's optimizer in accelerate's AcceleratedOptimizer (compat/hf_transformers.py)."""
+Trainer wraps smp's optimizer in accelerate's AcceleratedOptimizer (compat/hf_transformers.py).
+
+The SageMaker-MP GLUE script's flow (scripts/glue_sagemaker_mp.py: Hugging Face datasets, GLUE's columns,
+test labels -1 removed before predict, padding per batch, so batch shapes change from step to step and the
+Trainer's collator hands smp.step a BatchEncoding) at pp 2 equals one process the same way."""
 
 import json
 import math
@@ -20,10 +24,11 @@ import subprocess
 import sys
 
 import pytest
-from glue_inputs import make_inputs
+from glue_inputs import make_glue_inputs, make_inputs
 from launch_util import ROOT, run_as_launched
 
 SCRIPT = ROOT / "recipes" / "hf_trainer" / "run_glue.py"
+SAGEMAKER_MP_SCRIPT = ROOT / "tests" / "distributed" / "scripts" / "glue_sagemaker_mp.py"
 STEPS = 16
 
 
@@ -91,3 +96,35 @@ def test_tp2_and_sdp2_train(tmp_path, options):
     assert sum(losses[-4:]) < sum(losses[:4]), losses
     if "tensor_parallel_degree" in options:
         assert output.count("nothing in RobertaForSequenceClassification was split") == 1, output[-3000:]
+
+
+def _trainer_state(out) -> tuple[list[float], list[float]]:
+    history = json.loads((out / "trainer_state.json").read_text())["log_history"]
+    return [e["loss"] for e in history if "loss" in e], [e["grad_norm"] for e in history if "grad_norm" in e]
+
+
+def test_sagemaker_mp_glue_script_pp2_padding_per_batch_equals_one_process(tmp_path):
+    inputs = make_glue_inputs(tmp_path / "data", "bert")
+    args = ["--model_name_or_path", str(inputs["model"]), "--train_file", str(inputs["train"]),
+            "--validation_file", str(inputs["validation"]), "--test_file", str(inputs["test"]), "--do_train",
+            "--do_eval", "--do_predict", "--per_device_train_batch_size", "8", "--per_device_eval_batch_size", "8",
+            "--max_steps", "8", "--learning_rate", "2e-3", "--logging_steps", "1", "--report_to", "none",
+            "--save_strategy", "no", "--max_grad_norm", "0.01", "--seed", "1", "--pad_to_max_length", "False"]
+    single = tmp_path / "single"
+    proc = subprocess.run([sys.executable, str(SAGEMAKER_MP_SCRIPT), *args, "--output_dir", str(single)],
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                          env={**__import__("os").environ, "CUDA_VISIBLE_DEVICES": ""})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    pp2 = tmp_path / "pp2"
+    run_as_launched("--cpu", "--no-mp-parameters", "--options",
+                    json.dumps({"pipeline_parallel_degree": 2, "microbatches": 2, "ddp": True}), "--job-dir",
+                    str(tmp_path / "job"), str(SAGEMAKER_MP_SCRIPT), *args, "--output_dir", str(pp2), cwd=tmp_path)
+    (losses, norms), (ref_losses, ref_norms) = _trainer_state(pp2), _trainer_state(single)
+    assert len(losses) == 8 and _max_difference(losses, ref_losses) < 1e-5, (losses, ref_losses)
+    assert min(ref_norms) > 0.01 and _max_difference(norms, ref_norms) < 1e-5 * max(ref_norms), (norms, ref_norms)
+    metrics, ref_metrics = (json.loads((out / "eval_results.json").read_text()) for out in (pp2, single))
+    assert metrics["eval_samples"] == 12
+    for key in ("eval_loss", "eval_accuracy"):
+        assert abs(metrics[key] - ref_metrics[key]) < 1e-5, (key, metrics, ref_metrics)
+    logits, ref_logits = (json.loads((out / "test_logits.json").read_text()) for out in (pp2, single))
+    assert len(logits) == 8 and _max_difference(logits, ref_logits) < 1e-5, (logits, ref_logits)
