@@ -70,7 +70,10 @@ def test_sdp_with_tensor_parallelism_tp2_sdp2_of_rdp4(tmp_path, engine):
 
     options = {"tensor_parallel_degree": 2, "ddp": True, "sharded_data_parallel_degree": 2, "prescaled_batch": True,
                "sdp_param_persistence_threshold": 0, "sdp_gradient_clipping": 0.0}
-    results = run_ranks(SCRIPT, 8, args=["--model", "gpt2", "--steps", 2], out_dir=tmp_path,
+    # mics: the script clips with torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05) (the Trainer's way),
+    # which must take the norm over the sharding group and a TP-split weight's shards over the TP group
+    clip = ["--clip", 0.05, "--clip-with", "torch"] if engine == "mics" else []
+    results = run_ranks(SCRIPT, 8, args=["--model", "gpt2", "--steps", 2, *clip], out_dir=tmp_path,
                         env={"SM_HP_MP_PARAMETERS": json.dumps(options), "SMP_ADAPTER_SDP_ENGINE": engine})
     grid = ParallelDims.from_config(SMPConfig.from_dict(options), 8, engine).grid
     for r in results:
@@ -79,7 +82,7 @@ def test_sdp_with_tensor_parallelism_tp2_sdp2_of_rdp4(tmp_path, engine):
             assert set(r["hpz_group"]) <= set(grid.rdp_group(r["rank"]))
         else:
             assert r["hpz_group"] is None
-    _check(results, "gpt2", steps=2)
+    _check(results, "gpt2", steps=2, clip=0.05 if clip else None)
 
 
 @pytest.mark.parametrize("tp,extra", [(2, {}), (2, {"pipeline_parallel_degree": 2, "microbatches": 2}),

@@ -21,7 +21,8 @@ v1 documents it ("SDP is AWS's MiCS implementation"), on torch FSDP2 (``fully_sh
   rank trains on its own samples, so the shards of replicated parameters are averaged over the TP
   group too before the update (the same shard on every TP rank: the parameters have equal shapes).
 * Gradient clipping (``sdp_gradient_clipping``, ``clip_master_grads``) inside ``optimizer.step()``
-  by the global norm of the whole model, from the shards (runtime/clipping.py).
+  by the global norm of the whole model, from the shards (runtime/clipping.py); a script's (or the
+  Trainer's) ``torch.nn.utils.clip_grad_norm_(model.parameters(), n)`` is routed to the same rule.
 """
 
 from __future__ import annotations
@@ -110,7 +111,13 @@ class MicsEngine(Engine):
         # without prescaled_batch each TP rank had its own samples: replicated parameters also
         # average over the TP group (as runtime/engines/deepspeed does)
         self._tp_average = state.dims.tp > 1 and not cfg.prescaled_batch
+        self._tp_averaged = False  # this step's replicated shards already averaged (by a clip before the step)
         model.mark_partitioned()
+        from smp_adapter.runtime.clipping import route_torch_clipping
+
+        # torch's own clip of the DTensor gradients sums over the mesh (one TP rank's sharding group) only:
+        # a TP-split weight's shards would be left out of the norm
+        route_torch_clipping(self)
 
     # -- model -----------------------------------------------------------------------------------
     def run_step(self, func, bound_mbs: list, detach: bool) -> list:
@@ -184,9 +191,21 @@ class MicsEngine(Engine):
 
         return ZeroNames(self._optimizer, self) if self._optimizer is not None else None
 
-    def optimizer_step(self, optimizer, clip_norm) -> None:
-        if self._tp_average:
+    def _average_over_tp_once(self) -> None:
+        if self._tp_average and not self._tp_averaged:
             shards.average_replicated_over_tp(self.model)
+            self._tp_averaged = True
+
+    def clip_grad_norm(self, params, max_norm: float) -> float:
+        """``torch.nn.utils.clip_grad_norm_`` on the model (runtime/clipping.py routes it here): the global norm
+        of the whole model from the gradient shards, every shard scaled by the same factor. Replicated
+        parameters are first averaged over the TP group, as the step would, so the norm is the step's."""
+        self._average_over_tp_once()
+        return shards.clip(self.model, max_norm)
+
+    def optimizer_step(self, optimizer, clip_norm) -> None:
+        self._average_over_tp_once()
+        self._tp_averaged = False
         # optimizer.clip_master_grads(n) for this step, else sdp_gradient_clipping (smp's default 1.0; 0 = off)
         if clip_norm is None and state.cfg.sdp_gradient_clipping > 0:
             clip_norm = state.cfg.sdp_gradient_clipping
