@@ -122,3 +122,11 @@ def test_clip_master_grads_with_tensor_parallelism(tmp_path, tp, extra):
     results = run_ranks(SCRIPT, nprocs, args=["--model", model, "--clip", 0.05, "--clip-with", clip_with],
                         env={"SM_HP_MP_PARAMETERS": json.dumps(options)}, out_dir=tmp_path)
     _check(results, model, clip=0.05)
+    # what torch's clip returned: the norm DeepSpeed's ZeRO step computes itself (ZeRO-1 here: read from its
+    # partitions at the call; it was nan), the same on every rank
+    for r in results:
+        assert r["torch_clip_norms"] and r["torch_clip_norms"] == results[0]["torch_clip_norms"], r["torch_clip_norms"]
+        for returned, step_norm in r["torch_clip_norms"]:
+            assert returned > 0.05, r["torch_clip_norms"]  # finite, and this clip did clip
+            if step_norm is not None:
+                assert abs(returned - step_norm) <= 1e-5 * step_norm, r["torch_clip_norms"]

@@ -59,6 +59,7 @@ def train_step(model, data, target):
 
 
 saved_state = None
+norms = []  # [what torch's clip_grad_norm_ returned, the optimizer's _global_grad_norm after the step]
 model.train()
 for step in range(args.first_step, args.first_step + args.steps):
     data, target = batch_for(args.model, step, B * readers)
@@ -71,11 +72,16 @@ for step in range(args.first_step, args.first_step + args.steps):
         loss = loss.detach()
     else:
         loss = train_step(model, data, target).reduce_mean()
+    torch_norm = None
     if args.clip is not None and (args.clip_with == "torch" or (args.clip_with == "both" and step % 2)):
-        torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)  # a plain script's (and the Trainer's) clip
+        # a plain script's (and the Trainer's) clip
+        torch_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip))
     elif args.clip is not None:
         optimizer.clip_master_grads(args.clip)
     optimizer.step()
+    if torch_norm is not None:  # beside the norm the engine's step computed itself, where it keeps one
+        step_norm = getattr(optimizer, "_global_grad_norm", None)
+        norms.append([torch_norm, None if step_norm is None else float(step_norm)])
     # mean over the readers = the loss of the whole global batch
     losses.append(sum(smp.allgather(loss.item(), smp.WORLD)) / smp.size())
     if step + 1 == args.save_at:
@@ -93,5 +99,5 @@ if args.save_hf and smp.rank() == 0:
     plain.load_state_dict(state)
     plain.save_pretrained(args.save_hf)
 write_result({"losses": losses, "split": split, "final_state": {k: v.tolist() for k, v in state.items()},
-              "saved_state": saved_state,
+              "saved_state": saved_state, "torch_clip_norms": norms,
               "readers": readers, "rank": smp.rank(), "hpz_group": hpz_group})

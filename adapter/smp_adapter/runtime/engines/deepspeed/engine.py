@@ -241,7 +241,8 @@ class DeepSpeedEngine(StartsThroughDeepSpeed, Engine):
         """``torch.nn.utils.clip_grad_norm_`` on the model (runtime/clipping.py routes it here). A plain optimizer
         holds whole gradients: clipped now by the norm over the TP shards. DeepSpeed's ZeRO / fp16 optimizers
         hold them in their partitions: DeepSpeed clips by its global norm in this step's update (``clip_grad``
-        for the step); ZeRO-3's norm is read from the local partitions (zero3.py), others' only in the step."""
+        for the step); the norm returned is read from the partitions (ZeRO-3: zero3.py; ZeRO-1/2: DeepSpeed's
+        own rule), and only in the step under the fp16/bf16 optimizers without ZeRO (nan here)."""
         import math
 
         from smp_adapter.runtime.clipping import clip_by_global_norm
@@ -263,11 +264,15 @@ class DeepSpeedEngine(StartsThroughDeepSpeed, Engine):
             from smp_adapter.runtime.engines.deepspeed.zero3 import local_gradient_norm
 
             return local_gradient_norm(mine, self.model.is_distributed_parameter, tp_group, state.groups.rdp)
+        if hasattr(inner, "scaled_global_norm") and hasattr(inner, "averaged_gradients"):
+            # ZeRO-1/2: this rank's partition of the reduced gradients, which DeepSpeed's step will read;
+            # its own norm rule (all-reduced over the data-parallel and TP groups), unscaled as the step does
+            return float(inner.scaled_global_norm()) / float(getattr(inner, "loss_scale", 1.0) or 1.0)
         from smp_adapter.runtime.state import warn_once
 
-        warn_once(["torch.nn.utils.clip_grad_norm_ on the model under ZeRO stage 1/2 or fp16/bf16: DeepSpeed "
-                   "clips by the global norm in the next optimizer.step(); the norm is known only then, so the call "
-                   "returns nan (read it after the step as optimizer._global_grad_norm)"], state.rank)
+        warn_once(["torch.nn.utils.clip_grad_norm_ on the model under DeepSpeed's fp16/bf16 optimizer without ZeRO: "
+                   "DeepSpeed clips by the global norm in the next optimizer.step(); the norm is known only then, so "
+                   "the call returns nan (read it after the step as optimizer._global_grad_norm)"], state.rank)
         return float("nan")
 
     def _clip(self, max_norm: float) -> None:
