@@ -94,9 +94,9 @@ def _map_key(key: str, cfg: SMPConfig, dims: ParallelDims, ds: Mapping[str, Any]
     """(engine key, engine value, status, note) for one smp key."""
     row = KEYS.get(key)
     zero = ds.get("zero_optimization", {})
-    if key == "sdp_hierarchical_allgather" and dims.mics_group_size > 1:
+    if dims.mics_group_size > 1 and key in MICS_KEYS:  # what the MiCS engine makes of the key (translate/mics.py)
         engine_key, status, note = MICS_KEYS[key]
-        return engine_key, "-", status, note
+        return engine_key, "-" if key == "sdp_hierarchical_allgather" else getattr(cfg, key), status, note
     if row is not None and row.policy is Policy.IGNORED:
         return "-", "-", "ignored", row.note
     if row is not None and row.policy is Policy.REJECTED:  # only the default value gets this far
@@ -207,9 +207,6 @@ def _map_key(key: str, cfg: SMPConfig, dims: ParallelDims, ds: Mapping[str, Any]
     if key in SDP_KEYS:
         if dims.sdp == 1:
             return "-", "-", "ignored", "only used with sharded_data_parallel_degree > 1"
-        if dims.mics_group_size > 1:
-            engine_key, status, note = MICS_KEYS[key]
-            return engine_key, getattr(cfg, key), status, note
         notes = {"sdp_reduce_bucket_size": BUFFER_BOUND_WORDS if key not in cfg.given else "",
                  "sdp_max_live_parameters": MAX_LIVE_WORDS if key not in cfg.given else ""}
         return _ds(key), deepspeed_value(ds, DEEPSPEED_KEYS[key][0]), "exact", notes.get(key, "")
@@ -263,7 +260,8 @@ def _derived_rows(dims: ParallelDims, ds: Mapping[str, Any], mg: MegatronPlan) -
                                f"what runs sharded_data_parallel_degree < rdp; {SDP_ENGINE_ENV}=mics (default) or hpz"))
     micro = ds["train_micro_batch_size_per_gpu"]
     rows += [
-        ExplainRow("(derived) micro batch", micro, "derived", "deepspeed train_micro_batch_size_per_gpu", micro, "exact",
+        ExplainRow("(derived) micro batch", micro, "derived", "MiCS engine: samples per microbatch"
+                   if dims.engine == "mics" else "deepspeed train_micro_batch_size_per_gpu", micro, "exact",
                    f"per-rank batch {micro * dims.cfg.microbatches} / microbatches {dims.cfg.microbatches}"),
         ExplainRow("(derived) replica micro batch", mg.micro_batch_size, "derived", "megatron micro_batch_size",
                    mg.micro_batch_size, "exact", "samples per model replica per microbatch"),

@@ -27,6 +27,19 @@ MICS_KEYS = {
     "sdp_gradient_clipping": (
         "clip inside optimizer.step() by the global norm of all shards", "exact",
         "the norm is summed over the group's shards (and the TP group's split parameters)"),
+    "microbatches": (
+        "MiCS engine: microbatches one after another inside one smp.step call", "exact",
+        "each microbatch's loss divided by microbatches; its gradients reduce-scattered inside the group, the "
+        "replicas' all-reduce after the last microbatch"),
+    "shard_optimizer_state": (
+        "MiCS engine: optimizer state of the parameter shards", "exact",
+        "sharded data parallel shards optimizer state already (the optimizer steps this rank's shards)"),
+    "bf16": (
+        "FSDP2 MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)", "exact",
+        "bf16 compute and gathers, fp32 shards (the optimizer's masters), fp32 gradient reduction"),
+    "fp16": (
+        "MiCS engine: fp16 refused at this layout", "exact",
+        f"fp16 with sharded_data_parallel_degree < rdp is refused: use bf16, or {SDP_ENGINE_ENV}=hpz (ZeRO-3 + hpZ)"),
 }
 
 
