@@ -14,6 +14,8 @@ its address over the shaped link. Settings a namespace needs and why:
   machine's cgroup tree, and the cgroup plugins would fight over it (and need systemd's delegation);
 * ``SlurmdParameters=config_overrides``: each slurmd takes its node's CPUs from slurm.conf, not from the
   (shared) hardware, so two nodes of 2 CPUs exist on a 2-core machine;
+* ``JobRequeue=0``: a batch job whose node died ends (NODE_FAIL) instead of waiting to run again, so that
+  ``sbatch --wait`` reports the failure as a job on real nodes without requeueing would;
 * ``AuthInfo=socket=...``: this cluster's munged, not the machine's (which may run with another key);
 * ``SlurmctldHost=<this host's name>(<node 0's address>)``: slurmctld checks that it runs on the host named
   there, and all namespaces share the machine's host name.
@@ -145,7 +147,7 @@ class SlurmCluster:
             f"SlurmctldPidFile={d / 'slurmctld.pid'}\nSlurmdPidFile={d / 'slurmd.%n.pid'}\n"
             "ProctrackType=proctrack/linuxproc\nTaskPlugin=task/none\nJobAcctGatherType=jobacct_gather/none\n"
             "MpiDefault=none\nSwitchType=switch/none\n"
-            "SlurmdParameters=config_overrides\nReturnToService=2\n"
+            "SlurmdParameters=config_overrides\nReturnToService=2\nJobRequeue=0\n"
             f"SlurmdTimeout={self.slurmd_timeout}\nMessageTimeout=10\nInactiveLimit=0\nKillWait=5\n"
             "SchedulerType=sched/backfill\nSelectType=select/cons_tres\nSelectTypeParameters=CR_CPU\n"
             f"{nodes}PartitionName=smp Nodes={','.join(self.node_names())} Default=YES MaxTime=INFINITE "

@@ -12,7 +12,6 @@ where it can)."""
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 import time
@@ -21,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from apt_packages import apt_install
 from launch_util import ROOT, base_env, results_as_launched
 
 sys.path.insert(0, str(ROOT / "scripts"))
@@ -35,23 +35,6 @@ JOB = ROOT / "tests/distributed/scripts/cluster_job.py"
 TP_DP = {"ddp": True, "tensor_parallel_degree": 2}
 LAUNCH = "from smp_adapter.cli import main; raise SystemExit(main())"
 APT_PACKAGES = ("slurm-wlm", "munge")
-
-
-def apt_install(packages, missing) -> str | None:
-    """Install Debian ``packages`` when ``missing()`` says something is; why not, in one line, or None."""
-    if missing() is None:
-        return None
-    if not shutil.which("apt-get"):
-        return f"{missing()}; apt-get is not available to install {' '.join(packages)}"
-    env = {"DEBIAN_FRONTEND": "noninteractive", "PATH": "/usr/sbin:/usr/bin:/sbin:/bin"}
-    for argv in (["apt-get", "update"], ["apt-get", "install", "-y", "--no-install-recommends", *packages]):
-        try:
-            proc = subprocess.run(argv, capture_output=True, text=True, timeout=300, env=env)
-        except subprocess.TimeoutExpired:
-            return f"{missing()}; {' '.join(argv)} took over 300 s"
-        if proc.returncode != 0:
-            return f"{missing()}; {' '.join(argv)} failed: {proc.stderr.strip()[-300:]}"
-    return missing()
 
 
 @pytest.fixture(scope="module")
@@ -158,8 +141,9 @@ def _ended(proc: subprocess.Popen, c, seconds: float) -> float:
 
 def test_slurm_scancel_and_a_dead_node_end_every_rank_naming_the_cause(slurm_packages, tmp_path):
     """``scancel`` of a running job: every rank on both nodes ends and the job's output says it was cancelled;
-    then node 1 dies (its slurmd and everything else in it SIGKILLed) under a second job: srun ends every
-    rank, and Slurm names the node (slurmctld marks it down after SlurmdTimeout, 10 s here)."""
+    then node 1 dies (its slurmd and everything else in it SIGKILLed) under a second job: node 0's ranks
+    name the lost peer's address, srun ends them, and slurmctld names the node (down after SlurmdTimeout, 10 s
+    here) and ends the job."""
     with slurm_cluster(slurmd_timeout=10) as (c, slurm):
         first = tmp_path / "first"
         first.mkdir()
@@ -175,8 +159,12 @@ def test_slurm_scancel_and_a_dead_node_end_every_rank_naming_the_cause(slurm_pac
         slurm.kill_slurmd(1)
         for pid in c.pids(1):
             subprocess.run(["kill", "-9", str(pid)], timeout=10)
-        took_node = _ended(proc, c, 60)
-        out = _read(second / "slurm.out")
+        took_node = _ended(proc, c, 90)
+        out, ctld_log = _read(second / "slurm.out"), slurm.log("slurmctld")
     assert proc.returncode != 0
-    assert "n1" in out, out[-3000:]
+    # node 0's ranks name the dead peer's address at once (gloo: "Connection closed by peer" or "reset by
+    # peer"); srun names the node once slurmctld set it down after SlurmdTimeout, and the job ends
+    # (JobRequeue=0: not requeued)
+    assert "[10.213.54.2]" in out and "by peer" in out, out[-3000:]
+    assert "srun: error: Node failure on n1" in out, out[-3000:] + ctld_log[-2000:]
     print(f"scancel ended the job in {took:.1f} s, a dead node in {took_node:.1f} s\n{out[-1500:]}")
