@@ -9,8 +9,8 @@ talk over their node's loopback, ranks of different nodes over the shaped link. 
         -- --nproc-per-node 2 --options '{"ddp": true, "sharded_data_parallel_degree": 4}' train.py
 
 With ``--slurm`` (Slurm's daemons on the nodes) or ``--ssh`` (an sshd in each), everything after ``--`` is
-one command run in node 0 instead (netns_services.py). Otherwise everything after ``--`` is given to every node's ``smp-adapter launch`` (after the multi-node arguments the
-tool adds). Needs root, iproute2's ``ip`` and ``tc`` and network namespaces; where one is missing it says so in
+one command run in node 0 instead (netns_services.py). Otherwise everything after ``--`` is given to every
+node's ``smp-adapter launch`` (after the multi-node arguments the tool adds). Needs root, iproute2's ``ip`` and ``tc`` and network namespaces; where one is missing it says so in
 one line and exits 3 (``unavailable()`` gives the same line to the tests, which skip with it).
 
 Safety: nothing is created in the machine's own network namespace: the veth pairs are created directly
@@ -484,8 +484,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="cluster-out", help="each node's job dir and output (node<i>.out/.err)")
     p.add_argument("--timeout", type=float, default=3600.0, help="kill the job after S seconds (default 3600)")
     p.add_argument("--measure", action="store_true", help="measure node 1 -> node 0 TCP throughput first (2 s)")
-    p.add_argument("--slurm", action="store_true", help="run Slurm (netns_slurm.py); run the command after -- in node 0")
-    p.add_argument("--ssh", action="store_true", help="run sshd in every node (netns_sshd.py); the command after -- in node 0")
+    p.add_argument("--slurm", action="store_true", help="Slurm on the nodes (netns_slurm.py); -- CMD runs in node 0")
+    p.add_argument("--ssh", action="store_true", help="sshd in every node (netns_sshd.py); -- CMD runs in node 0")
     p.add_argument("--cleanup", action="store_true", help="remove what runs killed with -9 left, then exit")
     args = p.parse_args(own)
     reason = unavailable()

@@ -102,7 +102,8 @@ class SshCluster:
                            check=True, capture_output=True, timeout=20)
         shutil.copy(self.dir / "id_ed25519.pub", self.dir / "authorized_keys")
         host_pub = (self.dir / "host_ed25519.pub").read_text().split()[:2]
-        known = "".join(f"{','.join([n.addr, *self.names[n.index]])} {' '.join(host_pub)}\n" for n in self.cluster.nodes)
+        known = "".join(f"{','.join([n.addr, *self.names[n.index]])} {' '.join(host_pub)}\n"
+                        for n in self.cluster.nodes)
         (self.dir / "known_hosts").write_text(known)
 
     def _write_client_config(self) -> None:
@@ -120,7 +121,8 @@ class SshCluster:
         d = self.dir
         conf = d / f"sshd_config.n{node.index}"
         conf.write_text(
-            f"ListenAddress {node.addr}\nPort 22\nHostKey {d / 'host_ed25519'}\nPidFile {d / f'sshd.n{node.index}.pid'}\n"
+            f"ListenAddress {node.addr}\nPort 22\nHostKey {d / 'host_ed25519'}\n"
+            f"PidFile {d / f'sshd.n{node.index}.pid'}\n"
             f"AuthorizedKeysFile {d / 'authorized_keys'}\nPermitRootLogin prohibit-password\n"
             "PasswordAuthentication no\nKbdInteractiveAuthentication no\nUsePAM no\nStrictModes no\n"
             f"SetEnv GLOO_SOCKET_IFNAME=eth0\nAcceptEnv LANG LC_*\nMaxStartups 100:30:200\nMaxSessions 100\n")

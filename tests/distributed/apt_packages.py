@@ -14,7 +14,8 @@ def apt_install(packages, missing) -> str | None:
     if not shutil.which("apt-get"):
         return f"{missing()}; apt-get is not available to install {' '.join(packages)}"
     env = {"DEBIAN_FRONTEND": "noninteractive", "PATH": "/usr/sbin:/usr/bin:/sbin:/bin"}
-    for argv in (["apt-get", "update"], ["apt-get", "-o", "DPkg::Lock::Timeout=120", "install", "-y", "--no-install-recommends", *packages]):
+    install = ["apt-get", "-o", "DPkg::Lock::Timeout=120", "install", "-y", "--no-install-recommends", *packages]
+    for argv in (["apt-get", "update"], install):
         try:
             proc = subprocess.run(argv, capture_output=True, text=True, timeout=300, env=env)
         except subprocess.TimeoutExpired:

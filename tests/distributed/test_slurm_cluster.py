@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 from apt_packages import apt_install
-from launch_util import ROOT, base_env, results_as_launched
+from launch_util import ROOT, base_env, results_as_launched, shared_results
 
 sys.path.insert(0, str(ROOT / "scripts"))
 import netns_cluster  # noqa: E402
@@ -42,6 +42,17 @@ def slurm_packages():
     reason = apt_install(APT_PACKAGES, netns_slurm.unavailable)
     if reason:
         pytest.skip(reason)
+
+
+@pytest.fixture(scope="module")
+def one_node(tmp_path_factory):
+    """The tp 2 x dp 2 job on one node of 4 ranks (shared with test_sshd_cluster.py across workers)."""
+    def compute():
+        cwd = tmp_path_factory.mktemp("one_node")
+        return results_as_launched("--launcher", "torchrun", "--cpu", "--nproc-per-node", 4, "--options",
+                                   json.dumps(TP_DP), "--job-dir", cwd / "job", TP, cwd=cwd, timeout=150)
+
+    return shared_results(tmp_path_factory, "tp2_dp2_one_node", compute)
 
 
 @contextmanager
@@ -71,7 +82,7 @@ def _rank_env(out: Path) -> dict:
                      "GLOO_SOCKET_IFNAME": netns_cluster.DEV})
 
 
-def test_slurm_sbatch_srun_and_launch_tp2_dp2_match_one_node(slurm_packages, tmp_path):
+def test_slurm_sbatch_srun_and_launch_tp2_dp2_match_one_node(slurm_packages, one_node, tmp_path):
     """One sbatch job, two steps on 2 nodes x 2 tasks: ``srun python train_tp.py`` (smp.init reads
     SLURM_PROCID/SLURM_STEP_NUM_TASKS/SLURM_LOCALID, the master is the nodelist's first host, n0, resolved
     inside the nodes) and ``smp-adapter launch --launcher srun`` (its srun line run by Slurm for real); both
@@ -90,8 +101,7 @@ def test_slurm_sbatch_srun_and_launch_tp2_dp2_match_one_node(slurm_packages, tmp
         ctld_log = slurm.log("slurmctld")
     output = (tmp_path / "slurm.out").read_text() if (tmp_path / "slurm.out").exists() else ""
     assert proc.returncode == 0, f"{proc.stdout}{proc.stderr}\n{output[-4000:]}\n{ctld_log[-2000:]}"
-    one = results_as_launched("--launcher", "torchrun", "--cpu", "--nproc-per-node", 4, "--options",
-                              json.dumps(TP_DP), "--job-dir", tmp_path / "one", TP, cwd=tmp_path, timeout=150)
+    one = one_node
     for out in (srun_out, launch_out):
         results = [json.loads((out / f"rank{r}.json").read_text()) for r in range(4)]
         for rank, r in enumerate(results):
@@ -152,7 +162,7 @@ def test_slurm_scancel_and_a_dead_node_end_every_rank_naming_the_cause(slurm_pac
         slurm.run_in(0, ["scancel", job_id], timeout=15)
         took = _ended(proc, c, 30)
         assert proc.returncode != 0
-        assert f"CANCELLED AT" in _read(first / "slurm.out"), _read(first / "slurm.out")
+        assert "CANCELLED AT" in _read(first / "slurm.out"), _read(first / "slurm.out")
         second = tmp_path / "second"
         second.mkdir()
         proc = _forever_job(slurm, second)
