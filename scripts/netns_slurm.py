@@ -112,13 +112,12 @@ class SlurmCluster:
             self._write_munge_key()
             self._write_conf()
             self._start_munged()
-            ctl = self.cluster.nodes[0]
             self._start("slurmctld", 0, [_which("slurmctld"), "-D", "-f", self.conf, "-L", self.dir / "slurmctld.log"])
             for n in self.cluster.nodes:
                 self._start(f"slurmd-n{n.index}", n.index,
                             [_which("slurmd"), "-D", "-N", f"n{n.index}", "-f", self.conf,
                              "-L", self.dir / f"slurmd.n{n.index}.log"])
-            self._wait_idle(ctl)
+            self._wait_idle()
         except BaseException:
             self.down()
             raise
@@ -180,7 +179,7 @@ class SlurmCluster:
                 raise SlurmError(f"{what} ({'; '.join(dead) or f'{timeout:.0f} s'}): {self._logs_tail(log)}")
             time.sleep(0.2)
 
-    def _wait_idle(self, ctl) -> None:
+    def _wait_idle(self) -> None:
         def idle() -> bool:
             proc = self.run_in(0, ["sinfo", "-h", "-N", "-o", "%N %t"], timeout=15)
             states = dict(line.split() for line in proc.stdout.splitlines() if len(line.split()) == 2)

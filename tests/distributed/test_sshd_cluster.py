@@ -71,13 +71,12 @@ def ssh_cluster():
         assert not any((netns_slurm.NETNS_ETC / n.ns).exists() for n in c.nodes), "/etc/netns entries left"
 
 
-def _launch_in_node0(s, tmp_path: Path, out: Path, *launch_args, timeout: float = 200):
+def _launch_in_node0(s, tmp_path: Path, out: Path, *launch_args) -> subprocess.Popen:
     (tmp_path / "hosts").write_text("n0 slots=2\nn1 slots=2\n")
     env = base_env({"SMP_TEST_OUT": str(out), "PRTE_MCA_plm_ssh_agent": str(s.dir / "bin/ssh")})
     argv = [sys.executable, "-c", LAUNCH, "launch", "--hostfile", tmp_path / "hosts", "--cpu", "--master-addr",
             "10.213.54.1", "--master-port", PORT, "--grace", 3, "--job-dir", tmp_path / "job", *launch_args]
-    proc = s.popen(0, argv, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    return proc
+    return s.popen(0, argv, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def _finish(proc, timeout: float):
