@@ -8,8 +8,9 @@ talk over their node's loopback, ranks of different nodes over the shaped link. 
     sudo .venv/bin/python scripts/netns_cluster.py --nodes 2 --rate 100mbit --measure \\
         -- --nproc-per-node 2 --options '{"ddp": true, "sharded_data_parallel_degree": 4}' train.py
 
-Everything after ``--`` is given to every node's ``smp-adapter launch`` (after the multi-node arguments the
-tool adds). Needs root, iproute2's ``ip`` and ``tc`` and network namespaces; where one is missing it says so in
+With ``--slurm`` (Slurm's daemons on the nodes) or ``--ssh`` (an sshd in each), everything after ``--`` is
+one command run in node 0 instead (netns_services.py). Otherwise everything after ``--`` is given to every
+node's ``smp-adapter launch`` (after the multi-node arguments the tool adds). Needs root, iproute2's ``ip`` and ``tc`` and network namespaces; where one is missing it says so in
 one line and exits 3 (``unavailable()`` gives the same line to the tests, which skip with it).
 
 Safety: nothing is created in the machine's own network namespace: the veth pairs are created directly
@@ -39,6 +40,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -461,6 +463,9 @@ def cleanup_dead_runs() -> list[str]:
         if ns.endswith(tuple(f"-n{i}" for i in range(200))):
             _run("ip", "-n", ns, "link", "del", DEV, check=False)
         _run("ip", "netns", "del", ns, check=False)
+        # what netns_slurm/netns_sshd made for it: the nodes' /etc/netns hosts, keys, spool and state directories
+        for leftover in [Path("/etc/netns") / ns, *Path(tempfile.gettempdir()).glob(f"{ns.rsplit('-', 1)[0]}-*-*")]:
+            shutil.rmtree(leftover, ignore_errors=True)
         removed.append(ns)
     return removed
 
@@ -479,6 +484,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="cluster-out", help="each node's job dir and output (node<i>.out/.err)")
     p.add_argument("--timeout", type=float, default=3600.0, help="kill the job after S seconds (default 3600)")
     p.add_argument("--measure", action="store_true", help="measure node 1 -> node 0 TCP throughput first (2 s)")
+    p.add_argument("--slurm", action="store_true", help="Slurm on the nodes (netns_slurm.py); -- CMD runs in node 0")
+    p.add_argument("--ssh", action="store_true", help="sshd in every node (netns_sshd.py); -- CMD runs in node 0")
     p.add_argument("--cleanup", action="store_true", help="remove what runs killed with -9 left, then exit")
     args = p.parse_args(own)
     reason = unavailable()
@@ -508,7 +515,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.measure:
             print(f"netns_cluster: measured TCP throughput node 1 -> node 0: {cluster.throughput(1, 0):.1f} Mbit/s",
                   flush=True)
-        if launch_args:
+        if launch_args and (args.slurm or args.ssh):
+            from netns_services import run_with_services
+
+            code = run_with_services(cluster, launch_args, args.slurm, args.ssh, args.timeout)
+        elif launch_args:
             runs = cluster.launch(launch_args, port=args.port, out_dir=out, echo=True)
             finished = cluster.wait(runs, args.timeout)
             codes = [r.proc.returncode for r in runs]

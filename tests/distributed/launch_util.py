@@ -254,3 +254,19 @@ def _as_launched(launch_args, cwd: Path, timeout: float) -> tuple[str, Path, int
         Path(env[name]).mkdir(parents=True, exist_ok=True)
     out_dir = Path(env["SM_OUTPUT_DIR"]) / "forked-ranks"
     return run_job(script, nprocs, script_args, env=env, timeout=timeout, out_dir=out_dir, cwd=cwd), out_dir, nprocs
+
+
+def shared_results(tmp_path_factory, name: str, compute) -> list[dict]:
+    """``compute()``'s JSON results, computed once per test session even across pytest-xdist workers (a file
+    under the session's shared temporary root, the first worker holding a lock while it computes): the
+    namespaced-cluster tests compare with the same one-node reference."""
+    import fcntl
+
+    root = tmp_path_factory.getbasetemp()
+    root = root.parent if root.name.startswith("popen-gw") else root
+    path = root / f"{name}.json"
+    with open(root / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # bounded by compute()'s own timeout in the holder
+        if not path.exists():
+            path.write_text(json.dumps(compute()))
+        return json.loads(path.read_text())

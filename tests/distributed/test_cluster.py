@@ -25,6 +25,7 @@ from launch_util import ROOT
 
 sys.path.insert(0, str(ROOT / "scripts"))
 import netns_cluster  # noqa: E402
+import netns_sshd  # noqa: E402
 
 REASON = netns_cluster.unavailable()
 pytestmark = pytest.mark.skipif(REASON is not None, reason=REASON or "")
@@ -237,6 +238,8 @@ def test_a_slow_link_and_a_long_save_do_not_end_the_job(tmp_path, monkeypatch):
     assert [len(r["sums"]) for r in _results(tmp_path, 2)] == [12, 12]
 
 
+@pytest.mark.skipif(netns_sshd.unavailable() is None, reason="sshd, ssh and pdsh are installed: the real pdsh -R ssh "
+                    "runs this job (test_sshd_cluster.py::test_pdsh_and_mpirun_over_sshd_tp2_dp2_match_one_node)")
 def test_deepspeed_hostfile_on_namespaced_nodes(tmp_path):
     """test_multinode.py's hostfile job (the deepspeed launcher: DeepSpeed's runner, pdsh, one
     ``deepspeed.launcher.launch`` per host) with hosts that are the namespaced nodes' own addresses: pdsh's

@@ -314,7 +314,7 @@ def test_srun_line_and_its_note():
                                   "--export=ALL", "/venv/bin/python", "train.py"]
     assert plan.env["MASTER_PORT"] == "29511" and "MASTER_ADDR" not in plan.env  # the ranks read the nodelist
     assert plan.notes == ("srun runs inside a Slurm allocation (salloc, or an sbatch script with --nodes=2 "
-                          "--ntasks-per-node=4); it is generated here, never executed in CI",)
+                          "--ntasks-per-node=4)",)
 
 
 def test_process_counts_and_ports():

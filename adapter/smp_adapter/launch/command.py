@@ -171,7 +171,7 @@ def to_launch_plan(job: JobSpec, cfg: SMPConfig | None, script: str, script_args
         command = ["srun", "--nodes", str(nnodes), "--ntasks-per-node", str(nprocs), "--kill-on-bad-exit=1",
                    "--label", "--export=ALL", python, *args]
         notes.append("srun runs inside a Slurm allocation (salloc, or an sbatch script with "
-                     f"--nodes={nnodes} --ntasks-per-node={nprocs}); it is generated here, never executed in CI")
+                     f"--nodes={nnodes} --ntasks-per-node={nprocs})")
     else:
         env.update(custom.exports)  # what custom_mpi_options exported with -x VAR=VALUE
         if custom.nccl_debug:

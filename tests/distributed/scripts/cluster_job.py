@@ -28,6 +28,13 @@ parser.add_argument("--busy-s", type=float, default=0.0)
 parser.add_argument("--ready-file", default=None, help="written by each rank after its first step (<file>.<rank>)")
 args, _ = parser.parse_known_args()
 
+if "RANK" not in os.environ:  # started by srun or mpirun, not torchrun: smp.init's rules (launch/rank_env.py)
+    from smp_adapter.launch.rank_env import LaunchEnv, rendezvous
+
+    started = LaunchEnv.from_environ(os.environ)
+    addr, port = rendezvous(started, None, os.environ, lambda: 0)
+    os.environ.update(RANK=str(started.rank), WORLD_SIZE=str(started.world_size), LOCAL_RANK=str(started.local_rank),
+                      MASTER_ADDR=addr, MASTER_PORT=str(port))
 dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=float(os.environ.get("SMP_ADAPTER_TIMEOUT", 600))))
 rank, world = dist.get_rank(), dist.get_world_size()
 sums = []
