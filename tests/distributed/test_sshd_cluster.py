@@ -23,7 +23,8 @@ from pathlib import Path
 import pytest
 import torch
 from apt_packages import apt_install
-from launch_util import ROOT, base_env, results_as_launched, shared_results
+from cluster_reference import TP, TP_DP, one_node_results
+from launch_util import ROOT, base_env
 
 sys.path.insert(0, str(ROOT / "scripts"))
 import netns_cluster  # noqa: E402
@@ -33,9 +34,7 @@ pytestmark = pytest.mark.skipif(REASON is not None, reason=REASON or "")
 import netns_sshd  # noqa: E402
 import netns_slurm  # noqa: E402
 
-TP = ROOT / "tests/distributed/scripts/train_tp.py"
 JOB = ROOT / "tests/distributed/scripts/cluster_job.py"
-TP_DP = {"ddp": True, "tensor_parallel_degree": 2}
 LAUNCH = "from smp_adapter.cli import main; raise SystemExit(main())"
 PORT = 29400
 
@@ -49,12 +48,7 @@ def ssh_packages():
 
 @pytest.fixture(scope="module")
 def one_node(tmp_path_factory):
-    def compute():
-        cwd = tmp_path_factory.mktemp("one_node")
-        return results_as_launched("--launcher", "torchrun", "--cpu", "--nproc-per-node", 4, "--options",
-                                   json.dumps(TP_DP), "--job-dir", cwd / "job", TP, cwd=cwd, timeout=150)
-
-    return shared_results(tmp_path_factory, "tp2_dp2_one_node", compute)
+    return one_node_results(tmp_path_factory)
 
 
 @contextmanager
