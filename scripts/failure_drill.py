@@ -121,6 +121,8 @@ def left_running(work: Path) -> bool:
     """A process of this run's job still alive (its ranks carry the run's own folder in their arguments)."""
     time.sleep(1)
     found = subprocess.run(["pgrep", "-f", f"{work}/"], capture_output=True, text=True)
+    if found.returncode not in (0, 1):  # 1: none found; else pgrep itself failed, which must not read as "none"
+        raise RuntimeError(f"pgrep failed (exit {found.returncode}): {found.stderr.strip()}")
     return bool(found.stdout.strip())
 
 
