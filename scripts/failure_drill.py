@@ -143,7 +143,9 @@ def one_run(case: str, cli: str, layout: str, timeout: float) -> dict:
 def table(records: list[dict]) -> str:
     rows = ["| case | layout (ranks) | runs | non-zero exit | cause named | gloo abort | half-published | "
             "left running | mean s |", "|---|---|---|---|---|---|---|---|---|"]
-    for case, layout in dict.fromkeys((r["case"], r["layout"]) for r in records):
+    cells = sorted(dict.fromkeys((r["case"], r["layout"]) for r in records),
+                   key=lambda cell: (CASES.index(cell[0]), list(LAYOUTS).index(cell[1])))
+    for case, layout in cells:
         rs = [r for r in records if (r["case"], r["layout"]) == (case, layout)]
         rows.append(f"| {case} | {layout} ({LAYOUTS[layout][0]}) | {len(rs)} | {sum(r['rc'] != 0 for r in rs)} | "
                     f"{sum(r['named'] for r in rs)} | {sum(r['aborted'] for r in rs)} | "
