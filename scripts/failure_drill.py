@@ -48,7 +48,8 @@ RAISED = "RuntimeError: the user's code failed on rank 1 in its step 3 (failure 
 def launch(cli: str, layout: str, job: Path, args: list, timeout: float) -> tuple[int, str]:
     """One `smp-adapter launch --cpu` of long_job.py: (exit code, everything it printed); 124 for a hang."""
     ranks, options, extra = LAYOUTS[layout]
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "SMP_ADAPTER_TIMEOUT": "60", **extra}
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "SMP_ADAPTER_TIMEOUT": "60",
+           "SMP_TEST_OUT": str(job.parent), **extra}  # a job that ends writes its ranks' results there, not in cwd
     command = [cli, "launch", "--cpu", "--nproc-per-node", str(ranks), "--job-dir", str(job),
                "--options", json.dumps(options), str(SCRIPT), *map(str, args)]
     try:
