@@ -40,7 +40,10 @@ parser.add_argument("--save-delay", type=float, default=0.0,
                     help="--until-sigterm: seconds before the save (a large checkpoint's write time)")
 parser.add_argument("--hang-rank", type=int, default=-1, help="this rank sleeps at --hang-at-step (a stuck rank)")
 parser.add_argument("--hang-at-step", type=int, default=2)
+parser.add_argument("--raise-rank", type=int, default=-1, help="this rank raises RuntimeError at --raise-at-step")
+parser.add_argument("--raise-at-step", type=int, default=3)
 parser.add_argument("--width", type=int, default=16, help="hidden width (256: checkpoints of ~0.1 MB per save)")
+parser.add_argument("--lr", type=float, default=0.05, help="SGD's (--width 8192 needs less: 0.05 diverges there)")
 parser.add_argument("--raise-save-errors", action="store_true",
                     help="a failed save ends the job, as in a script that does not catch it (the failure drill)")
 args, _ = parser.parse_known_args()
@@ -50,7 +53,7 @@ torch.manual_seed(0)
 with smp.model_creation():
     model = nn.Sequential(nn.Linear(8, args.width), nn.Tanh(), nn.Linear(args.width, 1))
 model = smp.DistributedModel(model)
-optimizer = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05))
+optimizer = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=args.lr))
 
 
 @smp.step
@@ -124,6 +127,8 @@ while step < first + args.steps or args.until_sigterm:
         time.sleep(0.02)
     if smp.rank() == args.hang_rank and step == args.hang_at_step:
         time.sleep(600)
+    if smp.rank() == args.raise_rank and step == args.raise_at_step:  # a bug in the user's code, on one rank
+        raise RuntimeError(f"the user's code failed on rank {smp.rank()} in its step {step} (failure drill)")
     optimizer.zero_grad()
     x, y = batch(step)
     losses.append(train_step(model, x, y).reduce_mean().item())
@@ -144,7 +149,7 @@ while step < first + args.steps or args.until_sigterm:
             fake_enospc()
         dist.barrier()
 
-params = [p.detach().float() for p in model.parameters()]
+params = [p.detach().float() for p in model.parameters() if not p.is_meta]  # pp: the other stage's are meta
 if model.engine is not None and model.engine.zero_optimization_stage() == 3:
     import deepspeed
 
