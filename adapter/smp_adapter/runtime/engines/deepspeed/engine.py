@@ -128,13 +128,16 @@ class DeepSpeedEngine(StartsThroughDeepSpeed, Engine):
         module = self.model.module
         config = _with_bounded_buffers(config, module)
         params = [p for p in module.parameters() if p.requires_grad] if optimizer is None else None
-        from smp_adapter.runtime.engines.deepspeed.zero3 import fp32_master_shared_with_partition
+        from smp_adapter.runtime.engines.deepspeed.zero3 import (fp32_master_shared_with_partition,
+                                                                 step_on_gradient_partitions_in_place)
 
         adopt_smp_hpz_group()
         sharing = fp32_master_shared_with_partition() if state.dims.zero_stage == 3 else contextlib.nullcontext()
         with sharing:  # an fp32 job's optimizer steps the partition itself (no second fp32 copy)
             engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, config=config,
                                                    mpu=mpu_or_none(), model_parameters=params, dist_init_required=False)
+        if state.dims.zero_stage == 3 and hasattr(engine.optimizer, "_prepare_fp32_grad_for_sub_group"):
+            step_on_gradient_partitions_in_place(engine.optimizer)  # no flattened copy of the gradients per step
         return engine
 
     # -- model -----------------------------------------------------------------------------------

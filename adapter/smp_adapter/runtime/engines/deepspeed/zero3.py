@@ -136,6 +136,43 @@ def fp32_master_shared_with_partition():
         DeepSpeedZeroOptimizer_Stage3._create_fp32_partitions = original
 
 
+def consecutive_view(tensors, dtype):
+    """One flat view over ``tensors`` when they lie end to end in one storage in their order, are
+    contiguous and of ``dtype``; else None."""
+    if not tensors or any(t.dtype != dtype or not t.is_contiguous() for t in tensors):
+        return None
+    first, storage = tensors[0], tensors[0].untyped_storage()
+    offset = first.storage_offset()
+    for t in tensors:
+        if t.untyped_storage().data_ptr() != storage.data_ptr() or t.storage_offset() != offset:
+            return None
+        offset += t.numel()
+    total = offset - first.storage_offset()
+    return first.new_empty(0).set_(storage, first.storage_offset(), (total,))
+
+
+def step_on_gradient_partitions_in_place(optimizer) -> None:
+    """A ZeRO-3 optimizer's step reads each sub group's gradients where the reduction left them (its
+    slice of DeepSpeed's flat gradient-partition buffer) instead of a flattened copy. DeepSpeed 0.19.8
+    (stage3.py ``_prepare_fp32_grad_for_sub_group``) flattens the sub group's gradient views, which
+    already lie end to end in that buffer, into a new tensor for every step: a second copy of the rank's
+    gradient partition at the step, the run's peak (+128 MiB on the 256 MiB MLP's rank at sdp 2, as the
+    kernel counts it). The copy was read by the step and freed after it; nothing reads the buffer between
+    the step and the next reduction, which overwrites it (micro_step_id 0), so the view is the same
+    numbers. Anything else (offload, other dtypes, padding) keeps DeepSpeed's path."""
+    original = optimizer._prepare_fp32_grad_for_sub_group
+
+    def prepare(sub_group_id):
+        master = optimizer.fp32_partitioned_groups_flat[sub_group_id]
+        view = consecutive_view(optimizer.averaged_gradients[sub_group_id] or [], master.dtype)
+        if view is None or view.numel() != master.numel() or view.device != master.device:
+            return original(sub_group_id)
+        master.grad = view.view(master.shape)
+        optimizer.averaged_gradients[sub_group_id] = None
+
+    optimizer._prepare_fp32_grad_for_sub_group = prepare
+
+
 def local_tensors(module) -> dict:
     """This rank's shards of a ZeRO-3 module (copies), with its buffers."""
     sd = {n: p.ds_tensor.detach().clone().cpu() for n, p in module.named_parameters()}
