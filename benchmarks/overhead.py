@@ -101,7 +101,7 @@ def worker(args) -> None:
     sync = torch.cuda.synchronize if cuda else (lambda: None)
 
     model = build_model(**json.loads(args.model))
-    # the hand-written job sizes ZeRO-3's buffers for its model as the adapter does (bounded by twice the
+    # the hand-written job sizes ZeRO-3's buffers for its model as the adapter does (bounded by the
     # largest parameter where DeepSpeed's defaults are larger: translate/deepspeed.bounded_zero3_buffers),
     # so the two run one config and what is compared is the adapter's own cost
     from smp_adapter.config.options import SMPConfig

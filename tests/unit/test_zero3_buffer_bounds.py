@@ -1,9 +1,9 @@
 """ZeRO-3's buffers at wrap time (translate/deepspeed.zero3_buffer_sizes, bounded_zero3_buffers): the
-reduce and prefetch buckets the smp options leave at DeepSpeed's default are cut to twice the model's
-largest parameter where the default is larger; max_live_parameters and the reuse distance keep
-DeepSpeed's defaults (bounding them changes what is gathered); given values, other stages and large models
-keep theirs; plan predicts with the same sizes. Kernel-measured effect: benchmarks/kernel_memory.py
-(RESULTS.md §18)."""
+reduce and prefetch buckets the smp options leave at DeepSpeed's default are cut to the model's largest
+parameter where the default is larger; max_live_parameters and the reuse distance keep DeepSpeed's
+defaults (bounding them changes what is gathered); a given sdp_max_live_parameters sets both; given
+values, other stages and large models keep theirs; plan predicts with the same sizes. Kernel-measured effect: benchmarks/kernel_memory.py
+(RESULTS.md §18.2)."""
 
 from smp_adapter.config.dims import ParallelDims
 from smp_adapter.config.options import SMPConfig
@@ -18,12 +18,12 @@ def _config(options, world=2):
     return cfg, to_deepspeed_config(ParallelDims.from_config(cfg, world))
 
 
-def test_the_buckets_are_bounded_by_twice_the_largest_parameter_and_the_gathering_keys_are_not():
+def test_the_buckets_are_bounded_by_the_largest_parameter_and_the_gathering_keys_are_not():
     cfg, ds = _config({"ddp": True, "sharded_data_parallel_degree": 2})
     out, changed = bounded_zero3_buffers(ds, cfg, largest_parameter=4_194_304)
     assert set(changed) == BUCKETS
     for key in BUCKETS:
-        assert out["zero_optimization"][key] == 8_388_608
+        assert out["zero_optimization"][key] == 4_194_304
     assert out["zero_optimization"]["stage3_max_live_parameters"] == 10**9
     assert out["zero_optimization"].get("stage3_max_reuse_distance", 10**9) == 10**9
     assert "stage3_prefetch_bucket_size" not in ds["zero_optimization"]  # the input is not changed
@@ -33,9 +33,13 @@ def test_given_keys_and_large_models_keep_their_values():
     cfg, ds = _config({"ddp": True, "sharded_data_parallel_degree": 2, "sdp_reduce_bucket_size": 1000,
                        "sdp_max_live_parameters": 5000})
     out, changed = bounded_zero3_buffers(ds, cfg, largest_parameter=4_194_304)
-    assert out["zero_optimization"]["reduce_bucket_size"] == 1000 and set(changed) == {"stage3_prefetch_bucket_size"}
+    assert out["zero_optimization"]["reduce_bucket_size"] == 1000
+    assert set(changed) == {"stage3_prefetch_bucket_size"}  # the translation wrote the reuse distance already
+    # one choice of how much a rank keeps gathered: the given max live sets the reuse distance too
     assert out["zero_optimization"]["stage3_max_live_parameters"] == 5000
-    _, changed = bounded_zero3_buffers(ds, cfg, largest_parameter=10**9)  # a 20B model's embedding
+    assert out["zero_optimization"]["stage3_max_reuse_distance"] == 5000
+    cfg, ds = _config({"ddp": True, "sharded_data_parallel_degree": 2})
+    _, changed = bounded_zero3_buffers(ds, cfg, largest_parameter=10**9)  # a parameter of DeepSpeed's sizes
     assert changed == {}
 
 

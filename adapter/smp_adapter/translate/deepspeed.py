@@ -32,11 +32,13 @@ DEEPSPEED_KEYS: dict[str, tuple[str, ...]] = {
     "offload_activations": ("activation_checkpointing.cpu_checkpointing",),
     "sdp_reduce_bucket_size": ("zero_optimization.reduce_bucket_size",),
     "sdp_param_persistence_threshold": ("zero_optimization.stage3_param_persistence_threshold",),
-    "sdp_max_live_parameters": ("zero_optimization.stage3_max_live_parameters",),
+    # DeepSpeed releases a gathered layer by its reuse distance alone: one bound for both (ZERO3_BUFFERS)
+    "sdp_max_live_parameters": ("zero_optimization.stage3_max_live_parameters",
+                                "zero_optimization.stage3_max_reuse_distance"),
     # only under sdp; DeepSpeed >= 0.19.3 defaults to 1.0, so 0.0 is emitted otherwise to mean "off"
     "sdp_gradient_clipping": ("gradient_clipping",),
 }
-# sharded data parallel options copied unchanged (as integers) into their one DeepSpeed entry
+# sharded data parallel options copied unchanged (as integers) into their DeepSpeed entries
 SDP_COPIED = ("sdp_reduce_bucket_size", "sdp_param_persistence_threshold", "sdp_max_live_parameters")
 
 
@@ -131,41 +133,44 @@ def with_engine_arguments(config: dict[str, Any], dims: ParallelDims, loss_scale
 
 
 # ZeRO-3's buffers, by DeepSpeed's config key: the smp key that sets it (None: smp v1 has none), DeepSpeed's
-# default (elements, sized for billion-parameter models), and whether a default larger than twice the
-# model's largest parameter is bounded there. Only buffers that hold memory without changing what is
+# default (elements, sized for billion-parameter models), and whether a default larger than the model's
+# largest parameter is bounded to it at wrap time. Only buffers that hold memory without changing what is
 # communicated are bounded: the reduce bucket (a small model's rank filled it with the whole model's
 # gradients) and the prefetch bucket (how far ahead layers are gathered). max_live_parameters and the reuse
-# distance decide whether a layer gathered for forward stays gathered until its backward: bounding them
-# re-gathers every layer for backward (1.5 x the all-gather traffic, what FSDP's reshard_after_forward
-# does), so they keep DeepSpeed's and smp v1's defaults unless sdp_max_live_parameters is given.
+# distance decide whether a layer gathered for forward stays gathered until its backward: with DeepSpeed's
+# (and smp v1's) defaults a model below ~5e8 elements keeps every layer gathered (the whole model's
+# parameters on every rank during the step, as the kernel counts it: RESULTS.md §18.2); a smaller value
+# releases each layer after its forward and gathers it again for backward (1.5 x the all-gather traffic,
+# what FSDP's reshard_after_forward does). A given sdp_max_live_parameters sets both: DeepSpeed releases
+# by the reuse distance alone, so max live without it kept every layer gathered.
 ZERO3_BUFFERS = {
     "reduce_bucket_size": ("sdp_reduce_bucket_size", int(5e8), True),
     "stage3_max_live_parameters": ("sdp_max_live_parameters", int(1e9), False),
     "stage3_prefetch_bucket_size": (None, int(5e7), True),
-    "stage3_max_reuse_distance": (None, int(1e9), False),
+    "stage3_max_reuse_distance": ("sdp_max_live_parameters", int(1e9), False),
 }
 BUFFER_BOUND_WORDS = ("at wrap time, the reduce and prefetch buckets the smp options leave at DeepSpeed's default "
-                      "are bounded by twice the model's largest parameter where the default is larger (a small "
-                      "model's rank would otherwise hold the whole model's gradients in the reduce bucket); a "
-                      "value given in the smp options is kept")
-MAX_LIVE_WORDS = ("DeepSpeed's default keeps every layer gathered from its forward to its backward when the model "
-                  "has fewer elements: a rank then holds the whole model's parameters during the step; a smaller "
-                  "value (e.g. twice the largest layer) re-gathers layers for backward, trading 1.5 x the "
-                  "all-gather traffic for that memory")
+                      "are bounded by the model's largest parameter where the default is larger (a small model's "
+                      "rank would otherwise hold the whole model's gradients in the reduce bucket); a value given "
+                      "in the smp options is kept")
+MAX_LIVE_WORDS = ("sets DeepSpeed's reuse distance too. DeepSpeed's default keeps every layer gathered from its "
+                  "forward to its backward when the model has fewer elements: a rank then holds the whole "
+                  "model's parameters during the step; a smaller value (e.g. the largest layer's elements) "
+                  "releases each layer after its forward and gathers it again for its backward, trading 1.5 x "
+                  "the all-gather traffic for that memory")
 
 
 def zero3_buffer_sizes(cfg, largest_parameter: int) -> dict[str, int]:
     """The ZeRO-3 buffers a job runs with (elements, by DeepSpeed's key), the one home of the bound that
     the runtime applies at wrap time and plan predicts with: a value the smp options give is kept; a
-    bounded buffer's default is cut to twice ``largest_parameter`` where larger (BUFFER_BOUND_WORDS; 0, an
+    bounded buffer's default is cut to ``largest_parameter`` where larger (BUFFER_BOUND_WORDS; 0, an
     unknown model, leaves the defaults); the others keep DeepSpeed's defaults."""
-    bound = 2 * largest_parameter
     sizes = {}
     for key, (smp_key, default, bounded) in ZERO3_BUFFERS.items():
         if smp_key is not None and smp_key in cfg.given:
             sizes[key] = int(getattr(cfg, smp_key))
         else:
-            sizes[key] = min(default, bound) if bounded and bound > 0 else default
+            sizes[key] = min(default, largest_parameter) if bounded and largest_parameter > 0 else default
     return sizes
 
 
@@ -206,7 +211,8 @@ def _zero_section(dims: ParallelDims, backend: str | None) -> dict[str, Any]:
         zero["overlap_comm"] = backend == "nccl"
     if stage == 3:
         for key in SDP_COPIED:
-            _put(zero, DEEPSPEED_KEYS[key][0].removeprefix("zero_optimization."), int(getattr(cfg, key)))
+            for path in DEEPSPEED_KEYS[key]:
+                _put(zero, path.removeprefix("zero_optimization."), int(getattr(cfg, key)))
         # Gather the full (unsharded) weights for state_dict(): smp full checkpoints need them.
         zero["stage3_gather_16bit_weights_on_model_save"] = True
         if dims.hpz_partition_size > 1:
