@@ -45,9 +45,22 @@ def first_non_finite_tensor(module: nn.Module, local_data=None) -> str | None:
         for kind, named in (("parameter", module.named_parameters()), ("buffer", module.named_buffers())):
             for name, tensor in named:
                 data = _local_data(tensor, local_data)
-                if data is not None and not bool(torch.isfinite(data).all()):
+                if data is not None and not _all_finite(data):
                     return f"{kind} {name}"
     return None
+
+
+FINITE_CHUNK = 2**20  # elements checked at a time
+
+
+def _all_finite(data: torch.Tensor) -> bool:
+    """``torch.isfinite(data).all()`` a chunk at a time: torch computes isfinite through a float
+    ``abs()`` and two boolean tensors of the input's size, which for a 4M-element embedding shard
+    was a 29 MiB peak in smp.DistributedModel (benchmarks/RESULTS.md §18.2)."""
+    if not data.is_floating_point() and not data.is_complex():
+        return True
+    flat = data.reshape(-1)
+    return all(bool(torch.isfinite(chunk).all()) for chunk in flat.split(FINITE_CHUNK))
 
 
 def _gather_non_finite(module: nn.Module, local_data) -> list[tuple[int, str]]:
