@@ -126,10 +126,13 @@ def main():
     else:
         replicas, replica, rank = 1, 0, 0
     # Code, not the model: torch's one-time lazy set-up at the first layer it builds (~75 MiB here, with
-    # or without smp), and torch._dynamo with sympy (~71 MiB of modules), which the first recorded
-    # creation imports (through torch.fx's symbolic shapes) as FSDP2 and transformers often do anyway.
-    # Both run before the baseline, in both modes.
+    # or without smp), torch._dynamo with sympy (~71 MiB of modules), which the first recorded
+    # creation imports (through torch.fx's symbolic shapes) as FSDP2 and transformers often do anyway,
+    # and the model's own modeling module. All run before the baseline, in both modes.
     import torch._dynamo  # noqa: F401
+
+    if args.model == "gpt2":  # transformers' GPT-2 modules (~26 MiB of code), imported lazily by the first build
+        from transformers import GPT2LMHeadModel  # noqa: F401
 
     nn.Linear(8, 8)(torch.randn(2, 8)).sum().backward()
     gc.collect()
