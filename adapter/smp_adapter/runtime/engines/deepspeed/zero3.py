@@ -156,7 +156,7 @@ def step_on_gradient_partitions_in_place(optimizer) -> None:
     slice of DeepSpeed's flat gradient-partition buffer) instead of a flattened copy. DeepSpeed 0.19.8
     (stage3.py ``_prepare_fp32_grad_for_sub_group``) flattens the sub group's gradient views, which
     already lie end to end in that buffer, into a new tensor for every step: a second copy of the rank's
-    gradient partition at the step, the run's peak (+128 MiB on the 256 MiB MLP's rank at sdp 2, as the
+    gradient partition at the step, the run's peak (+95 MiB on the 256 MiB MLP's rank at sdp 2, as the
     kernel counts it). The copy was read by the step and freed after it; nothing reads the buffer between
     the step and the next reduction, which overwrites it (micro_step_id 0), so the view is the same
     numbers. Anything else (offload, other dtypes, padding) keeps DeepSpeed's path."""
