@@ -61,6 +61,7 @@ from _common import (DEFAULT_MODES, LR, MICROBATCHES, MODE_MODEL, MODEL, MODES, 
                      build_model,
                      config_difference, current_rss_bytes, native_deepspeed_config, peak_rss_bytes, quiet,
                      run_ranks, spread, write_result)
+from _profile import print_profile, profile_steps  # noqa: E402
 
 TARGET = 1.02
 ENGINES = ("adapter", "native")
@@ -257,69 +258,6 @@ def timing(mode, args, out_root) -> dict:
     return out
 
 
-ADAPTER_CODE = (os.sep + "smp_adapter" + os.sep, os.sep + "smdistributed" + os.sep)
-
-
-def profile_steps(steps, make_batch, first_step, n, dist) -> dict:
-    """Per engine and function: self time and call count of each of n steps (one cProfile each)."""
-    import cProfile
-    import pstats
-
-    per = {name: {} for name in ENGINES}
-    for j in range(n):
-        for name in (ENGINES if j % 2 == 0 else ENGINES[::-1]):
-            x = make_batch(first_step + j)
-            dist.barrier()
-            prof = cProfile.Profile()
-            prof.enable()
-            steps[name](x)
-            prof.disable()
-            for (f, line, fn), (_, ncalls, tt, _, _) in pstats.Stats(prof).stats.items():
-                key = f"{'/'.join(Path(f).parts[-2:])}:{line}({fn})" if line else fn
-                if any(c in f for c in ADAPTER_CODE):
-                    key = "[adapter] " + key
-                slots = per[name].setdefault(key, [(0, 0.0)] * n)
-                slots[j] = (slots[j][0] + ncalls, slots[j][1] + tt)  # same key twice: sum
-    return per
-
-
-def print_profile(prof: dict, top: int = 10) -> None:
-    """Rank 0's per-step profiles: medians over the profiled steps, so a single preempted step
-    does not dominate (the machine is shared)."""
-    med = statistics.median
-    total = {n: med(sum(v[j][1] for v in prof[n].values()) for j in range(len(next(iter(prof[n].values())))))
-             for n in ENGINES}
-    calls = {n: med(sum(v[j][0] for v in prof[n].values()) for j in range(len(next(iter(prof[n].values())))))
-             for n in ENGINES}
-    own = med(sum(v[j][1] for k, v in prof["adapter"].items() if k.startswith("[adapter]"))
-              for j in range(len(next(iter(prof["adapter"].values())))))
-    steps = len(next(iter(prof["adapter"].values())))
-    print(f"  profile (rank 0, cProfile around each of {steps} steps per engine, medians over steps):")
-    print(f"    step under cProfile: adapter {total['adapter'] * 1e3:.1f} ms, native {total['native'] * 1e3:.1f} ms; "
-          f"Python function calls: adapter {calls['adapter']:.0f}, native {calls['native']:.0f}")
-    print(f"    self time of smp_adapter/smdistributed functions: {own * 1e3:.3f} ms per step "
-          f"({own / total['adapter'] * 100:.2f}% of the adapter step, cProfile-inflated)")
-    for name in ENGINES:
-        fork = prof[name].get("<built-in method _posixsubprocess.fork_exec>")
-        if fork:
-            print(f"    subprocesses started inside the {name} step: {med(c for c, _ in fork):.0f} per step, "
-                  f"{med(t for _, t in fork) * 1e3:.2f} ms (DeepSpeed's CPU accelerator runs `numactl --hardware` "
-                  f"in device_count() when LOCAL_SIZE is unset)")
-    rows = []
-    for k in set(prof["adapter"]) | set(prof["native"]):
-        a = prof["adapter"].get(k, [(0, 0.0)] * steps)
-        b = prof["native"].get(k, [(0, 0.0)] * steps)
-        ta, tb = med(t for _, t in a), med(t for _, t in b)
-        ca, cb = med(c for c, _ in a), med(c for c, _ in b)
-        rows.append((ta - tb, ca - cb, ca, cb, ta, tb, k))
-    print("    largest differences in self time per step (adapter - native, median over steps):")
-    for d, _, ca, cb, ta, tb, k in sorted(rows, key=lambda r: -abs(r[0]))[:top]:
-        print(f"      {d * 1e3:+8.3f} ms  self {ta * 1e3:7.3f} vs {tb * 1e3:7.3f} ms  calls {ca:5.0f} vs {cb:5.0f}  {k}")
-    print("    largest differences in call count per step (deterministic):")
-    for d, dc, ca, cb, ta, tb, k in sorted(rows, key=lambda r: (-abs(r[1]), -abs(r[0])))[:top]:
-        print(f"      {dc:+6.0f} calls ({ca:.0f} vs {cb:.0f})  self {ta * 1e3:7.3f} vs {tb * 1e3:7.3f} ms  {k}")
-
-
 def print_timing(label, nprocs, t, names) -> None:
     A, B = names
     print(f"[{label}, {nprocs} processes] step time (wall: slowest rank; CPU: sum over ranks)")
@@ -444,7 +382,7 @@ def main() -> None:
             figures[mode]["timing"] = t
             print_timing(label, MODES[mode][1], t, names)
             if args.profile:
-                print_profile(t["profile"])
+                print_profile(t["profile"], ENGINES)
         if not args.no_memory:
             m = memory(mode, args, out_root)
             figures[mode]["memory"] = m
