@@ -47,6 +47,10 @@ PR_SET_PDEATHSIG = 1
 PEER_REPORT_WAIT = 10.0  # seconds a node whose ranks only lost a peer waits for the other nodes' reports (ends at the
 # first report; a node whose rank failed first reports once its ranks stopped: --grace, longer on a busy machine)
 POLL_S = 0.1
+# new rank processes and per-rank log files are looked for at most this often (they appear as the job starts);
+# the known ranks' status and the open logs are read every POLL_S. Listing the job's children reads the stat
+# file of every process on the machine: at every poll that was 3 % of a core beside the ranks (RESULTS §19)
+SCAN_S = 1.0
 HEAD_START = 2.0  # seconds the launcher gets to stop the other ranks itself after a rank failed
 TAIL_LINES = 30
 _PREFIX = {"torchrun": re.compile(r"^\[default(\d+)\]:"), "mpirun": re.compile(r"^\[\d+,(\d+)\]<std(?:out|err)>:"),
@@ -108,6 +112,7 @@ class Supervisor:
         self.node_event = None  # what the heartbeat reported (another node lost or failed), once acted on
         self.summary = ""  # the report's first line (told to the other nodes)
         self.failure_at: float | None = None  # when a rank of this node was first seen failing
+        self._next_scan = {"ranks": 0.0, "logs": 0.0}  # when _due looks for new rank processes / log files again
 
     # -- output ------------------------------------------------------------------------------------
     def emit(self, text: str, rank: int | None, shown: str | None = None) -> None:
@@ -134,10 +139,17 @@ class Supervisor:
             else:
                 self.emit(line, None)
 
+    def _due(self, what: str, final: bool) -> bool:
+        now = time.monotonic()
+        if final or now >= self._next_scan[what]:
+            self._next_scan[what] = now + SCAN_S
+            return True
+        return False
+
     def _tail_rank_logs(self, final: bool = False) -> None:
         if self.rank_log_dir is None:
             return
-        for path in self.rank_log_dir.glob("*_rank*.log"):
+        for path in self.rank_log_dir.glob("*_rank*.log") if self._due("logs", final) else ():
             m = re.search(r"_rank(\d+)\.log$", path.name)
             if m and path not in self.files and path not in self.old_logs:
                 self.files[path] = [int(m.group(1)), open(path, "rb"), b""]
@@ -152,15 +164,16 @@ class Supervisor:
                 self.emit(text, rank, f"[rank {rank}] {text}")
 
     # -- rank processes ----------------------------------------------------------------------------
-    def _watch_ranks(self) -> None:
+    def _watch_ranks(self, final: bool = False) -> None:
         try:
             import psutil
         except ImportError:  # pragma: no cover - psutil comes with deepspeed
             return
         try:
-            children = sorted(psutil.Process(self.proc.pid).children(recursive=True), key=lambda p: p.pid)
+            children = sorted(psutil.Process(self.proc.pid).children(recursive=True), key=lambda p: p.pid) \
+                if self._due("ranks", final) else []
         except psutil.Error:
-            return
+            children = []
         for child in children:
             if child.pid in self.pid_rank:
                 continue
@@ -274,7 +287,7 @@ class Supervisor:
                     self._killpg(signal.SIGKILL)
                     kill_at = float("inf")
                 time.sleep(POLL_S)
-            self._watch_ranks()
+            self._watch_ranks(final=True)
         finally:
             self._killpg(signal.SIGKILL)  # leftovers (e.g. ranks of a launcher that died)
             for sig, handler in previous.items():
