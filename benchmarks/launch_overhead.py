@@ -57,7 +57,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import MODE_MODEL, MODES, ROOT, free_port, native_deepspeed_config  # noqa: E402
+from _common import MODE_MODEL, MODES, ROOT, build_model, free_port, native_deepspeed_config  # noqa: E402
 from _profile import print_profile  # noqa: E402
 from _turnstile import Turnstile  # noqa: E402
 
@@ -190,10 +190,20 @@ def run_job_retrying(variant: str, size: str, args, work: Path, native_config: P
 
 
 def measure(size: str, args, work: Path) -> dict:
-    options, nproc, _, loop = SIZES[size]
+    options, nproc, model, loop = SIZES[size]
     native_config = work / f"{size}_native_config.json"
     if loop == "deepspeed":
-        native_config.write_text(json.dumps(native_deepspeed_config(options, nproc, style=args.native)))
+        config = native_deepspeed_config(options, nproc, style=args.native)
+        if args.native == "translated":
+            # ZeRO-3's buffers as the adapter sizes them for this model at wrap time (bounded by its largest
+            # parameter: translate/deepspeed.bounded_zero3_buffers), as overhead.py does: the same config
+            # on both sides (unbounded, the hand-written job reduced in 2 calls a step against smp's 10)
+            from smp_adapter.config.options import SMPConfig
+            from smp_adapter.translate.deepspeed import bounded_zero3_buffers
+
+            largest = max(p.numel() for p in build_model(**model).parameters())
+            config, _ = bounded_zero3_buffers(config, SMPConfig.from_dict(options), largest)
+        native_config.write_text(json.dumps(config))
     rounds = []
     variants = args.variants
     pairs = [(a, b) for a, b in PAIRS if a in variants and b in variants]

@@ -12,6 +12,7 @@ that has done the imports: SMP_BENCH_FORK_RANKS, benchmarks/_common.py):
   the file digests, hashed either way (as read, on a spare-core thread);
 * memory.py: per-rank bytes within the issue's targets (ZeRO-3 and TP within 5 % of the ideal, PP
   stages within 10 %, also with shard_optimizer_state halving each stage's optimizer state);
+* launch_overhead.py: its hand-written torch pipelining and FSDP2 jobs give smp's losses through launch;
 * gpu_throughput.py --cpu-smoke: the kernel switches' settings run on both sides and --json writes a
   row per side and setting (~15 s of CPU: its device run is too costly to find a broken path in)."""
 
@@ -89,6 +90,21 @@ def test_overhead_engines_train_identically(tmp_path, mode):
     assert t["config_difference"] == ["train_micro_batch_size_per_gpu: adapter=1 native=2"]
     assert len(t["pair_wall"]) == 2 and all(r > 0 for r in t["pair_wall"])
 
+
+
+def test_launch_overhead_hand_written_pipeline_and_fsdp2_train_the_smp_jobs_model(tmp_path):
+    """launch_overhead.py's native loops for pp 2 (torch pipelining by hand) and MiCS (FSDP2 by hand) are
+    the same jobs as smp's through launch: their losses agree (fp32 rounding: a pipeline's loss scaled
+    before backward against torch's gradient scaling after; the last digits of the loss reduction), the
+    profile of both sides is recorded, and the jobs step in turns when asked."""
+    figures = run_benchmark("launch_overhead", "--sizes", "gpt2_pp2,gpt2_mics", "--rounds", 1, "--warmup", 1,
+                            "--steps", 2, "--variants", "smp,native", "--turns", "--profile", 1, tmp_path=tmp_path,
+                            timeout=600)
+    for size in ("gpt2_pp2", "gpt2_mics"):
+        (round_,) = figures[size]["rounds"]
+        assert round_["smp_native_loss_rel_diff"] <= 1e-5, (size, round_)
+        assert round_["ratios"]["smp/native"] > 0
+        assert {"rank 0", "rank 1" if size == "gpt2_pp2" else "rank 3"} == set(figures[size]["profile"])
 
 def test_memory_within_targets(tmp_path):
     # pp2 alone is left to the benchmark itself: pp2_dp2_sos checks the same stages, plus the

@@ -436,7 +436,7 @@ def _with_bounded_buffers(config: dict, module) -> dict:
     largest = max((p.ds_numel if is_zero3_parameter(p) else p.numel() for p in module.parameters()), default=0)
     config, changed = bounded_zero3_buffers(config, state.cfg, largest)
     if changed and state.rank == 0:  # information, not a warning: the job does what explain says
-        print(f"smp-adapter: ZeRO-3 buffers bounded by the model (twice its largest parameter, {largest} elements): "
+        print(f"smp-adapter: ZeRO-3 buffers bounded by the model (its largest parameter, {largest} elements): "
               + ", ".join(f"{k} {old} -> {new}" for k, (old, new) in changed.items())
               + " (sdp_reduce_bucket_size in the smp options sets the reduce bucket)", file=sys.stderr)
     return config
