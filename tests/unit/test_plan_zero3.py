@@ -3,6 +3,7 @@ follow by hand. The prefetch bucket is 0 in the hand-derived cases (no prefetch:
 that finds its parameters released), the reuse distance 1 element (a parameter stays gathered only when
 the very next module with parameters uses it) or DeepSpeed's default 1e9 (everything stays)."""
 
+from dataclasses import replace
 from types import SimpleNamespace
 
 from smp_adapter.plan import zero3
@@ -14,9 +15,12 @@ F, B = (zero3.FORWARD, zero3.PRIMARY), (zero3.BACKWARD, zero3.PRIMARY)
 
 def spec(layers=1, layer=(100, 100), tied=False):
     """An embedding of 10 elements, ``layers`` layers of one module per tensor (each layer's own module
-    around them), and, tied, a head reading the embedding again."""
-    return ModelSpec("toy", layers, 8, 1, 8, 16, 4, tuple((n, False) for n in layer), ((10, False),),
-                     tied_embeddings=tied)
+    around them), and, tied, a head reading the embedding again: zero3.default_trees, given as the
+    spec's trees (a spec without trees is planned by depth, the last test)."""
+    plain = ModelSpec("toy", layers, 8, 1, 8, 16, 4, tuple((n, False) for n in layer), ((10, False),),
+                      tied_embeddings=tied)
+    model, one_layer = zero3.default_trees(plain)
+    return replace(plain, model_modules=model, layer_modules=one_layer)
 
 
 def run(model, reach, checkpointing=False, hpz=False, bucket=0, reduce_bucket=150):
@@ -83,3 +87,12 @@ def test_reduce_scatter_calls_follow_the_bucket():
     # bucket is reduced (1) and a starts the next; emb joins it (110); the end reduces it (2)
     assert run(spec(), DEFAULT).reduce_calls == 2
     assert run(spec(), DEFAULT, reduce_bucket=1000).reduce_calls == 1
+
+
+def test_without_module_trees_the_release_is_by_depth():
+    # 210 gathered elements, reach 70: the last 35 stay gathered, 175 (5/6) are gathered again in backward;
+    # one call per layer and one for the rest per pass; at the default reach nothing is released
+    plain = replace(spec(), model_modules=(), layer_modules=())
+    out = run(plain, 70)
+    assert out.counts[F] == [2, 210] and out.counts[B] == [2, 175]
+    assert run(plain, DEFAULT).counts[B] == [2, 0]

@@ -399,7 +399,9 @@ def _zero3_terms(terms: _Terms, spec, dims, job: Job, tensors: list[int]) -> Non
     kept_bytes = sum(x for x in tensors if persistent(x, cfg)) * pb
     terms.add("rdp", "all_gather", kept_bytes, 1, rdp, per_call=False)
     gathers = zero3_gathers(spec, dims, job, tensors)
-    for (phase, source), (calls, numel) in sorted(gathers.counts.items()):
+    for phase, source in ((zero3.FORWARD, zero3.PRIMARY), (zero3.FORWARD, zero3.SECONDARY),
+                          (zero3.BACKWARD, zero3.PRIMARY), (zero3.BACKWARD, zero3.SECONDARY)):
+        calls, numel = gathers.counts.get((phase, source), (0, 0))
         group, size = ("sdp", dims.sdp) if source == zero3.SECONDARY else ("rdp", rdp)
         overlap = timing.FORWARD if phase == zero3.FORWARD else timing.BACKWARD
         terms.add(group, "all_gather", numel * pb, calls, size, overlap, per_call=False)

@@ -246,7 +246,12 @@ class Coordinator:
 
 def gathers(spec, dims, job, buffers: dict, persistent) -> Gathers:
     """What one optimizer step of n = m k passes gathers (persistent(numel) says which tensors stay
-    whole), pp = 1 or one pipeline stage's layers with every tensor outside them."""
+    whole), pp = 1 or one pipeline stage's layers with every tensor outside them. The coordinator is
+    replayed for a spec that gives its module trees (ModelSpec.model_modules, layer_modules: GPT-2, checked
+    against the ledger); for the others, whose modules plan does not know (one module per tensor would
+    make every bias a prefetch of its own), the reuse rule by layer depth (released_fraction)."""
+    if not (spec.model_modules and spec.layer_modules):
+        return by_depth(spec, dims, job, buffers, persistent)
     t = dims.tp
     size = lambda n, split: n // t if split and t > 1 else n  # noqa: E731
     layer = [size(n, s) for n, s in spec.layer_tensors]
@@ -277,3 +282,38 @@ def reduce_calls(numel: list[int], uses: list, bucket: int) -> int:
             calls, held = calls + 1, 0
         held += numel[p]
     return calls + (1 if held else 0)
+
+
+def released_fraction(gathered_numel: int, buffers: dict) -> float:
+    """Share of the gathered parameters released between a layer's forward and its backward, by depth:
+    a layer at depth i of N elements is used again after about 2 (N - i) elements, so the last R / 2
+    elements of the model stay gathered (R: the reuse distance, within max_live_parameters)."""
+    reach = min(buffers["stage3_max_reuse_distance"], buffers["stage3_max_live_parameters"])
+    if gathered_numel <= 0:
+        return 0.0
+    return max(0.0, 1.0 - reach / (2 * gathered_numel))
+
+
+def by_depth(spec, dims, job, buffers: dict, persistent) -> Gathers:
+    """The gathers without module trees: the first forward gathers every parameter, the released share
+    is gathered again by every later pass (n - 1 forwards, n backwards; hpZ's from the node copy), one
+    call per layer and one for the tensors outside them per pass; ceil(params / reduce bucket)
+    reduce-scatters per microbatch; at least two layers gathered at once."""
+    t, n = dims.tp, dims.cfg.microbatches * job.accumulation
+    size = lambda x, split: x // t if split and t > 1 else x  # noqa: E731
+    layer = [size(x, s) for x, s in spec.layer_tensors]
+    layers = math.ceil(spec.layers / dims.pp)
+    tensors = layer * layers + [size(x, s) for x, s in spec.outer_tensors]
+    gathered = sum(x for x in tensors if not persistent(x))
+    released = gathered * released_fraction(gathered, buffers)
+    per_pass, out = 1 + layers, Gathers()
+    if dims.hpz_partition_size > 1:
+        out.counts = {(FORWARD, PRIMARY): [per_pass, gathered], (FORWARD, SECONDARY): [per_pass * (n - 1), released * (n - 1)],
+                      (BACKWARD, SECONDARY): [per_pass * n, released * n]}
+    else:
+        out.counts = {(FORWARD, PRIMARY): [per_pass * n, gathered + released * (n - 1)],
+                      (BACKWARD, PRIMARY): [per_pass * n, released * n]}
+    one_layer = sum(x for x in layer if not persistent(x))
+    out.peak = int(max(gathered - released, min(2 * one_layer, gathered)))
+    out.reduce_calls = max(1, math.ceil(sum(tensors) / buffers["reduce_bucket_size"])) * n
+    return out
