@@ -3,8 +3,9 @@ traffic: scripts/ledger_job.py wraps torch.distributed's functions itself (its o
 before smp.init installs the ledger, and counts per training step. One job per layout: data
 parallel, ZeRO-1, ZeRO-3, hpZ, tensor parallel, pipeline parallel and TP x PP, a tiny GPT-2, Adam
 (ZeRO-3, hpZ and the pipeline: a second job with activation checkpointing, see CHECKPOINTING).
-The same jobs check `smp-adapter plan`'s bytes per step (5%) and memory (10%) against the ledger
-and the measured peak of live tensor bytes (check_plan).
+The same jobs check `smp-adapter plan`'s bytes per step (5%; ZeRO-3's calls of its gathers and
+reduce-scatters too) and memory (10%) against the ledger and the measured peak of live tensor bytes
+(check_plan).
 
 Tolerance: 1% on bytes per step and op (the issue's bound); calls must be equal. Both counts see
 the same calls, so in practice they agree exactly; the margin is for nothing but rounding.
@@ -24,6 +25,9 @@ from smp_adapter.plan.model_spec import model_spec
 SCRIPT = ROOT / "tests/distributed/scripts/ledger_job.py"
 GPT2 = {"vocab_size": 64, "n_positions": 16, "n_embd": 32, "n_layer": 2, "n_head": 4,
         "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}
+ZERO3 = {"ddp": True, "sharded_data_parallel_degree": 2, "sdp_param_persistence_threshold": 0}
+LIVE = 12704  # the elements of one block of GPT2 above: 2 LayerNorms (4 x 32), c_attn 32 x 96 + 96, attn c_proj
+# 32 x 32 + 32, c_fc 32 x 128 + 128, mlp c_proj 128 x 32 + 32
 LAYOUTS = {  # name -> (smp options, processes)
     "ddp": ({"ddp": True}, 2),
     "zero1": ({"ddp": True, "shard_optimizer_state": True}, 2),
@@ -33,6 +37,17 @@ LAYOUTS = {  # name -> (smp options, processes)
     "zero3_ac": ({"ddp": True, "sharded_data_parallel_degree": 2, "sdp_param_persistence_threshold": 0}, 2),
     "hpz": ({"ddp": True, "sharded_data_parallel_degree": 2, "sdp_param_persistence_threshold": 0}, 4),
     "hpz_ac": ({"ddp": True, "sharded_data_parallel_degree": 2, "sdp_param_persistence_threshold": 0}, 4),
+    # sdp_max_live_parameters one block of the tiny GPT-2 (LIVE: 12704 elements, 45% of the model's 28032)
+    # sets DeepSpeed's reuse distance and its live bound: the first block and the embeddings come back
+    # in backward after more elements of the trace than that, so they are released after their forward
+    # and gathered again; what lies within reach of the turn to backward (ln_f, the tied head, most of
+    # the last block) stays. The tied wte is gathered three times a step (embedding, head, embedding's
+    # backward); in the _ac jobs each block's recompute is a third use of its parameters (216192 B of
+    # gathers a step against 194304: plan/zero3.py)
+    "zero3_live": ({**ZERO3, "sdp_max_live_parameters": LIVE}, 2),
+    "zero3_live_ac": ({**ZERO3, "sdp_max_live_parameters": LIVE}, 2),
+    "hpz_live": ({**ZERO3, "sdp_max_live_parameters": LIVE}, 4),
+    "hpz_live_ac": ({**ZERO3, "sdp_max_live_parameters": LIVE}, 4),
     "mics": ({"ddp": True, "sharded_data_parallel_degree": 2, "sdp_param_persistence_threshold": 0}, 4),
     "tp2": ({"ddp": True, "tensor_parallel_degree": 2}, 2),
     "pp2": ({"ddp": True, "pipeline_parallel_degree": 2, "microbatches": 2}, 2),
@@ -55,7 +70,8 @@ STEPS = 4  # the first step holds one-time traffic; the plan is checked against 
 # applies it when it cuts the stages, at the first step: pp2 never, pp2_ac from the start. With
 # checkpointing ZeRO-3 gathers again for the recompute (when it released the parameters) and TP's
 # recompute repeats its exchanges.
-CHECKPOINTING = {"zero3": "never", "zero3_ac": "always", "hpz": "never", "hpz_ac": "always", "pp2": "never",
+CHECKPOINTING = {"zero3": "never", "zero3_ac": "always", "hpz": "never", "hpz_ac": "always", "zero3_live": "never",
+                 "zero3_live_ac": "always", "hpz_live": "never", "hpz_live_ac": "always", "pp2": "never",
                  "pp2_ac": "always", "tp2xpp2": "never", "tp2xpp2_ac": "always"}
 CHECKPOINT_FROM = 2  # the others: "from" this step
 
@@ -156,11 +172,20 @@ def check_plan(name, step, results, records):
     predicted = costs.plan(model_spec(dict(GPT2, model_type="gpt2")), dims, cpu_cluster(nprocs),
                            costs.Job(4, activation_checkpointing=ac))
     tag = f"{name} step {step}{' checkpointed' if ac else ''}"
-    rows = compare(ledger_bytes_per_group([r for r in records[0] if r["step"] == step], skip_first=False),
-                   plan_bytes_per_group(predicted))
+    ledger = [r for r in records[0] if r["step"] == step]
+    rows = compare(ledger_bytes_per_group(ledger, skip_first=False), plan_bytes_per_group(predicted))
     for group, (measured, planned, error) in rows.items():
         print(f"{tag} {group}: ledger {measured:.0f} B/step, plan {planned:.0f} B/step ({error:+.1%})")
         assert abs(error) <= 0.05, (tag, group, measured, planned)
+    if dims.zero_stage == 3 and dims.mics_group_size == 1:  # ZeRO-3's calls too, of the ops plan counts
+        # (its gathers and reduce-scatters; not DeepSpeed's overflow scalar nor smp's small broadcasts)
+        ops = {(t.group, t.op) for t in predicted.comm}
+        kept = [dict(r, ops=[o for o in r["ops"] if (o["group"], o["op"]) in ops]) for r in ledger]
+        rows = compare(ledger_bytes_per_group(kept, skip_first=False, quantity="calls"),
+                       plan_bytes_per_group(predicted, "calls"))
+        for group, (measured, planned, error) in rows.items():
+            print(f"{tag} {group}: ledger {measured:.0f} calls/step, plan {planned:.0f} calls/step ({error:+.1%})")
+            assert abs(error) <= 0.05, (tag, "calls", group, measured, planned)
 
     measured = max(r["memory"]["peak_live_bytes"][str(step)] for r in results)
     error = (predicted.tensor_bytes - measured) / measured

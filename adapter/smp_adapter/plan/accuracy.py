@@ -16,9 +16,10 @@ def cpu_cluster(ranks: int) -> Cluster:
                    collectives="gloo")
 
 
-def ledger_bytes_per_group(records: list[dict], skip_first: bool = True) -> dict[str, float]:
-    """Mean bytes per training step per group, of one rank's ledger records (the first step left out:
-    it includes one-time traffic such as ZeRO-3's first gathers and the pipeline's stage setup)."""
+def ledger_bytes_per_group(records: list[dict], skip_first: bool = True, quantity: str = "bytes") -> dict[str, float]:
+    """Mean bytes (or, quantity "calls", calls) per training step per group, of one rank's ledger records
+    (the first step left out: it includes one-time traffic such as ZeRO-3's first gathers and the
+    pipeline's stage setup)."""
     steps = [r for r in records if r.get("step") is not None]
     if skip_first and len(steps) > 1:
         steps = steps[1:]
@@ -27,14 +28,15 @@ def ledger_bytes_per_group(records: list[dict], skip_first: bool = True) -> dict
         for op in record["ops"]:
             if op["group"] in NOT_TRAFFIC_GROUPS or op["op"] in NOT_TRAFFIC_OPS:
                 continue
-            out[op["group"]] = out.get(op["group"], 0.0) + op["bytes"] / len(steps)
+            out[op["group"]] = out.get(op["group"], 0.0) + op[quantity] / len(steps)
     return out
 
 
-def plan_bytes_per_group(result) -> dict[str, float]:
+def plan_bytes_per_group(result, quantity: str = "bytes") -> dict[str, float]:
+    """Bytes (or calls) per optimizer step per group of a plan."""
     out: dict[str, float] = {}
     for term in result.comm:
-        out[term.group] = out.get(term.group, 0.0) + term.bytes
+        out[term.group] = out.get(term.group, 0.0) + getattr(term, quantity)
     return out
 
 

@@ -15,7 +15,7 @@ import math
 from dataclasses import dataclass, field
 
 from smp_adapter.config.pipeline_schedule import V_SHAPED
-from smp_adapter.plan import timing
+from smp_adapter.plan import timing, zero3
 from smp_adapter.plan.instances import Cluster
 
 CUDA_CONTEXT_BYTES = 600 * 2**20  # CUDA context + cuBLAS/NCCL workspaces, measured order on A100/T4 (stated)
@@ -38,15 +38,9 @@ def zero3_buffers(cfg, tensors: list[int]) -> dict[str, int]:
     return zero3_buffer_sizes(cfg, max(tensors, default=0))
 
 
-def zero3_released_fraction(gathered_numel: int, buffers: dict[str, int]) -> float:
-    """Share of gathered ZeRO-3 parameters DeepSpeed releases between a layer's forward and its
-    backward. It keeps a parameter whose next use lies within max_reuse_distance elements of the
-    trace (and within max_live_parameters); a layer at depth i of N elements is used again after
-    about 2 (N - i) elements, so the last R / 2 elements of the model stay gathered."""
-    reach = min(buffers["stage3_max_reuse_distance"], buffers["stage3_max_live_parameters"])
-    if gathered_numel <= 0:
-        return 0.0
-    return max(0.0, 1.0 - reach / (2 * gathered_numel))
+def zero3_gathers(spec, dims, job, tensors: list[int]) -> zero3.Gathers:
+    """What DeepSpeed's coordinator gathers in one optimizer step (plan/zero3.py), with the job's buffers."""
+    return zero3.gathers(spec, dims, job, zero3_buffers(dims.cfg, tensors), lambda n: persistent(n, dims.cfg))
 
 
 @dataclass(frozen=True)
@@ -280,13 +274,10 @@ def model_state_memory(mem: dict, dims, cluster: Cluster, job: Job, spec, tensor
             mem["parameters_hpz_secondary"] = math.ceil(sharded / dims.hpz_partition_size) * pb
         mem["gradients"] = math.ceil(n_rank / rdp) * pb
         mem["optimizer_state"] = math.ceil(n_rank / rdp) * opt_per_param
-        # gathered during the step: what DeepSpeed keeps between forward and backward (see
-        # zero3_released_fraction), at least two layers (the running one and the prefetched one)
-        t = dims.tp
-        layer_gathered = sum(n // t if s and t > 1 else n for n, s in spec.layer_tensors if not persistent(n, cfg))
+        # gathered during the step: the most DeepSpeed's coordinator holds gathered at once (plan/zero3.py:
+        # what it keeps from forward to backward, the running module and what it prefetched)
         buffers = zero3_buffers(cfg, tensors)
-        kept_gathered = sharded * (1 - zero3_released_fraction(sharded, buffers))
-        mem["zero3_gathered_parameters"] = int(max(kept_gathered, min(2 * layer_gathered, sharded)) * pb)
+        mem["zero3_gathered_parameters"] = zero3_gathers(spec, dims, job, tensors).peak * pb
         # DeepSpeed allocates the whole reduce bucket when the optimizer is built: sdp_reduce_bucket_size
         # elements when given, else its default bounded by the model (zero3_buffers)
         mem["gradient_buckets"] = buffers["reduce_bucket_size"] * pb
@@ -397,33 +388,25 @@ def _mics_terms(terms: _Terms, spec, dims, tensors: list[int]) -> None:
 
 def _zero3_terms(terms: _Terms, spec, dims, job: Job, tensors: list[int]) -> None:
     """ZeRO-3: parameters below the persistence threshold stay whole and are gathered once, after the
-    optimizer step. The others are gathered by the first forward; DeepSpeed keeps what it will reuse
-    soon (zero3_released_fraction) until the optimizer step, and gathers the released part again for
-    every later pass (n - 1 forwards, n backwards, n = m k: DeepSpeed sees each of the k calls' m
-    microbatches as one micro-step; a checkpointed layer's recompute comes right before its backward and
-    shares its gather). Its prefetch runs the forward's gathers beside the forward and the backward's
-    beside the backward; overlap_comm reduce-scatters the gradients in reduce buckets beside the
-    backward, every microbatch. hpZ: the first gather from the primary partition builds the node-local
-    copy, later ones read that copy inside the sdp group. Calls: one gather per layer (and one for the
-    tensors outside the layers) per pass, DeepSpeed fetching each module's parameters coalesced."""
+    optimizer step. The others are gathered as DeepSpeed's coordinator fetches, prefetches and releases
+    them over its trace of the n = m k passes (plan/zero3.py: DeepSpeed sees each of the k calls' m
+    microbatches as one pass), each call in the phase it runs beside (a checkpointed recompute's in the
+    backward). hpZ: a parameter's first gather in an optimizer step reads the primary partition (rdp)
+    and builds the node-local copy, later ones read that copy inside the sdp group. overlap_comm
+    reduce-scatters the gradients in reduce buckets beside the backward, every microbatch
+    (zero3.reduce_calls)."""
     cfg, pb, rdp, m = dims.cfg, element_bytes(dims.cfg), dims.rdp, dims.cfg.microbatches
-    n = m * job.accumulation
     kept_bytes = sum(x for x in tensors if persistent(x, cfg)) * pb
-    gathered_numel = sum(x for x in tensors if not persistent(x, cfg))
-    gathered = gathered_numel * pb
-    buffers = zero3_buffers(cfg, tensors)
-    released = gathered * zero3_released_fraction(gathered_numel, buffers)
-    per_pass = 1 + stage_layers(spec, dims.pp)
     terms.add("rdp", "all_gather", kept_bytes, 1, rdp, per_call=False)
-    if dims.hpz_partition_size > 1:
-        terms.add("rdp", "all_gather", gathered, per_pass, rdp, timing.FORWARD, per_call=False)
-        terms.add("sdp", "all_gather", released * (n - 1), per_pass * (n - 1), dims.sdp, timing.FORWARD, per_call=False)
-        terms.add("sdp", "all_gather", released * n, per_pass * n, dims.sdp, timing.BACKWARD, per_call=False)
-    else:
-        terms.add("rdp", "all_gather", gathered + released * (n - 1), per_pass * n, rdp, timing.FORWARD, per_call=False)
-        terms.add("rdp", "all_gather", released * n, per_pass * n, rdp, timing.BACKWARD, per_call=False)
-    buckets = max(1, math.ceil(sum(tensors) / buffers["reduce_bucket_size"]))
-    terms.add("rdp", "reduce_scatter", sum(tensors) * pb * m, buckets * m, rdp, timing.BACKWARD)
+    gathers = zero3_gathers(spec, dims, job, tensors)
+    for phase, source in ((zero3.FORWARD, zero3.PRIMARY), (zero3.FORWARD, zero3.SECONDARY),
+                          (zero3.BACKWARD, zero3.PRIMARY), (zero3.BACKWARD, zero3.SECONDARY)):
+        calls, numel = gathers.counts.get((phase, source), (0, 0))
+        group, size = ("sdp", dims.sdp) if source == zero3.SECONDARY else ("rdp", rdp)
+        overlap = timing.FORWARD if phase == zero3.FORWARD else timing.BACKWARD
+        terms.add(group, "all_gather", numel * pb, calls, size, overlap, per_call=False)
+    terms.add("rdp", "reduce_scatter", sum(tensors) * pb * m * job.accumulation, gathers.reduce_calls, rdp,
+              timing.BACKWARD, per_call=False)
 
 
 def _tp_terms(terms: _Terms, spec, dims, job: Job) -> None:

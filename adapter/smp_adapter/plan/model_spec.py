@@ -44,6 +44,13 @@ class ModelSpec:
     # learned position tables looked up with 1 x s ids, broadcast over the batch (GPT-2's wpe), which
     # smp's tensor parallelism splits like the vocabulary: their exchanges move one sample's worth
     position_tables: int = 0
+    # the model's modules as trees (plan/zero3.py: DeepSpeed's coordinator fetches at every module call,
+    # and gathers and releases a module's own parameters together): node = (tensors, children), tensors
+    # a count of the next tensors of outer_tensors (model_modules) or layer_tensors (layer_modules), or
+    # "layers" (where the layers run) or "tied" (the head reading the vocabulary table again); () takes
+    # zero3.default_trees: one module per tensor
+    model_modules: tuple = ()
+    layer_modules: tuple = ()
 
     @property
     def layer_params(self) -> int:
@@ -155,6 +162,14 @@ def _seq(seq_len, cfg, *names):
     return value
 
 
+# Hugging Face's GPT2LMHeadModel as its forward calls its modules: transformer (wte, wpe, drop, the
+# blocks, ln_f), then lm_head (tied to wte); a GPT2Block: ln_1, attn (c_attn, c_proj, resid_dropout),
+# ln_2, mlp (c_fc, act, c_proj, dropout); each LayerNorm and Conv1D a weight and a bias
+_LEAF = ((0, ()), (1, ()), (2, ()))
+GPT2_MODEL = (0, ((0, (_LEAF[1], _LEAF[1], _LEAF[0], ("layers", ()), _LEAF[2])), ("tied", ())))
+GPT2_BLOCK = (0, (_LEAF[2], (0, (_LEAF[2], _LEAF[2], _LEAF[0])), _LEAF[2], (0, (_LEAF[2], _LEAF[0], _LEAF[2], _LEAF[0]))))
+
+
 def _gpt2(cfg, h, layers, heads, seq_len):
     inner = _field(cfg, "n_inner", default=None) or 4 * h
     vocab, positions = cfg.get("vocab_size", 50257), cfg.get("n_positions", 1024)
@@ -167,7 +182,8 @@ def _gpt2(cfg, h, layers, heads, seq_len):
     mlp_saved = 5 if cfg.get("activation_function", "gelu_new") == "gelu_new" else 2
     return ModelSpec("gpt2", layers, h, heads, inner, vocab, _seq(seq_len, cfg, "n_positions"), layer, outer,
                      tied_embeddings=cfg.get("tie_word_embeddings", True), mlp_saved=mlp_saved,
-                     position_tables=1)  # wpe
+                     position_tables=1,  # wpe
+                     model_modules=GPT2_MODEL, layer_modules=GPT2_BLOCK)
 
 
 def _gpt_neox(cfg, h, layers, heads, seq_len):
