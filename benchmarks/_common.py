@@ -171,6 +171,25 @@ def lm_train_step(smp):
     return train_step
 
 
+def deepspeed_lm_step(engine):
+    """The loop a DeepSpeed user writes around ``engine``: engine(batch) / engine.backward(loss) /
+    engine.step() per microbatch; returns the mean loss."""
+    import torch
+
+    gas = engine.gradient_accumulation_steps()
+
+    def step(x):
+        losses = []
+        for mb in x.chunk(gas):
+            loss = engine(input_ids=mb, labels=mb).loss
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.detach())
+        return torch.stack(losses).mean().item()
+
+    return step
+
+
 def batch(step: int, rank: int, size: int = PER_RANK_BATCH, seq: int = SEQ, vocab: int = MODEL["vocab_size"]):
     import torch
 

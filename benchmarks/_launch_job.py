@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import LR, batch, build_model, lm_train_step, quiet  # noqa: E402
+from _common import LR, batch, build_model, deepspeed_lm_step, lm_train_step, quiet  # noqa: E402
 from _profile import profile_steps  # noqa: E402
 from _turnstile import Turn  # noqa: E402
 
@@ -68,18 +68,7 @@ def deepspeed_loop(args):
     engine, _, _, _ = deepspeed.initialize(model=model, config=json.loads(Path(args.native_config).read_text()),
                                            optimizer=torch.optim.AdamW(model.parameters(), lr=LR),
                                            dist_init_required=False)
-    gas = engine.gradient_accumulation_steps()
-
-    def step(x):
-        losses = []
-        for mb in x.chunk(gas):
-            loss = engine(input_ids=mb, labels=mb).loss
-            engine.backward(loss)
-            engine.step()
-            losses.append(loss.detach())
-        return torch.stack(losses).mean().item()
-
-    return step, torch.device("cpu"), dist.get_rank(), dist.get_rank()
+    return deepspeed_lm_step(engine), torch.device("cpu"), dist.get_rank(), dist.get_rank()
 
 
 def pipelining_loop(args):

@@ -58,7 +58,7 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import (DEFAULT_MODES, LR, MICROBATCHES, MODE_MODEL, MODEL, MODES, PER_RANK_BATCH, SEQ, batch, lm_train_step,  # noqa: E402
-                     build_model,
+                     build_model, deepspeed_lm_step,
                      config_difference, current_rss_bytes, native_deepspeed_config, peak_rss_bytes, quiet,
                      run_ranks, spread, write_result)
 from _profile import print_profile, profile_steps  # noqa: E402
@@ -140,18 +140,7 @@ def worker(args) -> None:
         module.to(device)
         engine, _, _, _ = deepspeed.initialize(model=module, config=native_cfg, dist_init_required=False,
                                                optimizer=torch.optim.AdamW(module.parameters(), lr=LR))
-        gas = engine.gradient_accumulation_steps()
-
-        def native_step(x):
-            losses = []
-            for mb in x.chunk(gas):
-                loss = engine(input_ids=mb, labels=mb).loss
-                engine.backward(loss)
-                engine.step()
-                losses.append(loss.detach())
-            return torch.stack(losses).mean().item()
-
-        return native_step, engine.config
+        return deepspeed_lm_step(engine), engine.config
 
     # -- A: the smp API ------------------------------------------------------------------------
     if use_smp:
