@@ -56,8 +56,10 @@ class SshCluster:
     names; whoever runs on the nodes starts sshd itself (SageMaker's toolkit starts ``/usr/sbin/sshd -D`` on
     every host), with ``sshd_argv(i)``; pdsh is then not needed."""
 
-    def __init__(self, cluster, extra_names: dict[int, list[str]] | None = None, start_daemons: bool = True):
+    def __init__(self, cluster, extra_names: dict[int, list[str]] | None = None, start_daemons: bool = True,
+                 login_env: dict[str, str] | None = None):
         self.cluster = cluster
+        self.login_env = {"GLOO_SOCKET_IFNAME": "eth0", **(login_env or {})}  # every session's (SetEnv)
         self.start_daemons = start_daemons
         self.names = {n.index: [f"n{n.index}", *(extra_names or {}).get(n.index, [])] for n in cluster.nodes}
         self.dir: Path | None = None
@@ -140,7 +142,7 @@ class SshCluster:
             f"PidFile {d / f'sshd.n{node.index}.pid'}\n"
             f"AuthorizedKeysFile {d / 'authorized_keys'}\nPermitRootLogin prohibit-password\n"
             "PasswordAuthentication no\nKbdInteractiveAuthentication no\nUsePAM no\nStrictModes no\n"
-            f"SetEnv GLOO_SOCKET_IFNAME=eth0\nAcceptEnv LANG LC_*\nMaxStartups 100:30:200\nMaxSessions 100\n")
+            f"SetEnv {' '.join(f'{k}={v}' for k, v in self.login_env.items())}\nAcceptEnv LANG LC_*\nMaxStartups 100:30:200\nMaxSessions 100\n")
 
     def _start_sshd(self, node) -> None:
         log = open(self.dir / f"sshd.n{node.index}.log", "w")

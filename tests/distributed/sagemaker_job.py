@@ -156,7 +156,7 @@ set -e
 ip link set lo up
 mount -t overlay smp-opt -o "lowerdir=/opt,upperdir=$NS/opt.up,workdir=$NS/opt.work" /opt
 mkdir -p /opt/ml
-mount --bind "$SAGEMAKER_BASE_DIR" /opt/ml
+mount --bind "${SMP_JOB_DIR:-$SAGEMAKER_BASE_DIR}" /opt/ml
 mount -t overlay smp-sbin -o "lowerdir=/usr/sbin,upperdir=$NS/sbin.up,workdir=$NS/sbin.work" /usr/sbin
 mount --bind "$NS/hosts" /etc/hosts
 if [ -n "$SMP_TEST_HOSTS" ]; then

@@ -49,6 +49,10 @@ PER_HOST = 2
 EFA_OPTIONS = "-x FI_EFA_USE_DEVICE_RDMA=1 -x FI_PROVIDER=efa -x RDMAV_FORK_SAFE=1"
 SDP2 = {"ddp": True, "sharded_data_parallel_degree": 2}
 PP2 = {"pipeline_parallel_degree": 2, "microbatches": 2, "ddp": True}
+# the image's login PATH (sshd's SetEnv): Open MPI starts `orted` by name in an ssh session on algo-2. The worker
+# toolkit appends its environment to /etc/environment for those sessions, which sshd without PAM does not read,
+# and with UsePAM=yes (tried once) orted was still not found: "bash: line 1: orted: command not found"
+LOGIN_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 _UNAVAILABLE = namespaces_unavailable() or netns_cluster.unavailable()
 pytestmark = pytest.mark.skipif(_UNAVAILABLE is not None, reason=f"two toolkit hosts: {_UNAVAILABLE}")
@@ -93,11 +97,12 @@ def one_node_losses(tmp_path: Path, parameters: dict) -> list[list[float]]:
 
 
 @contextmanager
-def two_hosts():
+def two_hosts(venv: Path):
     """Two nodes named algo-1 and algo-2 (also n0, n1), the job's keys and each node's sshd configuration; after
     it, nothing of them is left."""
     c = netns_cluster.Cluster(nodes=2, rate="1gbit")
-    s = netns_sshd.SshCluster(c, extra_names={0: [HOSTS[0]], 1: [HOSTS[1]]}, start_daemons=False)
+    s = netns_sshd.SshCluster(c, extra_names={0: [HOSTS[0]], 1: [HOSTS[1]]}, start_daemons=False,
+                              login_env={"PATH": f"{venv / 'bin'}:{LOGIN_PATH}"})
     root_ssh = Path("/root/.ssh").exists()
     try:
         with c, s:
@@ -141,7 +146,9 @@ def start_job(c, s, venv: Path, where: Path, parameters: dict, hps: dict) -> lis
             (ns / "environment").write_text("")
         log = where / f"{HOSTS[i]}.log"
         with open(log, "w") as out:
-            proc = c.popen(i, container_argv(venv), env=toolkit_env_vars(base, ns, venv, {"SMP_TEST_HOSTS": "1"}),
+            proc = c.popen(i, container_argv(venv), env=toolkit_env_vars(base, ns, venv, {
+                               # SageMaker's own base: the paths mpirun -x carries to algo-2 are its own there
+                               "SMP_TEST_HOSTS": "1", "SMP_JOB_DIR": str(base), "SAGEMAKER_BASE_DIR": "/opt/ml"}),
                            stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         started.append(Host(i, base, proc, log))
     return sorted(started, key=lambda h: h.index)
@@ -168,7 +175,7 @@ def test_two_hosts_toolkit_sdp_and_pp_jobs_match_one_node(toolkit, tmp_path):
     def run(name: str) -> None:
         try:
             started = time.monotonic()
-            with two_hosts() as (c, s):
+            with two_hosts(toolkit) as (c, s):
                 hosts[name] = start_job(c, s, toolkit, tmp_path / name, jobs[name], {"steps": STEPS})
                 wait_all(hosts[name], 240)
             took[name] = time.monotonic() - started
@@ -196,7 +203,8 @@ def test_two_hosts_toolkit_sdp_and_pp_jobs_match_one_node(toolkit, tmp_path):
                  for h in (leader, worker) for r in range(h.index * PER_HOST, (h.index + 1) * PER_HOST)]
         for r, res in enumerate(ranks):
             assert res["rank"] == r and res["size"] == 4 and res["hosts"] == list(HOSTS)
-            assert res["current_host"] == HOSTS[r // PER_HOST] and res["rdmav_fork_safe"] == "1"
+            # the toolkit's mpirun -x SM_CURRENT_HOST carries the leader's value to every rank, algo-2's too
+            assert res["current_host"] == "algo-1" and res["rdmav_fork_safe"] == "1"
         assert (ranks[0]["pp_size"], ranks[0]["dp_size"]) == ((2, 2) if name == "pp2" else (1, 4))
         assert (leader.base / "model/model.pt").exists()
         for r, res in enumerate(ranks):
@@ -218,7 +226,7 @@ def test_two_hosts_toolkit_reports_a_worker_rank_failing(toolkit, tmp_path):
     the worker's orted and ranks end. The worker's toolkit then waits for the leader's status file, which a
     failed leader never writes; it would exit once its 2-minute check finds the leader's sshd gone: the test
     stops that container instead (a SageMaker job whose leader failed is over)."""
-    with two_hosts() as (c, s):
+    with two_hosts(toolkit) as (c, s):
         started = time.monotonic()
         leader, worker = start_job(c, s, toolkit, tmp_path, SDP2, {"steps": STEPS, "fail_rank": 3})
         wait_all([leader], 180)
