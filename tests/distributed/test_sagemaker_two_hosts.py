@@ -220,6 +220,7 @@ def _job_processes(c) -> list[str]:
             if "mpi4py" in d or "orted" in d or "mpirun" in d]
 
 
+@pytest.mark.skip(reason="written, not yet run (issue 65 item 3 (b) remains)")
 def test_two_hosts_toolkit_reports_a_worker_rank_failing(toolkit, tmp_path):
     """Rank 3 (on algo-2) raises UnsupportedFeatureError at step 1: Open MPI ends the job on both hosts, the
     leader's toolkit names the error in algo-1's /opt/ml/output/failure (SageMaker's FailureReason) and exits 1;
