@@ -36,10 +36,11 @@ def _which(name: str) -> str | None:
     return shutil.which(name) or shutil.which(name, path="/usr/sbin:/usr/bin")
 
 
-def unavailable() -> str | None:
-    missing = [name for name in PROGRAMS if not _which(name)]
+def unavailable(programs: tuple[str, ...] = PROGRAMS) -> str | None:
+    missing = [name for name in programs if not _which(name)]
     if missing:
-        return f"ssh on the nodes needs {', '.join(missing)} (apt-get install -y openssh-server openssh-client pdsh)"
+        packages = "openssh-server openssh-client" + (" pdsh" if "pdsh" in programs else "")
+        return f"ssh on the nodes needs {', '.join(missing)} (apt-get install -y {packages})"
     return None
 
 
@@ -49,10 +50,17 @@ class SshError(RuntimeError):
 
 class SshCluster:
     """One sshd per node of ``cluster`` (a netns_cluster.Cluster that is up); host names n<i> (and
-    ``extra_names[i]``) resolve to node i inside every node."""
+    ``extra_names[i]``) resolve to node i inside every node.
 
-    def __init__(self, cluster, extra_names: dict[int, list[str]] | None = None):
+    ``start_daemons=False``: only the keys, the configurations (``sshd_config(i)``, the client's) and the host
+    names; whoever runs on the nodes starts sshd itself (SageMaker's toolkit starts ``/usr/sbin/sshd -D`` on
+    every host), with ``sshd_argv(i)``; pdsh is then not needed."""
+
+    def __init__(self, cluster, extra_names: dict[int, list[str]] | None = None, start_daemons: bool = True,
+                 login_env: dict[str, str] | None = None):
         self.cluster = cluster
+        self.login_env = {"GLOO_SOCKET_IFNAME": "eth0", **(login_env or {})}  # every session's (SetEnv)
+        self.start_daemons = start_daemons
         self.names = {n.index: [f"n{n.index}", *(extra_names or {}).get(n.index, [])] for n in cluster.nodes}
         self.dir: Path | None = None
         self.daemons: list[subprocess.Popen] = []
@@ -76,7 +84,7 @@ class SshCluster:
         return {**env, "PATH": path, "PDSH_RCMD_TYPE": "ssh"}
 
     def up(self) -> "SshCluster":
-        reason = unavailable()
+        reason = unavailable() if self.start_daemons else unavailable(("sshd", "ssh", "ssh-keygen"))
         if reason:
             raise SshError(reason)
         self.dir = Path(tempfile.mkdtemp(prefix=f"{self.cluster.run_id}-ssh-"))
@@ -88,8 +96,11 @@ class SshCluster:
                 PRIVSEP_DIR.mkdir(mode=0o755, parents=True)
                 self.made_privsep = True
             for n in self.cluster.nodes:
-                self._start_sshd(n)
-            self._wait_logins()
+                self._write_sshd_config(n)
+            if self.start_daemons:
+                for n in self.cluster.nodes:
+                    self._start_sshd(n)
+                self._wait_logins()
         except BaseException:
             self.down()
             raise
@@ -117,17 +128,25 @@ class SshCluster:
         wrapper.write_text(f"#!/bin/sh\nexec {_which('ssh')} -F {self.client_config} \"$@\"\n")
         wrapper.chmod(0o755)
 
-    def _start_sshd(self, node) -> None:
+    def sshd_config(self, node: int) -> Path:
+        return self.dir / f"sshd_config.n{node}"
+
+    def sshd_argv(self, node: int) -> list[str]:
+        """sshd for ``node`` in the foreground, logging to stderr (run it inside the node)."""
+        return [_which("sshd"), "-D", "-e", "-f", str(self.sshd_config(node))]
+
+    def _write_sshd_config(self, node) -> None:
         d = self.dir
-        conf = d / f"sshd_config.n{node.index}"
-        conf.write_text(
+        self.sshd_config(node.index).write_text(
             f"ListenAddress {node.addr}\nPort 22\nHostKey {d / 'host_ed25519'}\n"
             f"PidFile {d / f'sshd.n{node.index}.pid'}\n"
             f"AuthorizedKeysFile {d / 'authorized_keys'}\nPermitRootLogin prohibit-password\n"
             "PasswordAuthentication no\nKbdInteractiveAuthentication no\nUsePAM no\nStrictModes no\n"
-            f"SetEnv GLOO_SOCKET_IFNAME=eth0\nAcceptEnv LANG LC_*\nMaxStartups 100:30:200\nMaxSessions 100\n")
-        log = open(d / f"sshd.n{node.index}.log", "w")
-        self.daemons.append(self.cluster.popen(node.index, [_which("sshd"), "-D", "-e", "-f", conf],
+            f"SetEnv {' '.join(f'{k}={v}' for k, v in self.login_env.items())}\nAcceptEnv LANG LC_*\nMaxStartups 100:30:200\nMaxSessions 100\n")
+
+    def _start_sshd(self, node) -> None:
+        log = open(self.dir / f"sshd.n{node.index}.log", "w")
+        self.daemons.append(self.cluster.popen(node.index, self.sshd_argv(node.index),
                                                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL))
         log.close()
 

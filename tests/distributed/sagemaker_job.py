@@ -122,8 +122,10 @@ def sdk_hyperparameters(distribution: dict, program: str, submit_dir: str, insta
 
 
 def write_job(base: Path, distribution: dict, script: Path, hyperparameters: dict, train_data: dict,
-              instance_type: str = "ml.p3.16xlarge") -> Path:
-    """Lay out /opt/ml for host algo-1 of a one-host job under ``base``; returns ``base``."""
+              instance_type: str = "ml.p3.16xlarge", hosts: tuple[str, ...] = ("algo-1",), current_host: str = "algo-1",
+              network_interface: str = "lo") -> Path:
+    """Lay out /opt/ml for ``current_host`` of a job on ``hosts`` under ``base``; returns ``base``. One host:
+    its network namespace has only ``lo`` (SageMaker's interface is eth0, which the two-host nodes have)."""
     config = base / "input/config"
     config.mkdir(parents=True)
     code = base / "code"
@@ -137,11 +139,11 @@ def write_job(base: Path, distribution: dict, script: Path, hyperparameters: dic
     (config / "hyperparameters.json").write_text(json.dumps(
         sdk_hyperparameters(distribution, script.name, str(code), instance_type, hyperparameters)))
     (config / "resourceconfig.json").write_text(json.dumps({
-        "current_host": "algo-1", "hosts": ["algo-1"], "current_group_name": "homogeneousCluster",
+        "current_host": current_host, "hosts": list(hosts), "current_group_name": "homogeneousCluster",
         "current_instance_type": instance_type,
         "instance_groups": [{"instance_group_name": "homogeneousCluster", "instance_type": instance_type,
-                             "hosts": ["algo-1"]}],
-        "network_interface_name": "lo"}))  # SageMaker's is eth0; the job's own network namespace has lo
+                             "hosts": list(hosts)}],
+        "network_interface_name": network_interface}))
     (config / "inputdataconfig.json").write_text(json.dumps({
         "train": {"TrainingInputMode": "File", "S3DistributionType": "FullyReplicated", "RecordWrapperType": "None"}}))
     for d in ("model", "output/data"):
@@ -154,22 +156,56 @@ set -e
 ip link set lo up
 mount -t overlay smp-opt -o "lowerdir=/opt,upperdir=$NS/opt.up,workdir=$NS/opt.work" /opt
 mkdir -p /opt/ml
-mount --bind "$SAGEMAKER_BASE_DIR" /opt/ml
+mount --bind "${SMP_JOB_DIR:-$SAGEMAKER_BASE_DIR}" /opt/ml
 mount -t overlay smp-sbin -o "lowerdir=/usr/sbin,upperdir=$NS/sbin.up,workdir=$NS/sbin.work" /usr/sbin
 mount --bind "$NS/hosts" /etc/hosts
+if [ -n "$SMP_TEST_HOSTS" ]; then
+  # a host of several: what else a container has of its own. /tmp (the toolkit's /tmp/done status file) and
+  # /root (the image's /root/.ssh: key, client configuration) as overlays whose changes live on a tmpfs;
+  # /etc/environment (the worker toolkit appends its environment to it); /proc of this PID namespace (the
+  # worker toolkit looks for a process named orted)
+  mount -t tmpfs smp-private /mnt
+  mkdir -p /mnt/tmp.up /mnt/tmp.work /mnt/root.up /mnt/root.work
+  mount -t overlay smp-tmp -o "lowerdir=/tmp,upperdir=/mnt/tmp.up,workdir=/mnt/tmp.work" /tmp
+  mount -t overlay smp-root -o "lowerdir=/root,upperdir=/mnt/root.up,workdir=/mnt/root.work" /root
+  mkdir -p -m 700 /root/.ssh
+  cp "$NS"/ssh/* /root/.ssh/
+  mount --bind "$NS/environment" /etc/environment
+  mount -t proc proc /proc
+fi
 exec "$@"
 """
 
 
 def run_toolkit(base: Path, venv: Path, timeout: float = 300, env: dict | None = None) -> subprocess.CompletedProcess:
     """``train`` for the job under ``base``, in its private namespaces; stdout and stderr together."""
+    ns = container_dir(base, "127.0.0.1 localhost algo-1\n",
+                       "#!/bin/sh\n# stand-in: one host needs no ssh; the toolkit only starts sshd\nexec sleep 86400\n")
+    cmd = ["unshare", "--mount", "--propagation", "private", "--net", "--pid", "--fork", "--kill-child",
+           "sh", "-c", _CONTAINER, "container", str(venv / "bin/train")]
+    return subprocess.run(cmd, env=toolkit_env_vars(base, ns, venv, env), stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, timeout=timeout)
+
+
+def container_dir(base: Path, hosts: str, sshd: str) -> Path:
+    """The container's own files beside ``base``: overlay layers, /etc/hosts, /usr/sbin/sshd (a script)."""
     ns = base.parent / (base.name + ".ns")
     for d in ("opt.up", "opt.work", "sbin.up", "sbin.work"):
         (ns / d).mkdir(parents=True, exist_ok=True)
-    sshd = ns / "sbin.up/sshd"
-    sshd.write_text("#!/bin/sh\n# stand-in: one host needs no ssh; the toolkit only starts sshd\nexec sleep 86400\n")
-    sshd.chmod(0o755)
-    (ns / "hosts").write_text("127.0.0.1 localhost algo-1\n")
+    (ns / "sbin.up/sshd").write_text(sshd)
+    (ns / "sbin.up/sshd").chmod(0o755)
+    (ns / "hosts").write_text(hosts)
+    return ns
+
+
+def container_argv(venv: Path) -> list[str]:
+    """``train`` in private mount and PID namespaces (the network namespace is the caller's: a node's)."""
+    return ["unshare", "--mount", "--propagation", "private", "--pid", "--fork", "--kill-child",
+            "sh", "-c", _CONTAINER, "container", str(venv / "bin/train")]
+
+
+def toolkit_env_vars(base: Path, ns: Path, venv: Path, env: dict | None = None) -> dict:
+    """The environment ``train`` starts with, as a CPU image's container has it."""
     bin_dir = str(venv / "bin")
     run_env = {k: v for k, v in os.environ.items() if not k.startswith(("SM_", "OMPI_", "PMIX_", "RANK", "LOCAL_", "WORLD_"))}
     run_env.update({
@@ -182,10 +218,7 @@ def run_toolkit(base: Path, venv: Path, timeout: float = 300, env: dict | None =
     })
     run_env.pop("MASTER_ADDR", None)
     run_env.pop("MASTER_PORT", None)
-    cmd = ["unshare", "--mount", "--propagation", "private", "--net", "--pid", "--fork", "--kill-child",
-           "sh", "-c", _CONTAINER, "container", str(venv / "bin/train")]
-    return subprocess.run(cmd, env=run_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          timeout=timeout)
+    return run_env
 
 
 if __name__ == "__main__":  # scripts/test.sh builds the environment beside the unit tier: --prepare

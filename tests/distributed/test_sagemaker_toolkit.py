@@ -9,8 +9,8 @@ classes it imports from smdistributed.modelparallel.
 
 The toolkit and Open MPI 4 are installed on first use by docker/install.sh (the script the
 Dockerfile runs) into a cached environment layered over the test environment (sagemaker_job.py).
-Only one host: the toolkit's multi-host path (sshd on every host, mpirun over ssh, workers waiting
-for `orted`) is documented, not run (docs/launch.md says why).
+One host here; the toolkit's multi-host path (sshd on every host, mpirun over ssh, workers waiting
+for `orted`) runs in test_sagemaker_two_hosts.py, on two namespaced nodes algo-1 and algo-2.
 """
 
 from __future__ import annotations
