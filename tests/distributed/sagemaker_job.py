@@ -162,8 +162,7 @@ mount --bind "$NS/hosts" /etc/hosts
 if [ -n "$SMP_TEST_HOSTS" ]; then
   # a host of several: what else a container has of its own. /tmp (the toolkit's /tmp/done status file) and
   # /root (the image's /root/.ssh: key, client configuration) as overlays whose changes live on a tmpfs;
-  # /etc/environment (the worker toolkit appends its environment to it); /proc of this PID namespace (the
-  # worker toolkit looks for a process named orted)
+  # /etc/environment (the worker toolkit appends its environment to it)
   mount -t tmpfs smp-private /mnt
   mkdir -p /mnt/tmp.up /mnt/tmp.work /mnt/root.up /mnt/root.work
   mount -t overlay smp-tmp -o "lowerdir=/tmp,upperdir=/mnt/tmp.up,workdir=/mnt/tmp.work" /tmp
@@ -171,8 +170,11 @@ if [ -n "$SMP_TEST_HOSTS" ]; then
   mkdir -p -m 700 /root/.ssh
   cp "$NS"/ssh/* /root/.ssh/
   mount --bind "$NS/environment" /etc/environment
-  mount -t proc proc /proc
 fi
+# /proc of this PID namespace: with the machine's, a process's own pid names another process or none
+# (DeepSpeed's CPU accelerator reads psutil.Process() at import: "NoSuchProcess: pid=43" whenever the
+# machine had no pid 43); the worker toolkit of a two-host job looks for a process named orted in it
+mount -t proc proc /proc
 exec "$@"
 """
 
