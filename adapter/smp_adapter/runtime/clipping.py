@@ -21,6 +21,7 @@ the same global norm when it is given the model's parameters.
 
 from __future__ import annotations
 
+import math
 import weakref
 
 import torch
@@ -75,6 +76,38 @@ def route_torch_clipping(engine) -> None:
     if "torch" not in _route:
         _route["torch"] = clip_module.clip_grad_norm_
         torch.nn.utils.clip_grad_norm_ = clip_module.clip_grad_norm_ = _clip_grad_norm_
+    # accelerate 1.16's Accelerator.clip_grad_norm_ (the Trainer's max_grad_norm) no longer calls
+    # clip_grad_norm_: it takes get_total_norm of the gradients, then clip_grads_with_norm_ by that norm. The
+    # norm of this model's gradients is the global one too, so that path scales every part by one factor
+    if "torch_total" not in _route and hasattr(torch.nn.utils, "get_total_norm"):  # torch >= 2.6
+        _route["torch_total"] = torch.nn.utils.get_total_norm
+        torch.nn.utils.get_total_norm = _get_total_norm
+
+
+def _get_total_norm(tensors, norm_type=2.0, error_if_nonfinite=False, foreach=None):
+    engine = _route["engine"]() if "engine" in _route else None
+    grads = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+    if engine is not None and grads:
+        owner = {id(p.grad): p for p in engine.model.parameters() if p.grad is not None}
+        params = [owner[id(g)] for g in grads if id(g) in owner]
+        if len(params) == len(grads):  # exactly this model's gradients (accelerate passes model.parameters()'s)
+            _require_two_norm(norm_type)
+            norm = torch.tensor(engine.clip_grad_norm(params, math.inf))  # the norm alone: nothing is scaled
+            if error_if_nonfinite and not torch.isfinite(norm):
+                raise RuntimeError(f"The total norm of order {norm_type} for gradients is non-finite "
+                                   "(error_if_nonfinite=True)")
+            return norm
+    return _route["torch_total"](grads, norm_type, error_if_nonfinite, foreach)
+
+
+def _require_two_norm(norm_type) -> None:
+    if float(norm_type) != 2.0:
+        from smp_adapter.errors import UnsupportedFeatureError
+
+        raise UnsupportedFeatureError(
+            f"clip_grad_norm_ with norm_type={norm_type} on a model whose parts are on several ranks: "
+            "smp-adapter computes the global 2-norm only. Use norm_type=2 (the default), or "
+            "optimizer.clip_master_grads(max_norm)")
 
 
 def _clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=False, foreach=None):
@@ -83,13 +116,7 @@ def _clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=Fal
     if engine is not None:
         own = {id(p) for p in engine.model.parameters()}
         if any(id(p) in own for p in params):
-            if float(norm_type) != 2.0:
-                from smp_adapter.errors import UnsupportedFeatureError
-
-                raise UnsupportedFeatureError(
-                    f"clip_grad_norm_ with norm_type={norm_type} on a model whose parts are on several ranks: "
-                    "smp-adapter computes the global 2-norm only. Use norm_type=2 (the default), or "
-                    "optimizer.clip_master_grads(max_norm)")
+            _require_two_norm(norm_type)
             norm = engine.clip_grad_norm(params, float(max_norm))
             if error_if_nonfinite and not torch.isfinite(torch.tensor(norm)):
                 raise RuntimeError(f"The total norm of order {norm_type} for gradients from `parameters` is "
@@ -107,3 +134,6 @@ def _restore_torch_clipping() -> None:
     _route.pop("engine", None)
     if original is not None:
         torch.nn.utils.clip_grad_norm_ = clip_module.clip_grad_norm_ = original
+    total = _route.pop("torch_total", None)
+    if total is not None:
+        torch.nn.utils.get_total_norm = total
