@@ -1,4 +1,4 @@
-"""runtime/clipping.py's route of torch.nn.utils.clip_grad_norm_ to the engine, and the pipeline's signature of
+"""runtime/clipping.py's route of torch.nn.utils.clip_grad_norm_ (and get_total_norm) to the engine, and the pipeline's signature of
 a call's model inputs (runtime/engines/pipeline/signature.py), without a process group."""
 
 import pytest
@@ -41,6 +41,30 @@ def test_torch_clip_on_the_model_goes_to_the_engine_and_back_after_shutdown():
         run_shutdown_resets()
     assert torch.nn.utils.clip_grad_norm_ is original and torch.nn.utils.clip_grad.clip_grad_norm_ is original
 
+
+
+def test_accelerates_total_norm_of_the_models_gradients_is_the_engines_global_norm():
+    """accelerate >= 1.16 clips through torch.nn.utils.get_total_norm + clip_grads_with_norm_ (no clip_grad_norm_):
+    the norm of the model's gradients is the engine's global one (asked with max_norm inf: nothing scaled by it),
+    other tensors' norm is torch's; shutdown restores torch's function."""
+    original = torch.nn.utils.get_total_norm
+    model, other = nn.Linear(2, 2), nn.Linear(2, 2)
+    for p in [*model.parameters(), *other.parameters()]:
+        p.grad = torch.full_like(p, 3.0)
+    engine = _Engine(model)
+    clipping.route_torch_clipping(engine)
+    try:
+        from torch.nn.utils import get_total_norm  # as accelerate imports it, at each call
+
+        assert float(get_total_norm([p.grad for p in model.parameters()])) == 7.0
+        assert engine.calls == [(2, float("inf"))]
+        assert torch.equal(model.weight.grad, torch.full_like(model.weight, 3.0))
+        assert abs(float(get_total_norm([p.grad for p in other.parameters()])) - 54 ** 0.5) < 1e-5
+        with pytest.raises(UnsupportedFeatureError, match="norm_type=1"):
+            get_total_norm([p.grad for p in model.parameters()], norm_type=1)
+    finally:
+        run_shutdown_resets()
+    assert torch.nn.utils.get_total_norm is original
 
 def test_signature_counts_what_a_trace_depends_on_and_not_keyword_order():
     x, y = torch.zeros(4, 3), torch.zeros(4, dtype=torch.long)
