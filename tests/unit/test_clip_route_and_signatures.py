@@ -22,13 +22,19 @@ class _Engine:
         return 7.0
 
 
-def test_torch_clip_on_the_model_goes_to_the_engine_and_back_after_shutdown():
-    original = torch.nn.utils.clip_grad_norm_
+
+def _routed():
+    """A model and another module, every gradient 3, the route installed for an engine of the model."""
     model, other = nn.Linear(2, 2), nn.Linear(2, 2)
     for p in [*model.parameters(), *other.parameters()]:
         p.grad = torch.full_like(p, 3.0)
     engine = _Engine(model)
     clipping.route_torch_clipping(engine)
+    return model, other, engine
+
+def test_torch_clip_on_the_model_goes_to_the_engine_and_back_after_shutdown():
+    original = torch.nn.utils.clip_grad_norm_
+    model, other, engine = _routed()
     try:
         assert float(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)) == 7.0
         assert engine.calls == [(2, 0.5)]
@@ -48,11 +54,7 @@ def test_accelerates_total_norm_of_the_models_gradients_is_the_engines_global_no
     the norm of the model's gradients is the engine's global one (asked with max_norm inf: nothing scaled by it),
     other tensors' norm is torch's; shutdown restores torch's function."""
     original = torch.nn.utils.get_total_norm
-    model, other = nn.Linear(2, 2), nn.Linear(2, 2)
-    for p in [*model.parameters(), *other.parameters()]:
-        p.grad = torch.full_like(p, 3.0)
-    engine = _Engine(model)
-    clipping.route_torch_clipping(engine)
+    model, other, engine = _routed()
     try:
         from torch.nn.utils import get_total_norm  # as accelerate imports it, at each call
 
