@@ -245,7 +245,9 @@ def _resolves_dotted(name: str) -> bool:
             locations = spec.submodule_search_locations
             if locations is None:
                 return True
-            spec = importlib.machinery.PathFinder.find_spec(".".join(parts[:i + 1]), list(locations))
+            # str(): an imported transformers' lazy module lists its location as a PosixPath, which the path
+            # finder skips (so every transformers.x.y looked missing once a transformers model was built)
+            spec = importlib.machinery.PathFinder.find_spec(".".join(parts[:i + 1]), [str(p) for p in locations])
         return spec is not None
     except (ImportError, ValueError):
         return True  # a finder that cannot answer without importing: not reported
