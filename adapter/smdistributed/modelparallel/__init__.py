@@ -24,6 +24,13 @@ from smp_adapter.compat.apex_fallback import install as _install_apex_fallback  
 
 _install_apex_fallback()
 
+# transformers' PreTrainedModel.init_weights, remembered before a GPT template replaces it (it counts on smp's
+# distributed modules to draw the weights): models created for tensor parallelism get it back
+# (smp_adapter/compat/hf_skipped_init.py)
+from smp_adapter.compat.hf_skipped_init import install as _remember_transformers_init  # noqa: E402
+
+_remember_transformers_init()
+
 # `smp-adapter launch` on a machine without GPUs asks for CUDA on CPU ranks (docs/launch.md): done
 # here, at the first smp import, before the script's own torch.cuda calls
 from smp_adapter.compat.cuda_on_cpu import install_if_requested as _install_cuda_on_cpu  # noqa: E402

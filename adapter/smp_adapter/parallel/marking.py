@@ -63,10 +63,15 @@ def tensor_parallelism(enabled: bool = True, **kwargs):
 
     ``kwargs`` override matching ``__init__`` arguments of the substituted distributed module.
     """
+    from smp_adapter.compat.hf_skipped_init import transformers_init_weights
+
     mark = TPMark(bool(enabled), dict(kwargs))
     _stack.append(mark)
     try:
-        with on_module_created(lambda module: _set_mark(module, mark)):
+        # a template's `PreTrainedModel.init_weights = lambda x: None` counted on smp's modules drawing the
+        # weights: ours are transformers' own, so its init runs (compat/hf_skipped_init.py)
+        with on_module_created(lambda module: _set_mark(module, mark)), \
+                (transformers_init_weights() if enabled else contextlib.nullcontext()):
             yield
     finally:
         if _stack and _stack[-1] is mark:  # (reset() may have cleared the stack already)

@@ -63,11 +63,21 @@ def _get(obj, path: str):
     return obj
 
 
+def _block_parts(block: nn.Module):
+    """(attention, output) attribute paths of a block, found by its Hugging Face class's name anywhere in its
+    class's ancestry: FSDP2's ``fully_shard`` (the MiCS engine) swaps a block's class for a subclass named
+    ``FSDP<name>``, and this module's own layout subclass sits between the two."""
+    for cls in type(block).__mro__:
+        if cls.__name__ in _BLOCK_PARTS:
+            return _BLOCK_PARTS[cls.__name__]
+    return None
+
+
 def block_list(body: nn.Module):
     """The ModuleList of transformer blocks of a Hugging Face body (GPT2Model, GPTNeoXModel, ...)."""
     for path in _BLOCK_LISTS:
         found = _get(body, path)
-        if isinstance(found, nn.ModuleList) and len(found) and type(found[0]).__name__ in _BLOCK_PARTS:
+        if isinstance(found, nn.ModuleList) and len(found) and _block_parts(found[0]) is not None:
             return found
     return None
 
@@ -108,7 +118,7 @@ def add_smp_layout(model: nn.Module) -> bool:
         return False
     blocks = block_list(body)
     for block in blocks:
-        attention, output = _BLOCK_PARTS[type(block).__name__]
+        attention, output = _block_parts(block)
         _with_properties(block, {"attention": _part_getter(attention), "output": _part_getter(output)})
     _with_properties(body, {"seq_layers": lambda self: nn.Sequential(*block_list(self))})
     return True

@@ -54,6 +54,13 @@ class DistributedModel(nn.Module):
         from smp_adapter.runtime.engines import create_engine, job_engine
 
         engine = job_engine()  # the class smp.init chose from the layout
+        if _created_for_tensor_parallelism(module):
+            from smp_adapter.compat.hf_skipped_init import initialize_skipped_weights
+
+            # the GPT templates skip transformers' init_weights, counting on smp's distributed modules to draw
+            # the weights (compat/hf_skipped_init.py); before anything is placed, shared or sharded
+            with _recording_if_delayed(module):
+                initialize_skipped_weights(module)
         engine.place_module(module, s.device)
         # Every replica starts from dp rank 0's weights (users seed with dp_rank), before the
         # tensor-parallel split; the engine knows what it shards
