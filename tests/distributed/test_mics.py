@@ -121,12 +121,14 @@ def test_partial_checkpoint_resume_is_exact(tmp_path, init_weights):
     assert resumed[0]["losses"] == full[0]["losses"][2:]
 
 
-def bf16_reference(init_weights, nprocs: int, steps: int, lr: float, microbatches=1, per_rank_batch=4):
-    """The MiCS bf16 recipe written out in one process: fp32 master weights; each data-parallel rank's
-    forward and backward in bf16 on each microbatch of its rows (inputs cast, as FSDP2's policy casts
-    them; the loss divided by the microbatches); each microbatch's gradients to fp32, summed and averaged
-    over the ranks; SGD on the fp32 masters. The loss: each rank's mean over its microbatches in bf16
-    (StepOutput.reduce_mean), averaged over the ranks.
+def half_reference(init_weights, nprocs: int, steps: int, lr: float, microbatches=1, per_rank_batch=4,
+                   dtype=torch.bfloat16, loss_scale=1.0):
+    """The MiCS bf16/fp16 recipe written out in one process: fp32 master weights; each data-parallel rank's
+    forward and backward in ``dtype`` on each microbatch of its rows (inputs cast, as FSDP2's policy casts
+    them; the loss divided by the microbatches and, in fp32, multiplied by the static ``loss_scale``); each
+    microbatch's gradients to fp32, summed, averaged over the ranks and divided by the scale; SGD on the fp32
+    masters. The loss: each rank's mean over its microbatches in ``dtype`` (StepOutput.reduce_mean),
+    averaged over the ranks.
     ``init_weights`` None: tiny_vit()'s own initial weights (what delayed initialisation must give)."""
     from common import global_batch
 
@@ -144,17 +146,17 @@ def bf16_reference(init_weights, nprocs: int, steps: int, lr: float, microbatche
             for mb in range(microbatches):
                 model = tiny_vit()
                 model.load_state_dict(master.state_dict())
-                model.to(torch.bfloat16)
+                model.to(dtype)
                 rows = slice(rank * per_rank_batch + mb * size, rank * per_rank_batch + (mb + 1) * size)
-                loss = loss_fn(model(images[rows].bfloat16())["logits"], labels[rows])
-                (loss / microbatches).backward()
+                loss = loss_fn(model(images[rows].to(dtype))["logits"], labels[rows])
+                ((loss / microbatches).float() * loss_scale).backward()
                 rank_losses.append(loss.detach())
                 for g, p in zip(grads, model.parameters()):
                     g += p.grad.float()
             step_losses.append(torch.stack(rank_losses).mean().item())  # reduce_mean(): in bf16, as smp's
         with torch.no_grad():
             for p, g in zip(master.parameters(), grads):
-                p -= lr * (g / nprocs)
+                p -= lr * (g / nprocs / loss_scale)
         losses.append(sum(step_losses) / len(step_losses))
     return losses
 
@@ -163,12 +165,12 @@ def bf16_reference(init_weights, nprocs: int, steps: int, lr: float, microbatche
                          ids=["rdp4_mb1", "rdp6_mb2_delayed"])
 def test_mics_bf16_matches_the_recipe_in_one_process(tmp_path, init_weights, nprocs, microbatches, delayed):
     """bf16 on MiCS (sdp 2 of rdp 4 or 6, SGD): FSDP2's mixed precision against the same recipe in one process
-    (bf16_reference). Tolerance 1e-5 relative, as fp32: the recipe's bf16 arithmetic is the same on both
+    (half_reference). Tolerance 1e-5 relative, as fp32: the recipe's bf16 arithmetic is the same on both
     sides; only the fp32 order in which the ranks' gradients are summed differs."""
     weights = None if delayed else init_weights
     results = _run(tmp_path, {"sharded_data_parallel_degree": 2, "bf16": True, "microbatches": microbatches}, nprocs,
                    "--optimizer", "sgd", "--lr", LR["sgd"], *([] if delayed else ["--init-weights", init_weights]))
-    ref = bf16_reference(weights, nprocs, 4, LR["sgd"], microbatches)
+    ref = half_reference(weights, nprocs, 4, LR["sgd"], microbatches)
     torch.testing.assert_close(torch.tensor(results[0]["losses"]), torch.tensor(ref), rtol=1e-5, atol=1e-6)
     fp32, _ = reference_losses(4, 4 * nprocs, LR["sgd"], "sgd", weights)
     assert torch.tensor(results[0]["losses"]).sub(torch.tensor(fp32)).abs().max() > 1e-5  # it did run in bf16
@@ -199,3 +201,39 @@ def test_sdp_gradient_clipping_clips_by_the_global_norm(tmp_path, init_weights, 
         losses.append(loss.item())
     assert min(norms) > 0.05  # the reference did clip
     torch.testing.assert_close(torch.tensor(results[0]["losses"]), torch.tensor(losses), rtol=1e-5, atol=1e-6)
+
+
+def test_mics_fp16_static_loss_scale_matches_the_recipe_in_one_process(tmp_path, init_weights):
+    """fp16 on MiCS (sdp 2 of rdp 4, SGD, microbatches 2, static loss scale 128): FSDP2's fp16 compute and
+    gathers, fp32 shards, the loss scaled and the gradient shards unscaled before the update, against the same
+    recipe in one process (half_reference). Tolerance as the bf16 test's: the same fp16 arithmetic on both
+    sides (the scale and the averages are powers of two), only the fp32 order of the ranks' sums differs."""
+    results = _run(tmp_path, {"sharded_data_parallel_degree": 2, "fp16": True, "microbatches": 2}, 4,
+                   "--optimizer", "sgd", "--lr", LR["sgd"], "--init-weights", init_weights, "--loss-scale", "static:128")
+    ref = half_reference(init_weights, 4, 4, LR["sgd"], 2, dtype=torch.float16, loss_scale=128.0)
+    torch.testing.assert_close(torch.tensor(results[0]["losses"]), torch.tensor(ref), rtol=1e-5, atol=1e-6)
+    # (a loss left unscaled, or gradients left scaled, would be 128 x off from the second loss on)
+    fp32, _ = reference_losses(4, 16, LR["sgd"], "sgd", init_weights)
+    assert torch.tensor(results[0]["losses"]).sub(torch.tensor(fp32)).abs().max() > 1e-5  # it did run in fp16
+    assert all(r["scales"] == [128.0] * 4 and not any(r["overflows"]) for r in results)
+
+
+def test_mics_fp16_dynamic_loss_scale_skips_overflowing_steps_and_resumes_its_scale(tmp_path, init_weights):
+    """Dynamic loss scaling starting at 2**40 (sdp 2 of rdp 4): every step whose fp16 gradients overflow on some
+    rank is skipped on every rank (the shards unchanged) and halves the scale, until steps go through and
+    train; a partial checkpoint saved after them resumes with the scale the run had reached."""
+    options = {"sharded_data_parallel_degree": 2, "fp16": True}
+    args = ["--optimizer", "adam", "--lr", LR["adam"], "--init-weights", init_weights, "--loss-scale", f"dynamic:{2.0**40}"]
+    runs = _run(tmp_path / "a", options, 4, *args, "--steps", 30, "--save-at", 30, "--ckpt-dir", tmp_path / "ckpt")
+    for r in runs:
+        assert r["overflows"] == runs[0]["overflows"]  # the same decision on every rank
+        assert r["overflows"][0] and not r["overflows"][-1]
+        for i, overflow in enumerate(r["overflows"]):
+            if i + 1 < len(r["scales"]):
+                assert r["scales"][i + 1] == (r["scales"][i] / 2 if overflow else r["scales"][i])
+            if i:
+                assert (r["checksums"][i] == r["checksums"][i - 1]) == overflow  # skipped: the shards unchanged
+    assert runs[0]["scales"][0] == 2.0**40 and runs[0]["scale_after"] < 2.0**30
+    resumed = _run(tmp_path / "b", options, 4, *args, "--steps", 1, "--first-step", 30, "--resume",
+                   "--ckpt-dir", tmp_path / "ckpt")
+    assert resumed[0]["scales"] == [runs[0]["scale_after"]]

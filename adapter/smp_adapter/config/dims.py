@@ -103,11 +103,6 @@ class ParallelDims:
             problems.append(ConfigProblem(
                 "ddp", f"must be true when there is more than one model replica ({rdp} replicas on {world_size} processes)",
                 "add ddp: true", False))
-        if pp == 1 and 1 < sdp < rdp and sdp_engine == "mics" and cfg.fp16:
-            problems.append(ConfigProblem(
-                "fp16", f"is not supported yet with sharded_data_parallel_degree {sdp} < rdp {rdp} (smp v1's MiCS, "
-                "run on torch FSDP2)", f"use bf16: true, or set {SDP_ENGINE_ENV}=hpz to run DeepSpeed ZeRO-3 + hpZ, "
-                "which has fp16", True))
         if sdp_engine not in SDP_ENGINES:
             problems.append(ConfigProblem(SDP_ENGINE_ENV, f"must be one of {', '.join(SDP_ENGINES)}",
                                           f"set {SDP_ENGINE_ENV}=mics or hpz", sdp_engine))

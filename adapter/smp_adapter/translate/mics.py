@@ -38,8 +38,10 @@ MICS_KEYS = {
         "FSDP2 MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)", "exact",
         "bf16 compute and gathers, fp32 shards (the optimizer's masters), fp32 gradient reduction"),
     "fp16": (
-        "MiCS engine: fp16 refused at this layout", "exact",
-        f"fp16 with sharded_data_parallel_degree < rdp is refused: use bf16, or {SDP_ENGINE_ENV}=hpz (ZeRO-3 + hpZ)"),
+        "FSDP2 MixedPrecisionPolicy(param_dtype=float16, reduce_dtype=float32) + loss scaling", "exact",
+        "fp16 compute and gathers, fp32 shards (the optimizer's masters), fp32 gradient reduction; the loss scaled "
+        "by smp.DistributedOptimizer's static or dynamic loss scale (DeepSpeed's loss scalers), a step whose "
+        "gradients overflow on any rank skipped on every rank"),
 }
 
 
@@ -75,7 +77,9 @@ def mics_settings(dims) -> dict[str, Any]:
         "replicate_groups": [list(g) for g in dims.grid.sdp_replica_groups(sdp)],
         "sharding_units": UNITS_RULE,
         "mixed_precision": {"param_dtype": compute, "reduce_dtype": "float32" if cfg.fp16 or cfg.bf16 else compute,
-                            "shards": "float32"},
+                            "shards": "float32",
+                            **({"loss_scaling": "smp.DistributedOptimizer's static or dynamic loss scale; steps "
+                                                "whose gradients overflow skipped on every rank"} if cfg.fp16 else {})},
         "reshard_after_forward": RESHARD_AFTER_FORWARD,
         "gradient_reduction": ("reduce-scatter inside the shard group per unit in every backward (summed, then "
                                "divided once: gloo has no average); the replicate group's all-reduce of each "

@@ -37,6 +37,7 @@ parser.add_argument("--nan-in-shard-padding", action="store_true",
 parser.add_argument("--raise-at-step", type=int, default=-1, help="failure test: --raise-rank raises at this step")
 parser.add_argument("--raise-rank", type=int, default=1)
 parser.add_argument("--die-in-save", action="store_true", help="failure test: rank 1 is SIGKILLed mid-save")
+parser.add_argument("--loss-scale", default=None, help="fp16: static:<scale> or dynamic:<initial scale>")
 args, _ = parser.parse_known_args()
 
 smp.init({"ddp": True})
@@ -69,7 +70,12 @@ if args.init_weights:  # smp rule: load weights after wrapping
 if args.checkpoint_activations:
     for layer in vit_layers(model.get_module()):
         smp.set_activation_checkpointing(layer)
-optimizer = smp.DistributedOptimizer(make_optimizer(model.parameters(), args.optimizer, args.lr))
+scaling = {}
+if args.loss_scale:
+    kind, value = args.loss_scale.split(":")
+    scaling = ({"static_loss_scale": float(value)} if kind == "static" else
+               {"static_loss_scale": None, "dynamic_loss_scale": True, "dynamic_loss_args": {"init_scale": float(value)}})
+optimizer = smp.DistributedOptimizer(make_optimizer(model.parameters(), args.optimizer, args.lr), **scaling)
 loss_function = torch.nn.CrossEntropyLoss()
 
 
@@ -103,6 +109,7 @@ if args.resume:
 
 B = args.per_rank_batch
 losses, first_params, saved_state = [], None, None
+overflows, scales, checksums = [], [], []  # per step: skipped as an fp16 overflow, the scale it ran at, shards' sum
 model.train()
 for step in range(args.first_step, args.first_step + args.steps):
     images, labels = global_batch(step, B * smp.dp_size())
@@ -119,7 +126,11 @@ for step in range(args.first_step, args.first_step + args.steps):
     losses.append(loss.item() / smp.dp_size())
     if args.torch_clip is not None:
         torch.nn.utils.clip_grad_norm_(model.parameters(), args.torch_clip)
+    scales.append(optimizer.loss_scale)
     optimizer.step()
+    overflows.append(optimizer.overflow)
+    checksums.append(sum(float(p.to_local().double().sum()) if hasattr(p, "to_local") else float(p.double().sum())
+                         for p in model.module.parameters()))
     if step == args.first_step and not args.resume:
         first_params = {k: v.tolist() for k, v in model.state_dict().items()}  # collective under ZeRO-3
     if step + 1 == args.save_at or (args.die_in_save and step + 1 == 2):
@@ -159,7 +170,8 @@ master = list(getattr(opt, "fp32_partitioned_groups_flat", []))
 opt_bytes = sum(t.numel() * t.element_size() for t in moments + master)
 grad_bytes = sum(local(p.grad).numel() * local(p.grad).element_size() for p in model.module.parameters()
                  if p.grad is not None)
-write_result({"losses": losses, "squares": squares, "first_params": first_params, "saved_state": saved_state, "zero_stage": stage, "param_bytes": param_bytes,
+write_result({"losses": losses, "overflows": overflows, "scales": scales, "checksums": checksums,
+              "scale_after": optimizer.loss_scale, "squares": squares, "first_params": first_params, "saved_state": saved_state, "zero_stage": stage, "param_bytes": param_bytes,
               "buffers": {k: v.tolist() for k, v in model.module.named_buffers()},  # BatchNorm statistics
               "opt_bytes": opt_bytes,
               "adam_moment_bytes": sum(t.numel() * t.element_size() for t in moments), "total_param_bytes": total_params * 4, "dp_size": smp.dp_size(),

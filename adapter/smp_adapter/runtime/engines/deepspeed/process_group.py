@@ -15,6 +15,18 @@ def start(backend: str, rank: int, world_size: int, timeout, use_cuda: bool) -> 
     _groups_get_timeout(timeout)
 
 
+def join_started_group() -> None:
+    """DeepSpeed's communication layer over a torch process group already started (the MiCS engine's): its loss
+    scalers ask it for this rank when they log an overflow. DeepSpeed wraps an initialised torch.distributed
+    without starting anything."""
+    import deepspeed
+    import torch.distributed as dist
+
+    if dist.get_backend() == "gloo":
+        _skip_shm_allreduce()
+    deepspeed.init_distributed(dist_backend=dist.get_backend(), auto_mpi_discovery=False, verbose=False)
+
+
 def _groups_get_timeout(timeout) -> None:
     """Groups created later without a timeout (DeepSpeed's clone of the world for data parallelism,
     ours) get SMP_ADAPTER_TIMEOUT too, not torch's 30 minutes: a rank stuck in a collective is then

@@ -40,8 +40,10 @@ def save(io, engine, optimizer) -> dict:
 
     torch_optimizer = engine.torch_optimizer
     path = Path(io.folder) / FILE.format(rank=state.rank)
+    scaler = engine.loss_scaler  # fp16: the loss scaler's state, the same on every rank
     io.torch_save({"model": engine.local_tensors(), "optimizer": shards.to_local_tree(torch_optimizer.state_dict()),
-                   "sdp": state.dims.sdp, "rdp": state.dims.rdp}, path)
+                   "sdp": state.dims.sdp, "rdp": state.dims.rdp,
+                   "loss_scaler": universal.scaler_fields(scaler) if scaler is not None else None}, path)
     if not universal.enabled():
         return {}
     views = [None] * state.world_size  # every rank's state keys and step (a rank may hold no state yet)
@@ -63,7 +65,7 @@ def save(io, engine, optimizer) -> dict:
                        for k in keys if k in st]
     first_rank = first_group and state.coord.tp == 0 and dist.get_rank(state.groups.sdp) == 0
     buffers = universal.persistent_buffers(module, module.named_buffers()) if first_rank else []
-    return {"universal": universal.write_index(io, pieces, buffers, module, torch_optimizer, keys, step)}
+    return {"universal": universal.write_index(io, pieces, buffers, module, torch_optimizer, keys, step, scaler=scaler)}
 
 
 def load(io, engine, optimizer, strict: bool, load_optimizer: bool) -> None:
@@ -79,6 +81,9 @@ def load(io, engine, optimizer, strict: bool, load_optimizer: bool) -> None:
     engine.load_local_state_dict(blob["model"], strict)
     if load_optimizer and optimizer is not None:
         shards.load_optimizer_local(engine.torch_optimizer, blob["optimizer"])
+    if engine.loss_scaler is not None:
+        for key, value in (blob.get("loss_scaler") or {}).items():
+            setattr(engine.loss_scaler, key, value)
 
 
 def load_universal(engine, folder: Path, record: dict) -> None:
@@ -103,6 +108,7 @@ def load_universal(engine, folder: Path, record: dict) -> None:
                 b.copy_(pieces.tp_shard(name, "buffer", 0).to(b.dtype))
     if torch_optimizer is not None:
         universal.restore_step_and_groups(torch_optimizer, record)
+    universal.restore_scaler(engine.loss_scaler, record.get("loss_scaler"))
 
 
 def _put(target, whole: torch.Tensor) -> None:

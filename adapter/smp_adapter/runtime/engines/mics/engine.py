@@ -14,9 +14,9 @@ v1 documents it ("SDP is AWS's MiCS implementation"), on torch FSDP2 (``fully_sh
   (``set_force_sum_reduction_for_comms``): the same average on every backend.
 * Microbatches: each microbatch's loss is divided by microbatches x backward_passes_per_step (smp's
   average over microbatches), as the DeepSpeed engine does.
-* bf16: FSDP2's mixed precision, bf16 compute and gathers, fp32 shards (the optimizer's masters)
-  and fp32 gradient reduction. fp16 is refused with the layout (config/dims.py) until smp's loss
-  scaling is carried out here; ZeRO-3 + hpZ runs it (SMP_ADAPTER_SDP_ENGINE=hpz).
+* bf16 and fp16: FSDP2's mixed precision, compute and gathers in the job's dtype, fp32 shards (the
+  optimizer's masters) and fp32 gradient reduction; fp16 adds smp's static or dynamic loss scaling
+  (loss_scaling.py: overflowing steps skipped on every rank, as on ZeRO-3).
 * Tensor parallelism: the mesh spans this TP rank's RDP group; without ``prescaled_batch`` each TP
   rank trains on its own samples, so the shards of replicated parameters are averaged over the TP
   group too before the update (the same shard on every TP rank: the parameters have equal shapes).
@@ -59,6 +59,12 @@ class MicsEngine(Engine):
         (``_materialize_unit``)."""
 
     @classmethod
+    def forget_process_group(cls) -> None:
+        from smp_adapter.runtime.engines.deepspeed.process_group import forget_cached_groups
+
+        forget_cached_groups()  # fp16 jobs joined DeepSpeed's communication layer (loss_scaling.py)
+
+    @classmethod
     def load_code(cls) -> None:
         import torch.distributed.fsdp  # noqa: F401  (fully_shard, and DTensor under it)
 
@@ -76,7 +82,7 @@ class MicsEngine(Engine):
 
     def __init__(self, model, tp_originals: dict):
         super().__init__(model, tp_originals)
-        cfg = state.cfg  # fp16 was refused with the layout (ParallelDims.from_config)
+        cfg = state.cfg
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         from smp_adapter.runtime.engines.mics.mesh import mics_mesh, sharding_units
@@ -107,6 +113,7 @@ class MicsEngine(Engine):
 
         name_shards(module)  # the ZeRO-3 names scripts read (p.ds_tensor, p.ds_shape)
         self._optimizer = None
+        self._scaler = None  # fp16: the loss scaler (loss_scaling.py), made with the optimizer
         self.last_grad_norm = 0.0  # the global gradient norm of the last optimizer step, before clipping
         # without prescaled_batch each TP rank had its own samples: replicated parameters also
         # average over the TP group (as runtime/engines/deepspeed does)
@@ -143,6 +150,8 @@ class MicsEngine(Engine):
                 "smp.DistributedModel, before the first step")
         if state.in_step and self.model.average_grads_across_microbatches:
             loss = loss / (state.cfg.microbatches * self.model.backward_passes_per_step)
+        if self._scaler is not None:
+            loss = self._scaler.scale(loss)
         loss.backward()
 
     def local_named_parameters(self):
@@ -179,6 +188,27 @@ class MicsEngine(Engine):
                 "sharded_data_parallel_degree < rdp the model's parameters become shards when smp.DistributedModel "
                 "wraps it; create the optimizer from model.parameters() after smp.DistributedModel")
         self._optimizer = optimizer
+        if state.cfg.fp16:
+            from smp_adapter.runtime.engines.mics.loss_scaling import ShardLossScaler
+
+            self._scaler = ShardLossScaler(loss_scale)
+
+    @property
+    def overflow(self) -> bool:
+        return self._scaler is not None and self._scaler.overflow
+
+    @property
+    def loss_scale(self) -> float:
+        return self._scaler.loss_scale if self._scaler is not None else 1.0
+
+    @property
+    def loss_scaler(self):
+        """DeepSpeed's loss scaler the fp16 job steps with (checkpoints record its state), or None."""
+        return self._scaler.scaler if self._scaler is not None else None
+
+    def _unscaled(self) -> bool:
+        """Whether this step's gradients are unscaled and finite on every rank (always, outside fp16)."""
+        return self._scaler is None or self._scaler.unscale(self.model.module.parameters())
 
     @property
     def ready_for_checkpoint(self) -> bool:
@@ -201,17 +231,25 @@ class MicsEngine(Engine):
         of the whole model from the gradient shards, every shard scaled by the same factor. Replicated
         parameters are first averaged over the TP group, as the step would, so the norm is the step's."""
         self._average_over_tp_once()
+        if not self._unscaled():
+            return math.inf  # an fp16 overflow on some rank: the step will be skipped, as torch's GradScaler would
         return shards.clip(self.model, max_norm)
 
     def optimizer_step(self, optimizer, clip_norm) -> None:
         self._average_over_tp_once()
         self._tp_averaged = False
+        if not self._unscaled():  # fp16 overflow on some rank: every rank skips the update
+            self.last_grad_norm = math.inf  # as DeepSpeed's ZeRO-3 reports an overflowed step
+            self._scaler.finish_step(self.model.module.parameters())
+            return
         # optimizer.clip_master_grads(n) for this step, else sdp_gradient_clipping (smp's default 1.0; 0 = off)
         if clip_norm is None and state.cfg.sdp_gradient_clipping > 0:
             clip_norm = state.cfg.sdp_gradient_clipping
         # the norm every step, as DeepSpeed's ZeRO-3 keeps it (scripts log optimizer._global_grad_norm)
         self.last_grad_norm = shards.clip(self.model, clip_norm if clip_norm is not None else math.inf)
         optimizer.step()
+        if self._scaler is not None:
+            self._scaler.finish_step(self.model.module.parameters())
 
     def zero_grad(self, optimizer, set_to_none: bool) -> None:
         optimizer.zero_grad(set_to_none=set_to_none)

@@ -26,21 +26,10 @@ import torch.distributed as dist
 
 class PipelineMixedPrecision:
     def __init__(self, dtype: torch.dtype, loss_scale_args):
-        from smp_adapter.runtime.engines.deepspeed.parts import loss_scalers
-
-        DynamicLossScaler, LossScaler = loss_scalers()
+        from smp_adapter.runtime.engines.deepspeed.parts import make_loss_scaler
 
         self.dtype = dtype
-        a = loss_scale_args
-        if dtype == torch.float16 and (a.dynamic_loss_scale or a.static_loss_scale is None):
-            # DeepSpeed's DynamicLossScaler fixes scale_factor at 2; smp lets users choose it
-            self.scaler = DynamicLossScaler(init_scale=a.init_scale, scale_window=a.scale_window,
-                                            min_scale=a.min_scale, delayed_shift=a.delayed_shift,
-                                            consecutive_hysteresis=a.consecutive_hysteresis,
-                                            raise_error_at_min_scale=False, dtype=dtype)
-            self.scaler.scale_factor = a.scale_factor
-        else:
-            self.scaler = LossScaler(scale=a.static_loss_scale if dtype == torch.float16 else 1.0)
+        self.scaler = make_loss_scaler(dtype, loss_scale_args)
         self.params: list = []   # this stage's model parameters (fp16 / bf16)
         self.masters: list = []  # their fp32 master copies, in the same order
         self.overflow = False
