@@ -213,3 +213,20 @@ def test_gpt_neox_mics_distributed_transformer_delayed_init_bf16(tmp_path):
     results, _, _ = _run(tmp_path, 4, args)
     assert results["layers"] == 4
     _assert_learns(results["losses"])
+
+
+def test_gptj_mics_tp2_sdp2_of_8_ranks_delayed_init_bf16_resumes_exactly(tmp_path):
+    """The GPT-J template's notebook layout (tp 2 x sdp 2) with one more replica: 8 ranks, rdp 4, so MiCS over
+    each TP rank's RDP group; use_distributed_transformer 1, delayed initialisation, bf16. A job saved at step 3
+    and resumed with --load_partial gives the uninterrupted job's losses for steps 3-5 (the same bf16
+    operations in the same order: exact)."""
+    ckpt = tmp_path / "checkpoints"
+    base = {"model_type": "gptj", "sharded_data_parallel_degree": 2, "tensor_parallel_degree": 2,
+            "prescaled_batch": 1, "delayed_param": 1, "use_distributed_transformer": 1, "bf16": 1,
+            "checkpoint_dir": ckpt}
+    whole, output, _ = _run(tmp_path, 8, {**base, "max_steps": 6}, name="whole")
+    assert "rdp 4, sdp 2, MiCS" in output
+    _assert_learns(whole["losses"])
+    _run(tmp_path, 8, {**base, "max_steps": 3, "checkpoint_freq": 3}, name="saving")
+    resumed, _, _ = _run(tmp_path, 8, {**base, "max_steps": 6, "load_partial": 1}, name="resumed")
+    assert resumed["losses"] == whole["losses"][3:]
