@@ -32,7 +32,8 @@ def test_static_scale_scales_the_loss_in_fp32_and_unscales_each_gradient_once_pe
     scaled = scaler.scale(loss)
     assert scaled.dtype == torch.float32 and scaled.item() == 128000.0  # beyond fp16's range: kept in fp32
     params = _params([256.0, -128.0], [64.0])
-    assert scaler.unscale(params) and scaler.unscale(params)  # a clip, then the step: divided once
+    grads = [p.grad for p in params]
+    assert scaler.unscale(grads) and scaler.unscale(grads)  # a clip, then the step: divided once
     assert params[0].grad.tolist() == [2.0, -1.0] and params[1].grad.tolist() == [0.5]
     scaler.finish_step(params)
     assert not scaler.overflow and scaler.loss_scale == 128.0 and params[0].grad is not None
@@ -44,7 +45,7 @@ def test_an_overflow_skips_the_step_drops_the_gradients_and_halves_a_dynamic_sca
                          **{**DEFAULT_DYNAMIC_LOSS_ARGS, "init_scale": 2.0**10, "scale_window": 2})
     scaler = ShardLossScaler(args)
     params = _params([1.0, bad], [3.0])
-    assert not scaler.unscale(params) and scaler.overflow
+    assert not scaler.unscale([p.grad for p in params]) and scaler.overflow
     assert params[1].grad.tolist() == [3.0]  # nothing divided on an overflowing step
     scaler.finish_step(params)
     assert all(p.grad is None for p in params) and scaler.loss_scale == 2.0**9
@@ -53,7 +54,7 @@ def test_an_overflow_skips_the_step_drops_the_gradients_and_halves_a_dynamic_sca
     for _ in range(3):
         assert scaler.loss_scale == 2.0**9
         params = _params([2.0**9])
-        assert scaler.unscale(params) and params[0].grad.tolist() == [1.0]
+        assert scaler.unscale([p.grad for p in params]) and params[0].grad.tolist() == [1.0]
         scaler.finish_step(params)
     assert not scaler.overflow and scaler.loss_scale == 2.0**10
 
@@ -65,7 +66,7 @@ def test_hysteresis_keeps_the_scale_for_its_first_overflows():
     scales = []
     for _ in range(3):
         params = _params([math.inf])
-        assert not scaler.unscale(params)
+        assert not scaler.unscale([p.grad for p in params])
         scaler.finish_step(params)
         scales.append(scaler.loss_scale)
     assert scales == [2.0**8, 2.0**7, 2.0**6]  # delayed_shift 2: the first overflow only spends the hysteresis

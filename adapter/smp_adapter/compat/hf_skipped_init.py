@@ -75,11 +75,16 @@ def uninstall() -> None:
     sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, _RememberOnImport)]
 
 
+def _base_and_init_weights():
+    """(transformers' PreTrainedModel, the init_weights it holds now), or Nones where transformers is not imported."""
+    base = getattr(sys.modules.get(MODELING_UTILS), "PreTrainedModel", None)
+    return base, (base.__dict__.get("init_weights") if base is not None else None)
+
+
 @contextlib.contextmanager
 def transformers_init_weights():
     """While models are created for tensor parallelism: transformers' init_weights in place of a script's."""
-    base = getattr(sys.modules.get(MODELING_UTILS), "PreTrainedModel", None)
-    replaced = base.__dict__.get("init_weights") if base is not None else None
+    base, replaced = _base_and_init_weights()
     if _original_init_weights is None or replaced is None or _from_transformers(replaced):
         yield
         return
@@ -93,11 +98,9 @@ def transformers_init_weights():
 def skipped_init(module: nn.Module) -> bool:
     """Whether ``module`` is a transformers model whose ``init_weights`` is the base class's, replaced by a
     function from outside transformers (the templates' ``lambda x: None``)."""
-    modeling_utils = sys.modules.get("transformers.modeling_utils")
-    base = getattr(modeling_utils, "PreTrainedModel", None)
+    base, replaced = _base_and_init_weights()
     if base is None or not isinstance(module, base):
         return False
-    replaced = base.__dict__.get("init_weights")
     if replaced is None or type(module).init_weights is not replaced:
         return False  # the family's own init_weights (or the base's, untouched) runs as written
     return not _from_transformers(replaced)

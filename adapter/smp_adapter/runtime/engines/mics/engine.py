@@ -208,7 +208,7 @@ class MicsEngine(Engine):
 
     def _unscaled(self) -> bool:
         """Whether this step's gradients are unscaled and finite on every rank (always, outside fp16)."""
-        return self._scaler is None or self._scaler.unscale(self.model.module.parameters())
+        return self._scaler is None or self._scaler.unscale([g for g, _ in shards.local_grads(self.model)])
 
     @property
     def ready_for_checkpoint(self) -> bool:

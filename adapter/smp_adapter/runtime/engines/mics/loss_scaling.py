@@ -22,10 +22,6 @@ import torch.distributed as dist
 from smp_adapter.runtime.state import state
 
 
-def _local(tensor):
-    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
-
-
 class ShardLossScaler:
     def __init__(self, loss_scale_args):
         from smp_adapter.runtime.engines.deepspeed.parts import make_loss_scaler
@@ -44,12 +40,12 @@ class ShardLossScaler:
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
         return loss.float() * self.loss_scale
 
-    def unscale(self, params) -> bool:
+    def unscale(self, grads) -> bool:
         """Whether this step's gradients are fit to apply; the first call of a step checks every rank's
-        shards for NaN/inf and, when none has any, divides them by the scale."""
+        gradient shards (``grads``: this rank's, local tensors) for NaN/inf and, when none has any, divides
+        them by the scale."""
         if self._verdict is not None:
             return self._verdict
-        grads = [_local(p.grad) for p in params if p.grad is not None]
         found = torch.zeros((), dtype=torch.float32, device=state.device)
         if grads and not bool(torch.stack([torch.isfinite(g).all() for g in grads]).all()):
             found.fill_(1.0)

@@ -144,7 +144,7 @@ def load_optimizer_local(optimizer, sd: dict) -> None:
                                                              run_check=False)
 
 
-def _local_grads(model) -> list[tuple[torch.Tensor, bool]]:
+def local_grads(model) -> list[tuple[torch.Tensor, bool]]:
     """(this rank's gradient shard, is split by tensor parallelism) of every parameter with a gradient."""
     out = []
     for p in model.module.parameters():
@@ -161,7 +161,7 @@ def average_replicated_over_tp(model) -> None:
     from smp_adapter.runtime.state import state
 
     group, size = state.groups.tp, state.dims.tp
-    for g, split in _local_grads(model):
+    for g, split in local_grads(model):
         if not split and g.numel():
             dist.all_reduce(g, group=group)
             g.div_(size)
@@ -173,6 +173,6 @@ def clip(model, max_norm: float) -> float:
     from smp_adapter.runtime.clipping import clip_by_global_norm
     from smp_adapter.runtime.state import state
 
-    grads = [(g, split, True) for g, split in _local_grads(model)]
+    grads = [(g, split, True) for g, split in local_grads(model)]
     return clip_by_global_norm(grads, max_norm, tp_group=state.groups.tp if state.dims.tp > 1 else None,
                                shard_group=state.groups.sdp)
