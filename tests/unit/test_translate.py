@@ -389,8 +389,8 @@ def test_docs_mapping_table_names_the_deepspeed_entries_the_emitter_writes():
 @pytest.mark.parametrize("options,world,engine_value,words", [
     ({"ddp": True, "sharded_data_parallel_degree": 2}, 2, "recorded; materialised module by module into ZeRO-3 shards",
      "one module's whole tensors"),
-    ({"ddp": True, "sharded_data_parallel_degree": 2}, 4, "recorded; materialised unit by unit into FSDP2 shards",
-     "one unit's whole tensors"),
+    ({"ddp": True, "sharded_data_parallel_degree": 2}, 4, "recorded; materialised tensor by tensor into FSDP2 shards",
+     "plus one whole tensor"),
     ({"pipeline_parallel_degree": 2, "microbatches": 2}, 2, "recorded; each stage materialised on its rank",
      "its own stage(s) only"),
     ({"ddp": True, "tensor_parallel_degree": 2}, 4, "recorded; materialised by DistributedModel", "only its slices"),

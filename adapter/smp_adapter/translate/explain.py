@@ -305,10 +305,10 @@ def delayed_init_effect(dims: ParallelDims, enabled: bool) -> tuple[str, str, st
              f"module's creation at a time, {values}, and partitions it over the sharded data-parallel group at once: "
              "a rank holds its shards plus one module's whole tensors, never the whole model")
     if dims.engine == "mics":
-        return "recorded; materialised unit by unit into FSDP2 shards", "exact", \
-            ("parameters are created without storage; when DistributedModel wraps the model each rank replays one "
-             f"sharding unit's creation at a time, {values}, and shards it over its sharding group at once: a rank "
-             "holds its shards plus one unit's whole tensors, never the whole model")
+        return "recorded; materialised tensor by tensor into FSDP2 shards", "exact", \
+            ("parameters are created without storage; when DistributedModel wraps the model each sharding unit is "
+             f"sharded in turn and each rank replays one tensor's creation at a time into its shard, {values}: a "
+             "rank holds its shards plus one whole tensor, never the whole model")
     if dims.pp > 1:
         return "recorded; each stage materialised on its rank", "exact", \
             ("parameters are created without storage; when the first step has cut the stages each pipeline rank replays "

@@ -85,5 +85,7 @@ def mics_settings(dims) -> dict[str, Any]:
                                "divided once: gloo has no average); the replicate group's all-reduce of each "
                                "rank's shard once per optimizer step, in the last microbatch's backward"),
         "gradient_clipping": cfg.sdp_gradient_clipping,
-        "delayed_initialization": "materialised one unit at a time, each sharded before the next",
+        "delayed_initialization": ("each unit sharded in turn, each shard filled tensor by tensor from the "
+                                   "record's replay (a from_pretrained file's tensors: the rank's rows read from "
+                                   "the file)"),
     }

@@ -234,7 +234,8 @@ def _resume_full(path: Path, model, tag: str, strict: bool, load_optimizer: bool
     recorded = uc.exists() or Path(f"{uc}{sidecars.SIDECAR}").exists()
     sidecars.require_sidecars_everywhere([path / tag, *([uc] if recorded else [])], "resume from it", s.rank,
                                         s.world_size)
-    sd = ckpt.safe_torch_load(str(path / tag), map_location="cpu")
+    # mapped, not read: a sharding engine takes only its rows from the file (MiCS: runtime/file_backed.py)
+    sd = ckpt.safe_torch_load(str(path / tag), map_location="cpu", mmap=True)
     if translate_function is not None:
         sd = translate_function(sd)
     model.load_state_dict(sd, strict=strict)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import os
 import pickle
+import zipfile
 
 import torch
 
@@ -138,18 +139,21 @@ def _read_path(path):
     return contextlib.nullcontext(path)
 
 
-def safe_torch_load(path: str, map_location=None, weights_only: bool = True, opener=_read_path):
+def safe_torch_load(path: str, map_location=None, weights_only: bool = True, opener=_read_path, mmap: bool = False):
     """torch.load with weights_only=True, plus the plain-data classes above; ``weights_only=False``
     (or SMP_ADAPTER_TRUST_CHECKPOINTS=1 for the whole job) loads any pickle, as smp v1 did.
     ``opener(path)``: a context manager giving what torch.load reads (a resume's CheckpointIO hands
-    a reader that hashes the bytes for its digest check, checkpoint/io.py); by default the path."""
+    a reader that hashes the bytes for its digest check, checkpoint/io.py); by default the path.
+    ``mmap``: the tensors stay on a mapping of the file (read when touched; a sharding engine reads only
+    its rows, runtime/file_backed.py), where the file is torch's zip format and read by path."""
     if not os.path.exists(path):
         raise SMPCheckpointError(f"checkpoint file {path} does not exist: check the path and tag")
+    mmap = mmap and opener is _read_path and map_location in ("cpu", None) and zipfile.is_zipfile(path)
     if not weights_only or _trusted():
-        return _load(path, map_location, False, opener)
+        return _load(path, map_location, False, opener, mmap)
     try:
         with opener(path) as source:
-            return torch.load(source, map_location=map_location, weights_only=True)
+            return torch.load(source, map_location=map_location, weights_only=True, mmap=mmap)
     except pickle.UnpicklingError:
         pass  # other Python objects in the file: see whether they are plain data
     except Exception as exc:  # noqa: BLE001 - zip/format errors: not a torch checkpoint
@@ -172,13 +176,13 @@ def safe_torch_load(path: str, map_location=None, weights_only: bool = True, ope
         # file names only once unpickling reaches it: all of them, and numpy.dtype itself
         allowed += _numpy_dtype_classes()
     with torch.serialization.safe_globals(allowed):
-        return _load(path, map_location, True, opener)
+        return _load(path, map_location, True, opener, mmap)
 
 
-def _load(path: str, map_location, weights_only: bool, opener):
+def _load(path: str, map_location, weights_only: bool, opener, mmap: bool = False):
     try:
         with opener(path) as source:
-            return torch.load(source, map_location=map_location, weights_only=weights_only)
+            return torch.load(source, map_location=map_location, weights_only=weights_only, mmap=mmap)
     except Exception as exc:  # noqa: BLE001 - pickle / zip errors: the file is not a torch checkpoint
         _not_a_checkpoint(path, exc)
 

@@ -38,25 +38,28 @@ from smp_adapter.runtime.engines.mics import shards
 from smp_adapter.runtime.state import state
 
 
-def _materialize_unit(unit) -> None:
-    """Delayed initialisation: give this sharding unit's tensors created without storage (those not in
-    a unit already sharded) the undelayed values (the record's replay), on the job's device. The
-    engine then shards the unit before the next one is materialised, so a rank holds its shards plus
-    one unit's whole tensors, never the whole model."""
-    from smp_adapter.runtime.deferred_init import materialize_in_place, module_tensors, record_of
-
-    record = record_of(unit)
-    if record is not None:
-        materialize_in_place(record, module_tensors(unit), state.device)
-
-
 class MicsEngine(Engine):
     name = "mics"
 
     @classmethod
     def materialize_kept(cls, module, device) -> None:
-        """Nothing yet: the engine materialises a delayed model unit by unit as it shards it
-        (``_materialize_unit``)."""
+        """Nothing yet: the engine fills its shards tensor by tensor as it shards the model (creation.py)."""
+
+    @classmethod
+    def sync_initial_state(cls, module) -> None:
+        """Without tensor parallelism the parameters are made equal as the engine shards them, tensor by
+        tensor (creation.py: a broadcast only for what no rank can replay or read from the same file), so
+        no rank holds a whole model's copy; the random states and the buffers now. Tensor parallelism splits
+        whole tensors before the engine exists: those are made equal first, as every engine does."""
+        if state.dims.tp > 1:
+            return super().sync_initial_state(module)
+        from smp_adapter.runtime.deferred_init import DeferredTensor, module_tensors, record_of
+        from smp_adapter.runtime.engines.whole_tensors import adopt_first_rank_random_states, broadcast_from_first_rank
+
+        adopt_first_rank_random_states(record_of(module), state.groups.dp)
+        parameters = {id(p) for p in module.parameters()}
+        broadcast_from_first_rank([t for t in module_tensors(module)
+                                   if id(t) not in parameters and not isinstance(t, DeferredTensor)], state.groups.dp)
 
     @classmethod
     def forget_process_group(cls) -> None:
@@ -92,23 +95,19 @@ class MicsEngine(Engine):
         dtype = model_dtype(cfg)
         policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32) if dtype else MixedPrecisionPolicy()
         module = model.module
-        # fully_shard registers new Parameter objects: the marks set on the old ones (tensor
-        # parallelism's split flag and layout, Megatron's attributes) are carried over by name
-        names = {id(p): name for name, p in module.named_parameters()}
-        marks = {}
-        self.units = []
-        for unit in sharding_units(module) + [module]:
-            _materialize_unit(unit)  # delayed init: this unit's whole tensors exist only until it is sharded
-            if dtype is not None:  # the shards (the optimizer's masters) stay fp32; compute in the job's dtype
-                unit.float()
-            marks.update({names[id(p)]: dict(vars(p)) for p in unit.parameters() if id(p) in names})
+        self.units = sharding_units(module) + [module]
+
+        def shard(unit):
             fully_shard(unit, mesh=mesh, mp_policy=policy, reshard_after_forward=RESHARD_AFTER_FORWARD)
             unit.set_force_sum_reduction_for_comms(True)  # gloo has no AVG: sums, then one divide (pytorch#162338)
-            self.units.append(unit)
-        for name, p in module.named_parameters():
-            for key, value in marks.get(name, {}).items():
-                if not hasattr(p, key):
-                    setattr(p, key, value)
+
+        from smp_adapter.runtime.engines.mics.creation import shard_units
+
+        # each shard filled tensor by tensor (creation.py); the shards (the optimizer's masters) stay fp32 in a
+        # bf16/fp16 job, which computes in its dtype; replicas start from the DP group's first rank unless the
+        # whole tensors were made equal before the tensor-parallel split (sync_initial_state)
+        shard_units(module, self.units, shard, mesh=mesh, master_fp32=dtype is not None, device=state.device,
+                    group=state.groups.dp if state.dims.tp == 1 else None)
         from smp_adapter.runtime.engines.mics.zero_names import name_shards
 
         name_shards(module)  # the ZeRO-3 names scripts read (p.ds_tensor, p.ds_shape)

@@ -23,15 +23,23 @@ def is_shard(tensor) -> bool:
     return isinstance(tensor, DTensor)
 
 
+def row_range(shape: tuple, dtensor=None, mesh=None) -> tuple[int, int]:
+    """(first row, number of rows) of this rank's shard of a tensor of ``shape`` as FSDP2 cuts it on the
+    mesh of ``dtensor`` (or ``mesh``): ``torch.chunk`` along dimension 0 over the mesh's last dimension
+    (later chunks may be short or empty)."""
+    if not shape:
+        return 0, 0
+    mesh = dtensor.device_mesh if dtensor is not None else mesh
+    index, size = mesh.get_local_rank(mesh.ndim - 1), mesh.size(mesh.ndim - 1)
+    chunk = -(-shape[0] // size)
+    start = min(index * chunk, shape[0])
+    return start, min(chunk, shape[0] - start)
+
+
 def shard_rows(full: torch.Tensor, dtensor) -> torch.Tensor:
     """This rank's rows of ``full`` as FSDP2 cuts them (Shard(0) on the mesh's last dimension)."""
-    mesh = dtensor.device_mesh
-    index = mesh.get_local_rank(mesh.ndim - 1)
-    size = mesh.size(mesh.ndim - 1)
-    chunks = torch.chunk(full, size, dim=0)
-    if index < len(chunks):
-        return chunks[index]
-    return full.new_empty((0, *full.shape[1:]))
+    start, rows = row_range(tuple(full.shape), dtensor)
+    return full.narrow(0, start, rows)
 
 
 def _owners(params) -> list[tuple[nn.Module, str, nn.Parameter]]:
@@ -103,16 +111,29 @@ def load_local(module: nn.Module, sd: dict, strict: bool):
 
 def load_whole(module: nn.Module, sd: dict, strict: bool):
     """A state dict of whole tensors into the module: each rank takes its rows of every sharded
-    parameter (no communication: every rank loads the same state dict)."""
+    parameter (no communication: every rank loads the same state dict). Rows of a tensor that still
+    maps its checkpoint file (a full resume loads with mmap) are read from the file (file_backed.py):
+    the rank never maps the other ranks' rows, nor its own."""
     from torch.distributed.tensor import DTensor
 
+    from smp_adapter.runtime.file_backed import file_spans, read_rows
+
     sd = dict(sd)
-    for name, target in module.state_dict().items():
-        if is_shard(target) and name in sd and not is_shard(sd[name]):
-            local = target.to_local()
-            rows = shard_rows(sd[name].to(device=local.device, dtype=local.dtype), target)
-            sd[name] = DTensor.from_local(rows, target.device_mesh, target.placements, shape=target.shape,
-                                          stride=target.stride(), run_check=False)
+    # a tensor of another shape stays whole: load_state_dict names the size mismatch
+    targets = {name: t for name, t in module.state_dict().items()
+               if is_shard(t) and isinstance(sd.get(name), torch.Tensor) and not is_shard(sd[name])
+               and tuple(sd[name].shape) == tuple(t.shape)}
+    spans = dict(zip(targets, file_spans([sd[name] for name in targets])))
+    for name, target in targets.items():
+        local, value = target.to_local(), sd[name]
+        start, rows = row_range(tuple(value.shape), target)
+        if spans[name] is not None and value.dim():
+            mine = torch.empty(local.shape, dtype=local.dtype, device=local.device)
+            read_rows(spans[name], tuple(value.shape), value.dtype, start, mine)
+        else:  # the rows first, then the shard's dtype and device: never a converted copy of the whole tensor
+            mine = value.narrow(0, start, rows).to(device=local.device, dtype=local.dtype) if value.dim() else value
+        sd[name] = DTensor.from_local(mine, target.device_mesh, target.placements, shape=target.shape,
+                                      stride=target.stride(), run_check=False)
     return module.load_state_dict(sd, strict=strict)
 
 
