@@ -45,6 +45,10 @@ def reset_peak() -> None:
 
 
 def build(name: str):
+    if name == "gpt2_pretrained":  # the GPT-2 below as `save_pretrained` wrote it (safetensors), loaded as users do
+        from transformers import GPT2LMHeadModel
+
+        return GPT2LMHeadModel.from_pretrained(os.environ["KERNEL_MEMORY_CHECKPOINT"])
     if name == "mlp":
         layers = []
         for _ in range(16):
@@ -112,8 +116,8 @@ def local_parts(model):
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--model", choices=("mlp", "gpt2"), required=True)
-    parser.add_argument("--mode", choices=("plain", "smp"), required=True)
+    parser.add_argument("--model", choices=("mlp", "gpt2", "gpt2_pretrained"), required=True)
+    parser.add_argument("--mode", choices=("plain", "smp", "save"), required=True)
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     import transformers  # noqa: F401  (imported before the baseline in both modes)
@@ -131,7 +135,12 @@ def main():
     # and the model's own modeling module. All run before the baseline, in both modes.
     import torch._dynamo  # noqa: F401
 
-    if args.model == "gpt2":  # transformers' GPT-2 modules (~26 MiB of code), imported lazily by the first build
+    if args.mode == "save":  # the checkpoint gpt2_pretrained loads: the GPT-2 of seed 1234
+        torch.manual_seed(1234)
+        build("gpt2").save_pretrained(args.out)
+        return 0
+
+    if args.model.startswith("gpt2"):  # transformers' GPT-2 modules (~26 MiB of code), imported lazily by the first build
         from transformers import GPT2LMHeadModel  # noqa: F401
 
     nn.Linear(8, 8)(torch.randn(2, 8)).sum().backward()
@@ -140,8 +149,11 @@ def main():
     reset_peak()
     torch.manual_seed(1234)
     if args.mode == "smp":
-        with smp.delay_param_initialization(enabled=True):
+        if args.model == "gpt2_pretrained":  # loaded weights: nothing to delay
             module = build(args.model)
+        else:
+            with smp.delay_param_initialization(enabled=True):
+                module = build(args.model)
         model = smp.DistributedModel(module)
         wrap_peak = status("VmHWM") - base
         optimizer = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01))
@@ -178,7 +190,7 @@ def main():
 def build_shapes(name: str):
     """The model's parameters on the meta device (``parameters()`` yields a tied weight once)."""
     with torch.device("meta"):
-        return list(build(name).parameters())
+        return list(build("gpt2" if name == "gpt2_pretrained" else name).parameters())
 
 
 if __name__ == "__main__":

@@ -4,7 +4,9 @@ with a breakdown of the rank's live tensor bytes (benchmarks/_kernel_memory_rank
 
 Models (issue 60's): an nn.Sequential of 16 x (Linear(2048, 2048), Tanh), 256 MiB fp32 and no ModuleList;
 a GPT-2 of n_embd 1024, 4 layers, 16 heads, vocabulary 8192 (embeddings tied), 224 MiB. Each model is
-created inside smp.delay_param_initialization() (plain PyTorch: created normally), trained 3 SGD steps
+created inside smp.delay_param_initialization() (plain PyTorch: created normally); ``gpt2_pretrained`` is
+that GPT-2 written by save_pretrained and loaded with from_pretrained in every mode (the wrap peak is then
+what loading into shards costs). Trained 3 SGD steps
 (no momentum: no optimizer state) on 4 rows per replica, fp32. glibc's mmap threshold is fixed at 128 KiB
 for every process (MALLOC_MMAP_THRESHOLD_ / MALLOC_TRIM_THRESHOLD_) so that freed tensors leave RSS.
 
@@ -22,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -50,8 +53,19 @@ MIB = 2**20
 EXTRA_OPTIONS: dict = {}  # --options: merged into every layout's
 
 
+def saved_checkpoint(root: Path) -> Path:
+    """The GPT-2 that ``gpt2_pretrained`` loads, written once by ``save_pretrained`` (safetensors)."""
+    folder = root / "gpt2_checkpoint"
+    if not (folder / "config.json").exists():
+        subprocess.run([sys.executable, str(RANK), "--model", "gpt2", "--mode", "save", "--out", str(folder)],
+                       check=True, env={**os.environ, "PYTHONPATH": str(RANK.parents[1] / "adapter")})
+    return folder
+
+
 def run_layout(model: str, name: str, out: Path) -> list[dict]:
     env = dict(MALLOC)
+    if model == "gpt2_pretrained":
+        env["KERNEL_MEMORY_CHECKPOINT"] = str(saved_checkpoint(out.parents[1]))
     if name == "plain":
         return run_ranks(RANK, 1, ["--model", model, "--mode", "plain", "--out", out], out, env=env, timeout=900)
     options, ranks, engine, _ = LAYOUTS[name]
@@ -92,7 +106,7 @@ def table(model: str, layouts: list[str], root: Path) -> dict:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--models", default="mlp,gpt2", help="comma-separated: mlp, gpt2")
+    parser.add_argument("--models", default="mlp,gpt2", help="comma-separated: mlp, gpt2, gpt2_pretrained")
     parser.add_argument("--layouts", default=",".join(LAYOUTS), help=f"comma-separated of {', '.join(LAYOUTS)}")
     parser.add_argument("--json", help="write every rank's figures here")
     parser.add_argument("--options", default="{}", help="smp options (JSON) added to every layout's")
