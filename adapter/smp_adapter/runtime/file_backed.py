@@ -25,10 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
-_PRESENT = 1 << 63  # pagemap entry bits (Documentation/admin-guide/mm/pagemap.rst)
-_SWAPPED = 1 << 62
-_FILE_OR_SHARED = 1 << 61
-
+# /proc/self/pagemap's entry bits (Documentation/admin-guide/mm/pagemap.rst): 63 present, 62 swapped,
+# 61 a file page or shared anonymous memory
 
 @dataclass(frozen=True)
 class FileSpan:
@@ -74,11 +72,11 @@ def _unchanged_since_mapped(pagemap, address: int, nbytes: int, page: int) -> bo
     data = pagemap.read((last - first + 1) * 8)
     if len(data) != (last - first + 1) * 8:
         return False
-    for i in range(0, len(data), 8):
-        entry = int.from_bytes(data[i:i + 8], "little")
-        if entry & _SWAPPED or (entry & _PRESENT and not entry & _FILE_OR_SHARED):
-            return False  # an anonymous page: written since mapping (or swapped out, which only anonymous pages are)
-    return True
+    # one int64 per page, little-endian as the kernel writes them (8 bytes per page: a 1 GB tensor reads 2 MB)
+    entries = torch.frombuffer(bytearray(data), dtype=torch.int64)
+    present, swapped, file_page = entries < 0, (entries >> 62) & 1 == 1, (entries >> 61) & 1 == 1
+    # an anonymous page (present but not the file's, or swapped out, which only anonymous pages are): written since mapping
+    return not bool((swapped | (present & ~file_page)).any())
 
 
 def file_spans(tensors: list[torch.Tensor]) -> list[FileSpan | None]:
