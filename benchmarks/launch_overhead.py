@@ -39,6 +39,7 @@ differences from the native job (benchmarks/_profile.py).
     PYTHONPATH=adapter .venv/bin/python benchmarks/launch_overhead.py                    # every size, 5 rounds
     PYTHONPATH=adapter .venv/bin/python benchmarks/launch_overhead.py --sizes gpt2 --rounds 3
     PYTHONPATH=adapter .venv/bin/python benchmarks/launch_overhead.py --sizes gpt2,gpt2_pp2,gpt2_mics --rounds 9 --variants smp,native  # issue 69
+    PYTHONPATH=adapter .venv/bin/python benchmarks/launch_overhead.py --sizes gpt2_mics --variants smp,smp_torchrun,native  # the launcher
     PYTHONPATH=adapter .venv/bin/python benchmarks/launch_overhead.py --adapter /path/to/other/adapter  # another
 """
 
@@ -75,8 +76,9 @@ SIZES = {
     # core runs two ranks, so the step is ~2x the ZeRO-3 size's)
     "gpt2_mics": ({"ddp": True, "sharded_data_parallel_degree": 2, "microbatches": 2}, 4, GPT2, "fsdp2"),
 }
-VARIANTS = ("smp", "native", "smp_off")
-PAIRS = (("smp", "native"), ("smp", "smp_off"), ("smp_off", "native"))
+VARIANTS = ("smp", "native", "smp_off", "smp_torchrun")
+PAIRS = (("smp", "native"), ("smp", "smp_off"), ("smp_off", "native"), ("smp_torchrun", "native"),
+         ("smp", "smp_torchrun"))
 TARGETS = {("smp", "native"): 1.02, ("smp", "smp_off"): 1.01}
 
 
@@ -105,7 +107,9 @@ def start_job(variant: str, size: str, args, work: Path, native_config: Path, pr
                str(JOB), "--role", "native", "--native-loop", loop, "--native-config", str(native_config), *common]
     else:
         launcher = shutil.which("smp-adapter", path=str(Path(sys.executable).parent)) or "smp-adapter"
-        cmd = [launcher, "launch", "--nproc-per-node", str(nproc), "--options", json.dumps(options),
+        # smp_torchrun: the same job under torchrun, the launcher the native side uses (the default is deepspeed's)
+        chosen = ["--launcher", "torchrun"] if variant == "smp_torchrun" else []
+        cmd = [launcher, "launch", *chosen, "--nproc-per-node", str(nproc), "--options", json.dumps(options),
                "--job-dir", str(out / "job"), str(JOB), "--role", "smp", *common]
         if variant == "smp_off":
             env["SMP_ADAPTER_CUDA_ON_CPU"] = "0"
