@@ -254,7 +254,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sizes", default="tiny,gpt2,gpt2_pp2,gpt2_mics", help=f"comma-separated subset of {','.join(SIZES)}")
     p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--variants", default=",".join(VARIANTS),
+    p.add_argument("--variants", default="smp,native,smp_off",  # smp_torchrun on request: one more job a round
                    help=f"comma-separated subset of {','.join(VARIANTS)} (e.g. smp,smp_off: the shim's cost alone)")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--steps", type=int, default=20)
