@@ -99,14 +99,14 @@ def _cut_root_rows_first(units: list[nn.Module], sources: dict, record, mesh, de
     in_units = {id(p) for unit in units[:-1] for p in unit.parameters()}
     delayed = [p for p in _unique(units[-1].parameters()) if id(p) not in in_units and sources[id(p)][0] == DEFERRED]
     rows = {id(p): row_range(tuple(p.shape), mesh=mesh) for p in delayed}
-    row_bytes = sum(rows[id(p)][1] * (p.numel() // max(p.shape[0], 1)) * p.element_size() for p in delayed if p.dim())
+    row_bytes = sum(rows[id(p)][1] * (p.numel() // max(p.shape[0], 1)) * p.element_size() for p in delayed)
     if not delayed or row_bytes >= max(p.numel() * p.element_size() for p in delayed):
         return
     with torch.no_grad():
         for p in delayed:
             whole = record.materialize([p], device)[0]
             start, n = rows[id(p)]
-            sources[id(p)] = (CUT, whole.narrow(0, start, n).clone() if whole.dim() else whole)
+            sources[id(p)] = (CUT, whole.narrow(0, start, n).clone())
             del whole
     _release_heap()
 
@@ -126,7 +126,9 @@ def _sources(module: nn.Module, record, group) -> dict[int, tuple]:
     if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
         everyone: list = [None] * dist.get_world_size(group)
         dist.all_gather_object(everyone, mine, group=group)
-        mine = _agreed(everyone)
+        # a broadcast keeps this rank's own span: a receiver whose tensor maps a file takes it into a new buffer
+        mine = [(kind, s) if kind == BROADCAST else (kind, span)
+                for (kind, span), s in zip(_agreed(everyone), spans)]
     return {id(p): choice for p, choice in zip(params, mine)}
 
 
@@ -172,24 +174,20 @@ def _fill(shard_param, source: torch.Tensor, choice: tuple, record, device, grou
         if kind == DEFERRED:
             whole = record.materialize([source], device)[0]
         elif kind == BROADCAST:
-            whole = _broadcast_whole(source, group)
+            whole = _broadcast_whole(source, group, mapped=span is not None)
         else:
             whole = source.detach()
-        if whole.dim() == 0:
-            local.copy_(whole)
-        elif rows:
+        if rows:  # FSDP2 shards no scalar parameters (fully_shard refuses them): every source has rows
             local.copy_(whole.narrow(0, start, rows))
 
 
-def _broadcast_whole(source: torch.Tensor, group) -> torch.Tensor:
-    """``source`` as the group's first rank holds it. A receiver whose tensor still maps a file takes it
-    into a new buffer: writing into the mapping would give every page a private copy."""
+def _broadcast_whole(source: torch.Tensor, group, mapped: bool) -> torch.Tensor:
+    """``source`` as the group's first rank holds it. A receiver whose tensor still maps a file (``mapped``)
+    takes it into a new buffer: writing into the mapping would give every page a private copy."""
     from smp_adapter.runtime.engines.whole_tensors import broadcast_from_first_rank
-    from smp_adapter.runtime.file_backed import file_spans
 
     first = dist.get_rank() == dist.get_global_rank(group, 0)
-    mapped = not first and file_spans([source])[0] is not None
-    whole = torch.empty_like(source) if mapped else source.detach()
+    whole = torch.empty_like(source) if mapped and not first else source.detach()
     broadcast_from_first_rank([whole], group)
     return whole
 

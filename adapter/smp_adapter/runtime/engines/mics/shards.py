@@ -127,11 +127,11 @@ def load_whole(module: nn.Module, sd: dict, strict: bool):
     for name, target in targets.items():
         local, value = target.to_local(), sd[name]
         start, rows = row_range(tuple(value.shape), target)
-        if spans[name] is not None and value.dim():
+        if spans[name] is not None:
             mine = torch.empty(local.shape, dtype=local.dtype, device=local.device)
             read_rows(spans[name], tuple(value.shape), value.dtype, start, mine)
         else:  # the rows first, then the shard's dtype and device: never a converted copy of the whole tensor
-            mine = value.narrow(0, start, rows).to(device=local.device, dtype=local.dtype) if value.dim() else value
+            mine = value.narrow(0, start, rows).to(device=local.device, dtype=local.dtype)
         sd[name] = DTensor.from_local(mine, target.device_mesh, target.placements, shape=target.shape,
                                       stride=target.stride(), run_check=False)
     return module.load_state_dict(sd, strict=strict)
