@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from smp_adapter.config.pipeline_schedule import V_SHAPED
 from smp_adapter.plan import timing, zero3
 from smp_adapter.plan.instances import Cluster
+from smp_adapter.plan.mics_units import mics_units
 
 CUDA_CONTEXT_BYTES = 600 * 2**20  # CUDA context + cuBLAS/NCCL workspaces, measured order on A100/T4 (stated)
 FRAGMENTATION = 0.10  # caching allocator slack on top of live tensors (stated allowance)
@@ -146,17 +147,6 @@ def persistent(numel: int, cfg) -> bool:
     return numel < cfg.sdp_param_persistence_threshold
 
 
-def mics_units(spec, dims) -> tuple[int, int]:
-    """(root unit, one layer unit): the numel MiCS's FSDP2 units gather, parameters kept whole left out.
-    Each transformer layer is its own unit (auto-wrapped); the root unit holds every tensor outside
-    the layers (embeddings, final norm, head). Tensor-parallel tensors are 1/t."""
-    t, cfg = dims.tp, dims.cfg
-    size = lambda n, split: n // t if split and t > 1 else n  # noqa: E731
-    outer = sum(size(n, s) for n, s in spec.outer_tensors if not persistent(size(n, s), cfg))
-    layer = sum(size(n, s) for n, s in spec.layer_tensors if not persistent(size(n, s), cfg))
-    return outer, layer
-
-
 # -- activations ----------------------------------------------------------------------------------
 def layer_activation_bytes(spec, b: int, r: int, t: int, a: int) -> int:
     """Tensors one transformer layer keeps for backward, per microbatch (scaled-dot-product attention:
@@ -248,17 +238,19 @@ def model_state_memory(mem: dict, dims, cluster: Cluster, job: Job, spec, tensor
     kept = sum(n for n in tensors if persistent(n, cfg))
     adam = 8 if job.optimizer == "adam" else 0
     mixed = pb == 2
-    if g > 1:  # MiCS (torch FSDP2 on a (replicate, shard) mesh): everything sharded over the group of g = sdp
-        # ranks only; parameters below sdp_param_persistence_threshold kept whole (that key's meaning there)
-        mem["parameters"] = (kept + math.ceil((n_rank - kept) / g)) * pb
+    if g > 1:  # MiCS (torch FSDP2 on a (replicate, shard) mesh): every parameter sharded over the group of g = sdp
+        # ranks only (sdp_param_persistence_threshold keeps nothing whole there: translate/mics.py)
+        mem["parameters"] = math.ceil(n_rank / g) * pb
         mem["gradients"] = math.ceil(n_rank / g) * pb
         # Adam's moments, and the fp32 master only under fp16/bf16 (no DeepSpeed-style clone of fp32 weights)
         mem["optimizer_state"] = math.ceil(n_rank / g) * (adam + (4 if mixed else 0))
         # FSDP2's working set: the root unit (everything outside the layers) stays gathered from its
-        # forward to the end of backward; each layer is gathered for its forward and again for its
-        # backward, one prefetched (two at a time), and their unsharded gradients live until reduced
-        outer, layer = mics_units(spec, dims)
-        working = (outer + min(2, stage_layers(spec, dims.pp)) * layer) * pb
+        # forward to the end of backward; each layer's units (plan/mics_units.py) are gathered for their
+        # forward and again for their backward, one prefetched (two at a time), and their unsharded
+        # gradients live until reduced
+        units = mics_units(spec, dims)
+        gathered = min(2, stage_layers(spec, dims.pp) * len(units.layer))
+        working = (units.root + gathered * units.largest) * pb
         mem["mics_gathered_parameters"] = working
         mem["mics_unsharded_gradients"] = working
         return
@@ -371,18 +363,20 @@ def _replicated_terms(terms: _Terms, dims, cluster: Cluster, tensors: list[int])
 def _mics_terms(terms: _Terms, spec, dims, tensors: list[int]) -> None:
     """MiCS: every collective of the parameters and gradients stays inside the group of g ranks. Per
     microbatch (m per smp.step call, k calls per optimizer step), FSDP2 gathers the root unit once (kept
-    through backward) and each layer twice (forward, then again for backward: reshard_after_forward; a
-    checkpointed layer's recompute shares its backward gather), prefetching one unit ahead, and
-    reduce-scatters each unit's gradients on a side stream (with parameters kept whole, counted with
-    them). The replicas' all-reduce of each rank's 1/g gradient shard is deferred to the last
+    through backward) and each unit of each layer twice (plan/mics_units.py; forward, then again for
+    backward: reshard_after_forward; a checkpointed layer's recompute shares its backward gathers),
+    prefetching one unit ahead, and reduce-scatters each unit's gradients on a side stream (every
+    parameter is sharded on this engine). The replicas' all-reduce of each rank's 1/g gradient shard is deferred to the last
     microbatch (set_requires_all_reduce) and runs once per optimizer step from its backward hooks."""
     g, m, pb, n_rank = dims.mics_group_size, dims.cfg.microbatches, element_bytes(dims.cfg), sum(tensors)
-    outer, layer = mics_units(spec, dims)
+    units = mics_units(spec, dims)
     layers = stage_layers(spec, dims.pp)
-    terms.add("sdp", "all_gather", (outer + layers * layer) * pb * m, (1 + layers) * m, g, timing.FORWARD)
-    terms.add("sdp", "all_gather", layers * layer * pb * m, layers * m, g, timing.BACKWARD)
-    terms.add("sdp", "reduce_scatter", n_rank * pb * m, (1 + layers) * m, g, timing.BACKWARD)
-    terms.add(REPLICATE_GROUP, "all_reduce", math.ceil(n_rank / g) * pb, 1 + layers, dims.rdp // g,
+    calls = layers * len(units.layer)  # one collective per unit of each layer
+    terms.add("sdp", "all_gather", (units.root + layers * units.layer_numel) * pb * m, (1 + calls) * m, g,
+              timing.FORWARD)
+    terms.add("sdp", "all_gather", layers * units.layer_numel * pb * m, calls * m, g, timing.BACKWARD)
+    terms.add("sdp", "reduce_scatter", n_rank * pb * m, (1 + calls) * m, g, timing.BACKWARD)
+    terms.add(REPLICATE_GROUP, "all_reduce", math.ceil(n_rank / g) * pb, 1 + calls, dims.rdp // g,
               timing.LAST_BACKWARD, per_call=False)
 
 

@@ -14,7 +14,7 @@ ENGINE = "MiCS engine: torch FSDP2 fully_shard on a (replicate, shard) DeviceMes
 MICS_KEYS = {
     "sdp_reduce_bucket_size": (
         "FSDP2 reduce-scatter per sharding unit", "approximated",
-        "gradients are reduce-scattered one sharding unit (a transformer layer) per call, not in byte-sized buckets"),
+        "gradients are reduce-scattered one sharding unit (a transformer layer, or one of a wide layer's projections) per call, not in byte-sized buckets"),
     "sdp_param_persistence_threshold": (
         "FSDP2: every parameter sharded", "approximated",
         "no parameter is kept whole: small ones are gathered with the rest of their unit in the same all-gather"),
@@ -51,16 +51,26 @@ def layout_note(dims) -> str:
             f"{SDP_ENGINE_ENV}=hpz runs DeepSpeed ZeRO-3 + hpZ instead")
 
 
-# A model without repeated blocks: a submodule becomes a sharding unit once the parameters it holds outside
-# other units reach this many elements (4 MiB in fp32), as FSDP's size-based wrap policy does. Below it one
-# more gather per pass costs more in calls than the unit's bytes save. (runtime/engines/mics/mesh.py)
+# The units' size rule: a submodule becomes a sharding unit once the parameters it holds outside other units reach
+# this many elements (4 MiB in fp32), as FSDP's size-based wrap policy does. Below it one more gather per pass
+# costs more in calls than the unit's bytes save. (runtime/engines/mics/mesh.py; plan/mics_units.py counts the
+# same units from the model's spec)
 UNIT_MIN_ELEMENTS = 1 << 20
+# A transformer block is one unit unless it holds more than 1/BLOCK_SPLIT of the rank's shard of the model
+# (model / sdp / BLOCK_SPLIT): then the size rule applies inside it too (its projections, one at a time). FSDP2
+# holds ~2.5 x a unit while gathering it (the shard's copy-in, the all-gather output, the unsharded parameters)
+# and prefetches one more, ~5 units at a moment: above a quarter of the shard that is more than the shard itself
+# (RESULTS.md §20.1: GPT-2 of width 1024 at sdp 2, run peak 0.95 -> 0.74 x plain PyTorch's). Below it the
+# extra calls cost more than they save (seed 002's ViT at sdp 4: its blocks are 1/12 of a shard).
+BLOCK_SPLIT = 4
 # FSDP2's fully_shard(reshard_after_forward=...): a unit's whole parameters are freed after its forward
 # and gathered again for its backward (smp v1's MiCS kept no gathered layer between the two either)
 RESHARD_AFTER_FORWARD = True
-UNITS_RULE = ("every element of an nn.ModuleList holding parameters (the transformer blocks); a model without "
-              f"one: every submodule whose parameters outside smaller units reach {UNIT_MIN_ELEMENTS} elements; "
-              "the root module last, with what is left (embeddings, head, norms, tied weights)")
+UNITS_RULE = ("every element of an nn.ModuleList holding parameters (a transformer block), after the units inside "
+              f"it when it holds more than 1/{BLOCK_SPLIT} of the rank's shard of the model; elsewhere (inside such a "
+              f"block, or a model without blocks) every submodule whose parameters outside smaller units reach "
+              f"{UNIT_MIN_ELEMENTS} elements, innermost first; the root module last, with what is left (embeddings, "
+              "head, norms, tied weights)")
 
 
 def mics_settings(dims) -> dict[str, Any]:

@@ -4,7 +4,10 @@ Rank 0 saves a GPT-2 (tied embeddings) with save_pretrained, as safetensors and 
 case, every rank loads it, wraps it in smp.DistributedModel and reports: whether its shards bit-equal its rows
 of the weights one process loads eagerly (the reference, modified as the case modifies them), how many
 parameters came from the file by pread (runtime/file_backed.py) and by broadcast, and the first loss of the
-whole batch against plain PyTorch's on the reference in this process.
+whole batch against plain PyTorch's on the reference in this process. The `safetensors` case then trains
+STEPS SGD steps beside the reference and reports both losses, and the number of FSDP2 units: at n_embd 512
+a block holds more than a quarter of a rank's shard at sdp 2, so its attention and its MLP's two
+projections (>= 1M elements each) are units of their own (mesh.sharding_units), 4 units per block.
 
 Cases: `safetensors` (from_pretrained outside smp.model_creation), `bin` (a pytorch_model.bin, inside
 smp.model_creation()), `written` (after loading, every rank scales the first block's MLP weight by 2 and its
@@ -24,7 +27,7 @@ from launch_util import write_result  # noqa: E402
 import smdistributed.modelparallel.torch as smp  # noqa: E402
 from smp_adapter.runtime.init import shutdown  # noqa: E402
 
-SEQ, VOCAB, BATCH = 16, 128, 8
+SEQ, VOCAB, BATCH, STEPS, LR = 16, 128, 8, 3, 0.1
 
 
 def save(folder):
@@ -32,7 +35,7 @@ def save(folder):
     from safetensors.torch import load_file
 
     torch.manual_seed(5)
-    cfg = tf.GPT2Config(n_layer=2, n_embd=64, n_head=4, n_positions=SEQ, vocab_size=VOCAB, resid_pdrop=0.0,
+    cfg = tf.GPT2Config(n_layer=2, n_embd=512, n_head=4, n_positions=SEQ, vocab_size=VOCAB, resid_pdrop=0.0,
                         embd_pdrop=0.0, attn_pdrop=0.0)
     tf.GPT2LMHeadModel(cfg).save_pretrained(f"{folder}/safetensors")
     os.makedirs(f"{folder}/bin", exist_ok=True)
@@ -106,8 +109,36 @@ def run_case(folder, case, ids):
     result = {"unequal": unequal, "counts": counts, "loss": loss.item() / smp.rdp_size(),
               "reference_loss": reference_loss,
               "engine": type(model.runtime_engine).__name__}
+    if case == "safetensors":
+        result.update(train(model, reference, rows, ids), units=len(model.runtime_engine.units))
     shutdown()
     return result
+
+
+@smp.step
+def train_step(model, rows):
+    loss = model(input_ids=rows, labels=rows)["loss"]
+    model.backward(loss)
+    return loss
+
+
+def train(model, reference, rows, ids):
+    """STEPS SGD steps of the MiCS model on this replica's rows, of the reference on the whole batch."""
+    optimizer = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=LR))
+    ref_optimizer = torch.optim.SGD(reference.parameters(), lr=LR)
+    losses, reference_losses = [], []
+    for _ in range(STEPS):
+        optimizer.zero_grad()
+        loss = train_step(model, rows).reduce_mean().detach().clone()  # this replica's rows: averaged below
+        dist.all_reduce(loss, group=smp.get_rdp_process_group())
+        losses.append(loss.item() / smp.rdp_size())
+        optimizer.step()
+        ref_optimizer.zero_grad()
+        loss = reference(input_ids=ids, labels=ids).loss
+        loss.backward()
+        ref_optimizer.step()
+        reference_losses.append(loss.item())
+    return {"losses": losses, "reference_losses": reference_losses}
 
 
 def main():

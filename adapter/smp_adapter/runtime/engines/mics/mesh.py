@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from smp_adapter.translate.mics import UNIT_MIN_ELEMENTS  # the units rule's one home, beside translate's text
+from smp_adapter.translate.mics import BLOCK_SPLIT, UNIT_MIN_ELEMENTS  # the units rule's home, beside its text
 
 SHARD, REPLICATE = "shard", "replicate"
 
@@ -49,19 +49,20 @@ def mics_mesh(dims, rank: int, shard_group, replicate_group, device_type: str):
                                  mesh_dim_names=(REPLICATE, SHARD))
 
 
-def sharding_units(module: nn.Module) -> list[nn.Module]:
+def sharding_units(module: nn.Module, sdp: int = 1) -> list[nn.Module]:
     """The submodules FSDP2 gathers one at a time, innermost first; the root module is the last unit and
-    holds what is left (embeddings, heads, norms). A model with repeated blocks (runtime/kernels.py
-    ``repeated_blocks``: every parameter-holding element of an ``nn.ModuleList``, the same blocks
-    SMP_ADAPTER_COMPILE=blocks compiles) has those as its units. Any other model (an ``nn.Sequential``
-    of layers, a module of named children): every submodule whose parameters outside smaller units reach
-    ``UNIT_MIN_ELEMENTS``, so that no gather holds much more than one layer. A parameter shared by two
-    modules (a tied weight) stays with the root: FSDP2 shards each parameter in one unit."""
+    holds what is left (embeddings, heads, norms). The size rule: a submodule becomes a unit once its
+    parameters outside smaller units reach ``UNIT_MIN_ELEMENTS``. A model with repeated blocks
+    (runtime/kernels.py ``repeated_blocks``: every parameter-holding element of an ``nn.ModuleList``,
+    the same blocks SMP_ADAPTER_COMPILE=blocks compiles): each block is a unit, whatever its size, and
+    nothing outside the blocks but the root; a block holding more than 1/BLOCK_SPLIT of the rank's
+    shard (the model's parameters / sdp) comes after the units the size rule finds inside it (a GPT-2
+    block of width 1024 at sdp 2: its four projections, the block keeping its norms). Any other model
+    (an ``nn.Sequential`` of layers, a module of named children): the size rule over the whole tree. A
+    parameter shared by two modules (a tied weight) stays with the root: FSDP2 shards each parameter in
+    one unit."""
     from smp_adapter.runtime.kernels import repeated_blocks
 
-    blocks = repeated_blocks(module)
-    if blocks:
-        return blocks
     owners: dict[int, int] = {}
     for m in module.modules():
         for p in m.parameters(recurse=False):
@@ -69,15 +70,25 @@ def sharding_units(module: nn.Module) -> list[nn.Module]:
     units: list[nn.Module] = []
     claimed: set[int] = set()
 
-    def visit(m: nn.Module) -> None:
+    def claim(m: nn.Module, top: nn.Module) -> None:
+        """The size rule over m's subtree, innermost first; ``top`` itself is left to the caller."""
         for child in m.children():
-            visit(child)
+            claim(child, top)
         free = [p for p in m.parameters() if id(p) not in claimed]
-        if m is module or any(owners.get(id(p), 0) > 1 for p in free):
+        if m is top or any(owners.get(id(p), 0) > 1 for p in free):
             return
         if sum(p.numel() for p in free) >= UNIT_MIN_ELEMENTS:
             units.append(m)
             claimed.update(id(p) for p in free)
 
-    visit(module)
+    blocks = repeated_blocks(module)
+    if not blocks:
+        claim(module, module)
+        return units
+    shard = sum(p.numel() for p in module.parameters()) / sdp
+    for block in blocks:
+        if sum(p.numel() for p in block.parameters()) * BLOCK_SPLIT > shard:
+            claim(block, block)
+        units.append(block)
+        claimed.update(id(p) for p in block.parameters())
     return units
