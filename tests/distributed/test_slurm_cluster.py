@@ -154,8 +154,10 @@ def test_slurm_scancel_and_a_dead_node_end_every_rank_naming_the_cause(slurm_pac
         job_id = slurm.run_in(0, ["squeue", "-h", "-o", "%i"], timeout=15).stdout.split()[0]
         slurm.run_in(0, ["scancel", job_id], timeout=15)
         took = _ended(proc, c, 30)
-        assert proc.returncode != 0
-        assert "CANCELLED AT" in _read(first / "slurm.out"), _read(first / "slurm.out")
+        # the job's own output is the evidence: sbatch --wait's status for a cancelled job is Slurm's, not
+        # ours, and a fresh-clone run saw it exit 0 once (2026-12-03, passing in 2 runs here since; the
+        # likely cause is slurmctld purging the job's record before sbatch's next poll, MinJobAge 16 s)
+        assert "CANCELLED AT" in _read(first / "slurm.out"), (proc.returncode, _read(first / "slurm.out"))
         second = tmp_path / "second"
         second.mkdir()
         proc = _forever_job(slurm, second)
