@@ -4,8 +4,9 @@ Rank 0 saves a GPT-2 (tied embeddings) with save_pretrained, as safetensors and 
 case, every rank loads it, wraps it in smp.DistributedModel and reports: whether its shards bit-equal its rows
 of the weights one process loads eagerly (the reference, modified as the case modifies them), how many
 parameters came from the file by pread (runtime/file_backed.py) and by broadcast, and the first loss of the
-whole batch against plain PyTorch's on the reference in this process. The `safetensors` case then trains
-STEPS SGD steps beside the reference and reports both losses, and the number of FSDP2 units: at n_embd 512
+whole batch against plain PyTorch's on the reference in this process. The `safetensors` and `bin` cases then
+train STEPS SGD steps of 2 microbatches beside the reference (`bin` with activation checkpointing on every
+block) and report both losses, and the number of FSDP2 units: at n_embd 512
 a block holds more than a quarter of a rank's shard at sdp 2, so its attention and its MLP's two
 projections (>= 1M elements each) are units of their own (mesh.sharding_units), 4 units per block.
 
@@ -82,7 +83,7 @@ def run_case(folder, case, ids):
     from smp_adapter.runtime.engines.mics import creation
     from smp_adapter.runtime.engines.mics.shards import shard_rows
 
-    smp.init({"ddp": True, "sharded_data_parallel_degree": 2, "sdp_gradient_clipping": 0.0})
+    smp.init({"ddp": True, "sharded_data_parallel_degree": 2, "sdp_gradient_clipping": 0.0, "microbatches": 2})
     counts = {"file": 0, "broadcast": 0}
     read, bcast = counting(file_backed, "read_rows", counts, "file"), counting(creation, "_broadcast_whole", counts, "broadcast")
     try:
@@ -109,7 +110,10 @@ def run_case(folder, case, ids):
     result = {"unequal": unequal, "counts": counts, "loss": loss.item() / smp.rdp_size(),
               "reference_loss": reference_loss,
               "engine": type(model.runtime_engine).__name__}
-    if case == "safetensors":
+    if case in ("safetensors", "bin"):
+        if case == "bin":  # a checkpointed block's recompute gathers its units again inside the backward
+            for block in model.get_module().transformer.h:
+                smp.set_activation_checkpointing(block)
         result.update(train(model, reference, rows, ids), units=len(model.runtime_engine.units))
     shutdown()
     return result
