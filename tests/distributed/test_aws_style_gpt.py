@@ -204,15 +204,21 @@ def test_gpt2_mics_distributed_transformer_delayed_init_bf16_saves_and_resumes(t
     _assert_learns(first["losses"] + resumed["losses"])
 
 
-def test_gpt_neox_mics_distributed_transformer_delayed_init_bf16(tmp_path):
+def test_gpt_neox_mics_distributed_transformer_delayed_init_bf16_saves_and_resumes(tmp_path):
     """The GPT-NeoX template's notebook layout on MiCS: sdp 2 of 4 ranks, use_distributed_transformer 1,
-    delayed initialisation, bf16, sublayer checkpointing."""
-    args = {"model_type": "gpt_neox", "sharded_data_parallel_degree": 2, "delayed_param": 1, "bf16": 1,
+    delayed initialisation, bf16, sublayer checkpointing. A job saved at step 3 and resumed with
+    --load_partial gives the uninterrupted job's losses for steps 3-5 (the same bf16 operations in the same
+    order: exact)."""
+    ckpt = tmp_path / "checkpoints"
+    base = {"model_type": "gpt_neox", "sharded_data_parallel_degree": 2, "delayed_param": 1, "bf16": 1,
             "use_distributed_transformer": 1, "activation_checkpointing": 1, "checkpoint_sublayers": 1,
-            "max_steps": 6}
-    results, _, _ = _run(tmp_path, 4, args)
-    assert results["layers"] == 4
-    _assert_learns(results["losses"])
+            "checkpoint_dir": ckpt}
+    whole, _, _ = _run(tmp_path, 4, {**base, "max_steps": 6}, name="whole")
+    assert whole["layers"] == 4
+    _assert_learns(whole["losses"])
+    _run(tmp_path, 4, {**base, "max_steps": 3, "checkpoint_freq": 3}, name="saving")
+    resumed, _, _ = _run(tmp_path, 4, {**base, "max_steps": 6, "load_partial": 1}, name="resumed")
+    assert resumed["losses"] == whole["losses"][3:]
 
 
 def test_gptj_mics_tp2_sdp2_of_8_ranks_delayed_init_bf16_resumes_exactly(tmp_path):
