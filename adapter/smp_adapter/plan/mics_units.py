@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from smp_adapter.plan.zero3 import LAYERS, TIED, default_trees
-from smp_adapter.translate.mics import BLOCK_SPLIT, UNIT_MIN_ELEMENTS
+from smp_adapter.translate.mics import UNIT_MIN_ELEMENTS, splits_block
 
 
 @dataclass(frozen=True)
@@ -52,7 +52,7 @@ def mics_units(spec, dims) -> MicsUnits:
     size = lambda n, split: n // t if split and t > 1 else n  # noqa: E731
     sizes = [size(n, s) for n, s in spec.layer_tensors]
     root = sum(size(n, s) for n, s in spec.outer_tensors)
-    if sum(sizes) * BLOCK_SPLIT <= (spec.layers * sum(sizes) + root) / dims.sdp:
+    if not splits_block(sum(sizes), spec.layers * sum(sizes) + root, dims.sdp):
         return MicsUnits(root, (sum(sizes),))
     layer_tree = getattr(spec, "layer_modules", ()) or default_trees(spec)[1]
     units: list[int] = []

@@ -60,9 +60,14 @@ UNIT_MIN_ELEMENTS = 1 << 20
 # (model / sdp / BLOCK_SPLIT): then the size rule applies inside it too (its projections, one at a time). FSDP2
 # holds ~2.5 x a unit while gathering it (the shard's copy-in, the all-gather output, the unsharded parameters)
 # and prefetches one more, ~5 units at a moment: above a quarter of the shard that is more than the shard itself
-# (RESULTS.md §20.1: GPT-2 of width 1024 at sdp 2, run peak 0.95 -> 0.74 x plain PyTorch's). Below it the
+# (RESULTS.md §20.2: GPT-2 of width 1024 at sdp 2, run peak 0.95 -> 0.71 x plain PyTorch's). Below it the
 # extra calls cost more than they save (seed 002's ViT at sdp 4: its blocks are 1/12 of a shard).
 BLOCK_SPLIT = 4
+
+
+def splits_block(block_numel: int, model_numel: int, sdp: int) -> bool:
+    """Whether a transformer block's own units come before it (the engine's and plan's one test)."""
+    return block_numel * BLOCK_SPLIT * sdp > model_numel
 # FSDP2's fully_shard(reshard_after_forward=...): a unit's whole parameters are freed after its forward
 # and gathered again for its backward (smp v1's MiCS kept no gathered layer between the two either)
 RESHARD_AFTER_FORWARD = True

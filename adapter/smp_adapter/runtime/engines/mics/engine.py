@@ -4,8 +4,8 @@ v1 documents it ("SDP is AWS's MiCS implementation"), on torch FSDP2 (``fully_sh
 * Parameters, gradients and optimizer state are sharded inside each group of ``sdp`` ranks (1/sdp
   of each per rank); the groups are replicas (mesh.py: a 2-D DeviceMesh (replicate, shard) per TP rank).
 * Each sharding unit (mesh.sharding_units: a transformer layer, or a wide one's projections) is
-  all-gathered inside the group for its forward and again for its backward, then freed; its gradients are reduce-scattered inside
-  the group after every microbatch and accumulate as shards.
+  all-gathered inside the group for its forward and again for its backward, then freed; its gradients
+  are reduce-scattered inside the group after every microbatch and accumulate as shards.
 * Across groups, each rank's gradient shard is all-reduced once per optimizer step: after the last
   microbatch of every ``backward_passes_per_step``-th step call (FSDP2's
   ``set_requires_all_reduce(False)`` before that), as MiCS did.

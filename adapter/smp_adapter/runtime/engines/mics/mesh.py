@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from smp_adapter.translate.mics import BLOCK_SPLIT, UNIT_MIN_ELEMENTS  # the units rule's home, beside its text
+from smp_adapter.translate.mics import UNIT_MIN_ELEMENTS, splits_block  # the units rule's home, beside its text
 
 SHARD, REPLICATE = "shard", "replicate"
 
@@ -85,9 +85,9 @@ def sharding_units(module: nn.Module, sdp: int = 1) -> list[nn.Module]:
     if not blocks:
         claim(module, module)
         return units
-    shard = sum(p.numel() for p in module.parameters()) / sdp
+    model_numel = sum(p.numel() for p in module.parameters())
     for block in blocks:
-        if sum(p.numel() for p in block.parameters()) * BLOCK_SPLIT > shard:
+        if splits_block(sum(p.numel() for p in block.parameters()), model_numel, sdp):
             claim(block, block)
         units.append(block)
         claimed.update(id(p) for p in block.parameters())
