@@ -258,7 +258,7 @@ def _setting(dims) -> dict:
     1 < sdp < rdp at pp 1 (mics, the default, needs none), else {} (the layout decides)."""
     from smp_adapter.config.dims import SDP_ENGINE_ENV
 
-    if dims.pp == 1 and 1 < dims.sdp < dims.rdp:
+    if dims.chooses_sdp_engine:
         return {SDP_ENGINE_ENV: dims.sdp_engine}
     return {}
 

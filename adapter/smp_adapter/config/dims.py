@@ -150,7 +150,30 @@ class ParallelDims:
         (+ hpZ) ("deepspeed")."""
         if self.pp > 1:
             return "pipeline"
-        return "mics" if 1 < self.sdp < self.rdp and self.sdp_engine == "mics" else "deepspeed"
+        return "mics" if self.chooses_sdp_engine and self.sdp_engine == "mics" else "deepspeed"
+
+    @property
+    def sdp_below_rdp(self) -> bool:
+        """1 < sdp < rdp: groups of sdp ranks shard, each replicated rdp / sdp times (MiCS's groups, or
+        hpZ's secondary partition), the one home of that test."""
+        return 1 < self.sdp < self.rdp
+
+    @property
+    def chooses_sdp_engine(self) -> bool:
+        """pp 1 and 1 < sdp < rdp: the layout SDP_ENGINE_ENV picks an engine for (mics, the default, or
+        hpz). (from_config refuses sdp > 1 with pp > 1, as smp v1 did; the pp test keeps the rule whole.)"""
+        return self.pp == 1 and self.sdp_below_rdp
+
+    def sdp_engine_note(self) -> str | None:
+        """Which engine runs sdp < rdp and how to pick the other (launch, smp.init and plan print it);
+        None where the layout has no choice."""
+        if not self.chooses_sdp_engine:
+            return None
+        head = f"sharded_data_parallel_degree {self.sdp} < rdp {self.rdp}: "
+        if self.engine == "mics":
+            return (head + f"smp v1's MiCS on torch FSDP2 (groups of {self.sdp} ranks shard everything); "
+                    f"{SDP_ENGINE_ENV}=hpz runs DeepSpeed ZeRO-3 + hpZ instead")
+        return head + f"DeepSpeed ZeRO-3 + hpZ ({SDP_ENGINE_ENV}=hpz); unset it for smp v1's MiCS on torch FSDP2"
 
     @property
     def zero_stage(self) -> int:
@@ -169,7 +192,7 @@ class ParallelDims:
     def hpz_partition_size(self) -> int:
         """ZeRO++ hpZ secondary shard size: sdp when it is smaller than the rdp size and DeepSpeed
         runs it (SMP_ADAPTER_SDP_ENGINE=hpz, or pipeline parallelism), else 1 (off)."""
-        return self.sdp if 1 < self.sdp < self.rdp and self.engine != "mics" else 1
+        return self.sdp if self.sdp_below_rdp and self.engine != "mics" else 1
 
     def describe_grid(self) -> str:
         """The rank grid (its product is the world size), as the layout line and explain's world-size row say it."""

@@ -268,14 +268,7 @@ def _job_options(in_script: dict, job, world_size: int | None) -> SMPConfig:
 
 
 def _sdp_engine_note(cfg, world_size: int) -> str | None:
-    """Which engine runs sharded_data_parallel_degree < rdp (ParallelDims.engine), and how to pick the other."""
-    from smp_adapter.config.dims import SDP_ENGINE_ENV, ParallelDims, sdp_engine_from
+    """Which engine runs sharded_data_parallel_degree < rdp, and how to pick the other (ParallelDims)."""
+    from smp_adapter.config.dims import ParallelDims, sdp_engine_from
 
-    dims = ParallelDims.from_config(cfg, world_size, sdp_engine_from(os.environ))
-    if dims.pp > 1 or not 1 < dims.sdp < dims.rdp:
-        return None
-    if dims.engine == "mics":
-        return (f"sharded_data_parallel_degree {dims.sdp} < rdp {dims.rdp}: smp v1's MiCS on torch FSDP2 (groups of "
-                f"{dims.sdp} ranks shard everything); {SDP_ENGINE_ENV}=hpz runs DeepSpeed ZeRO-3 + hpZ instead")
-    return (f"sharded_data_parallel_degree {dims.sdp} < rdp {dims.rdp}: DeepSpeed ZeRO-3 + hpZ ({SDP_ENGINE_ENV}=hpz); "
-            f"unset it for smp v1's MiCS on torch FSDP2")
+    return ParallelDims.from_config(cfg, world_size, sdp_engine_from(os.environ)).sdp_engine_note()

@@ -503,6 +503,6 @@ def rank0_groups(dims) -> dict:
     ranks holding the same shard in every group, one per group (rank 0's: every sdp-th of its rdp group)."""
     grid = dims.grid
     rdp = grid.rdp_group(0)
-    sdp = grid.sdp_groups(dims.sdp)[0] if 1 < dims.sdp < dims.rdp else rdp
+    sdp = grid.sdp_groups(dims.sdp)[0] if dims.sdp_below_rdp else rdp
     return {"tp": grid.tp_group(0), "pp": grid.pp_group(0), "rdp": rdp, "sdp": tuple(sdp),
             REPLICATE_GROUP: tuple(rdp[::dims.sdp])}

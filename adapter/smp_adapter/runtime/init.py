@@ -102,11 +102,10 @@ def init(config: Mapping[str, Any] | None = None) -> None:
     _build_groups(dims, launch.rank, backend)
     _set_tp_context()
     comm_ledger.install_if_requested(dims, launch.rank, launch.local_size)  # SMP_ADAPTER_COMM_LEDGER only
-    if launch.rank == 0 and dims.pp == 1 and 1 < dims.sdp < dims.rdp:  # which of the two engines runs it
+    if launch.rank == 0 and dims.chooses_sdp_engine:  # which of the two engines runs it
         import sys
 
-        print(f"smp-adapter: {dims.describe()} (engine {dims.engine}; SMP_ADAPTER_SDP_ENGINE=mics or hpz)",
-              file=sys.stderr, flush=True)
+        print(f"smp-adapter: {dims.describe()}; {dims.sdp_engine_note()}", file=sys.stderr, flush=True)
     state.initialized = True
     # what smp.init (and DeepSpeed's init_distributed) put into the environment: undone by shutdown()
     state.environ_changes = {k: environ_before.get(k) for k in set(environ_before) | set(os.environ)

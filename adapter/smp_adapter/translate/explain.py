@@ -253,7 +253,7 @@ def _derived_rows(dims: ParallelDims, ds: Mapping[str, Any], mg: MegatronPlan) -
                                "deepspeed zero_optimization.zero_hpz_partition_size", zero["zero_hpz_partition_size"],
                                "approximated", f"stands in for MiCS (removed from DeepSpeed 0.19.7) because "
                                                f"{SDP_ENGINE_ENV}=hpz"))
-    if dims.pp == 1 and 1 < dims.sdp < dims.rdp:
+    if dims.chooses_sdp_engine:
         rows.append(ExplainRow("(derived) sdp engine", dims.sdp_engine, "derived", f"{SDP_ENGINE_ENV}",
                                "runtime/engines/mics (torch FSDP2)" if dims.engine == "mics"
                                else "runtime/engines/deepspeed (ZeRO-3 + hpZ)", "exact",
