@@ -88,7 +88,7 @@ def init(config: Mapping[str, Any] | None = None) -> None:
 
     engine = engine_for(dims)  # the engine of this job, chosen before any model exists
     engine.refuse_unsupported(cfg)  # on every rank, before any collective
-    engine.load_code()
+    engine.load_code(dims)
     state.owns_process_group = not dist.is_initialized()
     if state.owns_process_group:
         engine.start_process_group(backend, launch.rank, launch.world_size, collective_timeout(), use_cuda)

@@ -29,7 +29,7 @@ class WholeTensorDefaults:
         still connecting its groups, which died of "Connection reset by peer" instead of the refusal."""
 
     @classmethod
-    def load_code(cls) -> None:
+    def load_code(cls, dims) -> None:
         """smp.init, once the engine is chosen: import what the engine will run, so that its code
         (tens of MB of Python modules) is loaded before any model exists rather than mid-job."""
 

@@ -44,6 +44,19 @@ class DeepSpeedEngine(StartsThroughDeepSpeed, Engine):
         return build_job_config(dims, backend)
 
     @classmethod
+    def load_code(cls, dims) -> None:
+        """ZeRO (stage > 0): DeepSpeed's optimizer check (``is_zero_supported_optimizer``, at
+        ``deepspeed.initialize``) imports its Muon optimizer, whose module compiles a kernel with
+        ``torch.compile`` at import: ~600 modules (torch._inductor, functorch's partitioners, networkx),
+        ~40 MiB of Python objects, measured on deepspeed 0.19.8 / torch 2.13. Loaded here, before any
+        model exists, it is not on top of a rank's parameters and gradients at the optimizer's wrap."""
+        if dims.zero_stage > 0:
+            try:
+                import deepspeed.runtime.zero.muon.muon_optimizer  # noqa: F401
+            except ImportError:  # a DeepSpeed without Muon: its check imports nothing either
+                pass
+
+    @classmethod
     def materialize_kept(cls, module, device) -> None:
         """ZeRO-3: the delayed model is materialised module by module, each partitioned at once
         (zero3.materialize_into_shards); otherwise every tensor, as on any whole-tensor engine."""

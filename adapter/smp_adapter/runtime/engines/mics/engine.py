@@ -68,7 +68,7 @@ class MicsEngine(Engine):
         forget_cached_groups()  # fp16 jobs joined DeepSpeed's communication layer (loss_scaling.py)
 
     @classmethod
-    def load_code(cls) -> None:
+    def load_code(cls, dims) -> None:
         import torch.distributed.fsdp  # noqa: F401  (fully_shard, and DTensor under it)
 
     @classmethod

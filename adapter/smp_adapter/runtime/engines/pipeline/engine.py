@@ -47,7 +47,7 @@ class PipelineEngine(StartsThroughDeepSpeed, Engine):
         torch_compat.check_schedule(cfg.pipeline)
 
     @classmethod
-    def load_code(cls) -> None:
+    def load_code(cls, dims) -> None:
         """torch's pipelining, torch.export and the fake tensors the stages are traced with: ~75 MB
         of modules at import and ~28 MB (about 400 modules: export's passes, networkx) that the first
         trace imports, measured on torch 2.13. A two-layer model traced here loads them before any
