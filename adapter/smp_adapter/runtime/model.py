@@ -51,9 +51,7 @@ class DistributedModel(nn.Module):
         self._post_partition_hooks: list = []
         self._post_step_hooks: list = []
         self._distributed_modules: list[str] = []
-        from smp_adapter.runtime.engines import create_engine, job_engine
-
-        engine = job_engine()  # the class smp.init chose from the layout
+        engine = s.engine  # the job's one engine, created by smp.init from the layout
         if _created_for_tensor_parallelism(module):
             from smp_adapter.compat.hf_skipped_init import initialize_skipped_weights
 
@@ -90,8 +88,9 @@ class DistributedModel(nn.Module):
 
         # flash_attention's SDPA switch; SMP_ADAPTER_COMPILE=blocks compiles each block before the engine shards it
         apply_at_wrap(module, s.dims, compile_setting_from(os.environ), s.rank)
-        #: the engine that executes this model (runtime/engines); chosen once, here
-        self.runtime_engine = create_engine(self, s.dims, {n: before[n] for n in self._distributed_modules})
+        engine.attach_model(self, {n: before[n] for n in self._distributed_modules})
+        #: the engine that executes this model (runtime/engines): the job's one engine, attached above
+        self.runtime_engine = engine
         from smp_adapter.runtime.finiteness import StepGuard, check_initial_weights, policy_from_env
 
         check_initial_weights(module, engine.local_data)  # once: NaN/inf weights would train on NaN to exit status 0
