@@ -53,3 +53,33 @@ def test_the_walk_recognises_every_spelling_of_the_import():
                  "from smp_adapter.runtime import state", "from ...state import warn_once", "from ... import state"]:
         assert _state_imports(f"def f():\n    {line}\n", package), line
     assert _state_imports("from smp_adapter.runtime import step\nfrom ..base import Engine\n", package) == []
+
+
+def test_an_engine_is_built_and_asked_before_a_model_exists_without_smp_init():
+    """The point of the rule: a Job written by hand (one rank, no process group) is all an engine needs;
+    the instance records delayed creation and materialises it, with nothing of smp.init's state set."""
+    import torch
+
+    from smp_adapter.config.dims import ParallelDims
+    from smp_adapter.config.options import SMPConfig
+    from smp_adapter.runtime.deferred_init import DeferredTensor
+    from smp_adapter.runtime.engines import engine_for
+    from smp_adapter.runtime.job import Job
+    from smp_adapter.runtime.state import ProcessGroups, StepProgress, state
+
+    cfg = SMPConfig.from_dict({})
+    dims = ParallelDims.from_config(cfg, 1)
+    engine_class = engine_for(dims)
+    job = Job(cfg=cfg, dims=dims, groups=ProcessGroups(), rank=0, world_size=1, local_rank=0, local_size=1,
+              device=torch.device("cpu"), backend="gloo", engine_config=engine_class.build_job_config(dims, "gloo"))
+    engine = engine_class(job, StepProgress(), lambda messages, rank: None)
+    with engine.module_init_context(torch.float32):
+        torch.manual_seed(0)
+        module = torch.nn.Linear(3, 2)
+    assert isinstance(module.weight, DeferredTensor) and not engine.is_own_parameter(module.weight)
+    engine.place_module(module, job.device)
+    engine.sync_initial_state(module)  # one rank: nothing to broadcast
+    engine.materialize_kept(module, job.device)
+    torch.manual_seed(0)
+    assert torch.equal(module.weight, torch.nn.Linear(3, 2).weight)  # the undelayed values
+    assert not state.initialized and state.engine is None and engine.model is None
