@@ -27,7 +27,7 @@ def _params(*grads):
 
 
 def test_static_scale_scales_the_loss_in_fp32_and_unscales_each_gradient_once_per_step():
-    scaler = ShardLossScaler(LossScaleArgs(static_loss_scale=128.0))
+    scaler = ShardLossScaler(LossScaleArgs(static_loss_scale=128.0), torch.device("cpu"))
     loss = torch.tensor(1000.0, dtype=torch.float16)
     scaled = scaler.scale(loss)
     assert scaled.dtype == torch.float32 and scaled.item() == 128000.0  # beyond fp16's range: kept in fp32
@@ -43,7 +43,7 @@ def test_static_scale_scales_the_loss_in_fp32_and_unscales_each_gradient_once_pe
 def test_an_overflow_skips_the_step_drops_the_gradients_and_halves_a_dynamic_scale(bad):
     args = LossScaleArgs(static_loss_scale=None, dynamic_loss_scale=True,
                          **{**DEFAULT_DYNAMIC_LOSS_ARGS, "init_scale": 2.0**10, "scale_window": 2})
-    scaler = ShardLossScaler(args)
+    scaler = ShardLossScaler(args, torch.device("cpu"))
     params = _params([1.0, bad], [3.0])
     assert not scaler.unscale([p.grad for p in params]) and scaler.overflow
     assert params[1].grad.tolist() == [3.0]  # nothing divided on an overflowing step
@@ -62,7 +62,7 @@ def test_an_overflow_skips_the_step_drops_the_gradients_and_halves_a_dynamic_sca
 def test_hysteresis_keeps_the_scale_for_its_first_overflows():
     args = LossScaleArgs(static_loss_scale=None, dynamic_loss_scale=True,
                          **{**DEFAULT_DYNAMIC_LOSS_ARGS, "init_scale": 2.0**8, "delayed_shift": 2})
-    scaler = ShardLossScaler(args)
+    scaler = ShardLossScaler(args, torch.device("cpu"))
     scales = []
     for _ in range(3):
         params = _params([math.inf])

@@ -438,7 +438,7 @@ def test_backward_without_a_distributed_optimizer_names_the_fix(fresh):
 
 
 def test_engine_registry_names_the_available_engines():
-    from smp_adapter.runtime.engines import ENGINES, engine_class, engine_name_for
+    from smp_adapter.runtime.engines import ENGINES, engine_class, engine_for
 
     with pytest.raises(SMPUsageError, match=r"no engine named 'megatron': the available engines are deepspeed, mics, pipeline"):
         engine_class("megatron")
@@ -448,7 +448,7 @@ def test_engine_registry_names_the_available_engines():
 
     pp2 = ParallelDims.from_config(SMPConfig.from_dict({"pipeline_parallel_degree": 2}), 2)
     pp1 = ParallelDims.from_config(SMPConfig.from_dict({"tensor_parallel_degree": 2, "ddp": True}), 2)
-    assert (engine_name_for(pp2), engine_name_for(pp1)) == ("pipeline", "deepspeed")
+    assert (engine_for(pp2).name, engine_for(pp1).name) == ("pipeline", "deepspeed")
     assert engine_class("pipeline").name == "pipeline" and engine_class("deepspeed").name == "deepspeed"
 
 

@@ -19,6 +19,7 @@ from smp_adapter.errors import SMPAdapterError, SMPConfigError, SMPUsageError, U
 from smp_adapter.launch.free_port import free_port
 from smp_adapter.ledger import record as comm_ledger
 from smp_adapter.runtime import process_exit
+from smp_adapter.runtime.job import Job
 from smp_adapter.launch.rank_env import LaunchEnv, rendezvous
 from smp_adapter.runtime.state import state, warn_once
 
@@ -86,20 +87,22 @@ def init(config: Mapping[str, Any] | None = None) -> None:
 
     from smp_adapter.runtime.engines import engine_for
 
-    engine = engine_for(dims)  # the engine of this job, chosen before any model exists
-    engine.refuse_unsupported(cfg)  # on every rank, before any collective
-    engine.load_code(dims)
+    engine_class = engine_for(dims)  # the engine of this job, chosen before any model exists
+    engine_class.refuse_unsupported(cfg)  # on every rank, before any collective
+    engine_class.load_code(dims)
     state.owns_process_group = not dist.is_initialized()
     if state.owns_process_group:
-        engine.start_process_group(backend, launch.rank, launch.world_size, collective_timeout(), use_cuda)
+        engine_class.start_process_group(backend, launch.rank, launch.world_size, collective_timeout(), use_cuda)
     state.cfg, state.dims, state.launcher, state.backend = cfg, dims, launch.launcher, backend
-    state.engine, state.engine_config = engine, engine.build_job_config(dims, backend)
     state.rank, state.world_size = launch.rank, launch.world_size
     state.local_rank, state.local_size = launch.local_rank, launch.local_size
     state.device = torch.device("cuda", launch.local_rank) if use_cuda else torch.device("cpu")
     if use_cuda:
         torch.cuda.set_device(state.device)
     _build_groups(dims, launch.rank, backend)
+    # the one engine of the job, handed the job and the live step progress (it reads no global state)
+    job = _job_of(state, engine_class.build_job_config(dims, backend))
+    state.engine = engine_class(job, state.progress, warn_once)
     _set_tp_context()
     comm_ledger.install_if_requested(dims, launch.rank, launch.local_size)  # SMP_ADAPTER_COMM_LEDGER only
     if launch.rank == 0 and dims.chooses_sdp_engine:  # which of the two engines runs it
@@ -112,6 +115,13 @@ def init(config: Mapping[str, Any] | None = None) -> None:
                              if environ_before.get(k) != os.environ.get(k)}
     if state.owns_process_group:
         process_exit.leave_together_at_exit()
+
+
+def _job_of(s, engine_config) -> Job:
+    """The frozen description of the job smp.init set up in ``s`` (its groups are built)."""
+    return Job(cfg=s.cfg, dims=s.dims, groups=s.groups, rank=s.rank, world_size=s.world_size,
+               local_rank=s.local_rank, local_size=s.local_size, device=s.device, backend=s.backend,
+               engine_config=engine_config)
 
 
 def kernel_switches(dims: ParallelDims, rank: int) -> None:

@@ -34,9 +34,7 @@ def delay_param_initialization(enabled: bool = True):
     if not enabled:
         yield
         return
-    from smp_adapter.runtime.engines import job_engine
-
-    with job_engine().module_init_context(_param_dtype()):
+    with state.engine.module_init_context(_param_dtype()):
         yield
 
 
@@ -132,7 +130,4 @@ def sequential_groups(seq: nn.Sequential, strategy: str) -> list[list[nn.Module]
 
 def register_parameter(module: nn.Module, parameter: nn.Parameter) -> None:
     """A parameter a module uses but does not own: ZeRO-3 must gather it for that module too."""
-    require_initialized("register_parameter")
-    from smp_adapter.runtime.engines import job_engine
-
-    job_engine().register_external_parameter(module, parameter)
+    require_initialized("register_parameter").engine.register_external_parameter(module, parameter)

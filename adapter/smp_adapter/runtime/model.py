@@ -26,17 +26,7 @@ class DistributedModel(nn.Module):
                  bucket_cap_mb: float = 25, find_unused_parameters: bool = False, broadcast_buffers: bool = True,
                  gradient_as_bucket_view: bool = False):
         s = require_initialized("DistributedModel")
-        if isinstance(module, DistributedModel):
-            raise SMPUsageError("this model is already an smp.DistributedModel: wrap the plain nn.Module once")
-        if not isinstance(module, nn.Module):
-            raise SMPUsageError(f"smp.DistributedModel wraps a torch.nn.Module, got {type(module).__name__}")
-        if s.model is not None:
-            raise SMPUsageError("only one smp.DistributedModel per script (smp v1 rule): reuse the existing one, "
-                                "or wrap a module that holds all your models")
-        if trace_device not in ("cpu", "gpu"):
-            raise SMPUsageError(f"trace_device must be 'cpu' or 'gpu', got {trace_device!r}")
-        if not isinstance(backward_passes_per_step, int) or backward_passes_per_step < 1:
-            raise SMPUsageError(f"backward_passes_per_step must be an integer >= 1, got {backward_passes_per_step!r}")
+        _refuse_bad_arguments(s, module, trace_device, backward_passes_per_step)
         super().__init__()
         self.module = module
         from smp_adapter.parallel.smp_layout import add_pre_1_10_module_alias
@@ -51,9 +41,7 @@ class DistributedModel(nn.Module):
         self._post_partition_hooks: list = []
         self._post_step_hooks: list = []
         self._distributed_modules: list[str] = []
-        from smp_adapter.runtime.engines import create_engine, job_engine
-
-        engine = job_engine()  # the class smp.init chose from the layout
+        engine = s.engine  # the job's one engine, created by smp.init from the layout
         if _created_for_tensor_parallelism(module):
             from smp_adapter.compat.hf_skipped_init import initialize_skipped_weights
 
@@ -73,25 +61,16 @@ class DistributedModel(nn.Module):
             add_smp_layout(module)
         before = dict(module.named_modules())
         if s.dims.tp > 1:
-            with _recording_if_delayed(module):  # the split of a delayed model is replayed with its creation
-                self._distributed_modules = _apply_tensor_parallelism(module, engine.gathered)
-            if not self._distributed_modules and s.rank == 0:
-                warnings.warn(
-                    f"tensor_parallel_degree is {s.dims.tp} but nothing in {type(module).__name__} was split: no module "
-                    "was marked for tensor parallelism, so every tensor-parallel rank holds the whole model and "
-                    "trains it as a data-parallel replica. Mark the model: create it inside "
-                    "smp.tensor_parallelism() or smp.model_creation(tensor_parallelism=True), or call "
-                    "smp.set_tensor_parallelism(module, True) on its layers before smp.DistributedModel "
-                    "(transformers' Trainer creates no module under those: create the model so before "
-                    "giving it to Trainer)")
+            self._distributed_modules = _split_for_tensor_parallelism(module, engine, s)
         engine.materialize_kept(module, s.device)  # delayed init: what this rank keeps gets storage now
         from smp_adapter.runtime.kernels import apply_at_wrap
         from smp_adapter.translate.kernels import compile_setting_from
 
         # flash_attention's SDPA switch; SMP_ADAPTER_COMPILE=blocks compiles each block before the engine shards it
         apply_at_wrap(module, s.dims, compile_setting_from(os.environ), s.rank)
-        #: the engine that executes this model (runtime/engines); chosen once, here
-        self.runtime_engine = create_engine(self, s.dims, {n: before[n] for n in self._distributed_modules})
+        engine.attach_model(self, {n: before[n] for n in self._distributed_modules})
+        #: the engine that executes this model (runtime/engines): the job's one engine, attached above
+        self.runtime_engine = engine
         from smp_adapter.runtime.finiteness import StepGuard, check_initial_weights, policy_from_env
 
         check_initial_weights(module, engine.local_data)  # once: NaN/inf weights would train on NaN to exit status 0
@@ -230,6 +209,38 @@ class DistributedModel(nn.Module):
 
     def cpu(self):
         return self.state_dict()
+
+
+def _refuse_bad_arguments(s, module, trace_device, backward_passes_per_step) -> None:
+    """DistributedModel's arguments checked before anything is wrapped (``s``: the smp state)."""
+    if isinstance(module, DistributedModel):
+        raise SMPUsageError("this model is already an smp.DistributedModel: wrap the plain nn.Module once")
+    if not isinstance(module, nn.Module):
+        raise SMPUsageError(f"smp.DistributedModel wraps a torch.nn.Module, got {type(module).__name__}")
+    if s.model is not None:
+        raise SMPUsageError("only one smp.DistributedModel per script (smp v1 rule): reuse the existing one, "
+                            "or wrap a module that holds all your models")
+    if trace_device not in ("cpu", "gpu"):
+        raise SMPUsageError(f"trace_device must be 'cpu' or 'gpu', got {trace_device!r}")
+    if not isinstance(backward_passes_per_step, int) or backward_passes_per_step < 1:
+        raise SMPUsageError(f"backward_passes_per_step must be an integer >= 1, got {backward_passes_per_step!r}")
+
+
+def _split_for_tensor_parallelism(module, engine, s) -> list[str]:
+    """tp > 1: split the marked modules (reading sharded weights inside the engine's ``gathered``
+    block); return their qualified names, and say so when nothing was marked (``s``: the smp state)."""
+    with _recording_if_delayed(module):  # the split of a delayed model is replayed with its creation
+        split = _apply_tensor_parallelism(module, engine.gathered)
+    if not split and s.rank == 0:
+        warnings.warn(
+            f"tensor_parallel_degree is {s.dims.tp} but nothing in {type(module).__name__} was split: no module "
+            "was marked for tensor parallelism, so every tensor-parallel rank holds the whole model and "
+            "trains it as a data-parallel replica. Mark the model: create it inside "
+            "smp.tensor_parallelism() or smp.model_creation(tensor_parallelism=True), or call "
+            "smp.set_tensor_parallelism(module, True) on its layers before smp.DistributedModel "
+            "(transformers' Trainer creates no module under those: create the model so before "
+            "giving it to Trainer)")
+    return split
 
 
 class _Handle:

@@ -116,7 +116,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def step(self, closure=None):
         if closure is not None:
             raise SMPUsageError("DistributedOptimizer.step does not take a closure: compute the loss in the step function")
-        if state.in_step:
+        if state.progress.in_step:
             raise SMPUsageError("optimizer.step() was called inside an @smp.step function; call it after the step "
                                 "function returns (gradients are complete only then)")
         guard = self._model.step_guard

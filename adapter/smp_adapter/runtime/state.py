@@ -26,6 +26,17 @@ def warn_once(messages, rank: int) -> None:
 
 
 @dataclass
+class StepProgress:
+    """Where the job's steps are: written by ``@smp.step`` (runtime/step.py), read by the engines, which
+    are handed this one object when smp.init creates them (these facts change during a job, unlike the
+    frozen ``Job``, so an engine holds the live object rather than a copy)."""
+
+    in_step: bool = False  # inside an @smp.step call
+    microbatch: int | None = None  # index of the microbatch being run
+    step_calls: int = 0  # completed @smp.step calls (for backward_passes_per_step)
+
+
+@dataclass
 class ProcessGroups:
     """torch.distributed process groups of the caller, one per smp group kind."""
 
@@ -70,8 +81,7 @@ class State:
         self.initialized = False
         self._cfg = None
         self.dims = None  # ParallelDims
-        self.engine = None  # the Engine class smp.init chose from the layout (runtime/engines)
-        self.engine_config = None  # that engine's one config for the job (DeepSpeed's dict), built by smp.init
+        self.engine = None  # the job's one Engine instance, created by smp.init from the layout (runtime/engines)
         self.rank = 0
         self.world_size = 1
         self.local_rank = 0
@@ -81,15 +91,12 @@ class State:
         self.groups = ProcessGroups()
         self.model = None  # the one DistributedModel of this script
         self.optimizer = None  # the DistributedOptimizer
-        self.in_step = False  # inside an @smp.step call
-        self.microbatch = None  # index of the microbatch being run
-        self.step_calls = 0  # completed @smp.step calls (for backward_passes_per_step)
+        self.progress = StepProgress()  # in_step, microbatch, step_calls: shared with the engine
         self.tracing = False
         self.launcher = None
         self.owns_process_group = False
         self.environ_changes: dict = {}  # variable -> value before smp.init (None: unset), restored by shutdown
         self.failed = False  # an uncaught exception reached sys.excepthook (runtime/init.py)
-        self.deferred_init = None  # weak reference to the live record of delayed initialisation (deferred_init/)
 
     @property
     def cfg(self):

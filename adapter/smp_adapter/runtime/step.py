@@ -112,7 +112,7 @@ def _step(func, non_split: set, axes: dict, detach_outputs: bool):
     @functools.wraps(func)
     def run_step(*args, **kwargs):
         s = require_initialized("step")
-        if s.in_step:
+        if s.progress.in_step:
             raise SMPUsageError("smp.step functions cannot be nested: call the step function from the training loop")
         bound = inspect.signature(func).bind(*args, **kwargs)
         m = s.cfg.microbatches
@@ -120,7 +120,7 @@ def _step(func, non_split: set, axes: dict, detach_outputs: bool):
                  for name, value in bound.arguments.items()}
         bound_mbs = [inspect.BoundArguments(bound.signature, {n: v[mb] for n, v in split.items()}) for mb in range(m)]
         comm_ledger.note_step_call(s.model)
-        s.in_step = True
+        s.progress.in_step = True
         try:
             if s.model is None:  # a step function without a model: the body runs once per microbatch
                 results = run_microbatches(func, bound_mbs)
@@ -128,8 +128,8 @@ def _step(func, non_split: set, axes: dict, detach_outputs: bool):
                 results = s.model.runtime_engine.run_step(func, bound_mbs, detach_outputs)
                 comm_ledger.note_step_timing(s.model.runtime_engine.step_timing())
         finally:
-            s.in_step, s.microbatch = False, None
-        s.step_calls += 1
+            s.progress.in_step, s.progress.microbatch = False, None
+        s.progress.step_calls += 1
         return _merge(results, detach_outputs)
 
     return run_step
@@ -139,7 +139,7 @@ def run_microbatches(func, bound_mbs: list, before_each=None) -> list:
     """Run the body once per microbatch, in order; ``before_each(mb, m)`` first if given."""
     results = []
     for mb, bound in enumerate(bound_mbs):
-        state.microbatch = mb
+        state.progress.microbatch = mb
         if before_each is not None:
             before_each(mb, len(bound_mbs))
         results.append(func(*bound.args, **bound.kwargs))

@@ -1,7 +1,8 @@
 """The engines that carry out a job, and the one place that turns the layout's choice into a class.
 
-    layout (ParallelDims.engine) --smp.init: engine_for--> Engine class (state.engine)
-        --DistributedModel: create_engine--> Engine instance (model.runtime_engine)
+    layout (ParallelDims.engine) --smp.init: engine_for--> Engine class
+        --smp.init: engine_class(job, progress, warn_once)--> the job's one Engine instance (state.engine)
+        --DistributedModel: attach_model--> the same instance, now driving the model (model.runtime_engine)
 
 * ``deepspeed`` (deepspeed/): pipeline_parallel_degree 1. A DeepSpeed engine (ZeRO 0/1/3, hpZ,
   fp16/bf16) over the whole module, tensor-parallel layers inside it; everything that imports
@@ -11,10 +12,11 @@
 * ``pipeline`` (pipeline/): pipeline_parallel_degree > 1. torch.distributed.pipelining stages, with
   smp's reductions, mixed precision and optimizer-state sharding.
 
-The engine is chosen when smp.init runs, before any model exists: what must happen before the model
-is built (starting the process group, the module-init context of delayed initialisation, external
-parameters) goes through the chosen class's hooks (``Engine`` in base.py). Engines are imported only
-when chosen (DeepSpeed and torch.export are heavy imports).
+The engine is chosen when smp.init runs, before any model exists: the chosen class refuses what it
+cannot run and starts the process group (before the job exists), then smp.init creates the one
+instance from the job (runtime/job.py); what must happen before the model is built (the module-init
+context of delayed initialisation, external parameters) is asked of that instance (``Engine`` in
+base.py). Engines are imported only when chosen (DeepSpeed and torch.export are heavy imports).
 """
 
 from __future__ import annotations
@@ -22,7 +24,6 @@ from __future__ import annotations
 import importlib
 
 from smp_adapter.errors import SMPUsageError
-from smp_adapter.runtime.state import state
 
 # name -> "module:class", imported lazily
 ENGINES = {
@@ -30,11 +31,6 @@ ENGINES = {
     "pipeline": "smp_adapter.runtime.engines.pipeline.engine:PipelineEngine",
     "mics": "smp_adapter.runtime.engines.mics.engine:MicsEngine",
 }
-
-
-def engine_name_for(dims) -> str:
-    """The engine a layout needs (``ParallelDims.engine``, the one home of that rule)."""
-    return dims.engine
 
 
 def engine_class(name: str):
@@ -46,18 +42,5 @@ def engine_class(name: str):
 
 
 def engine_for(dims):
-    """The Engine class a layout needs: smp.init's choice, and the fallback of ``job_engine``."""
-    return engine_class(engine_name_for(dims))
-
-
-def job_engine():
-    """The Engine class of this job: the one smp.init chose (state.engine), or, for a state set up by
-    hand without smp.init, the one its layout names."""
-    if state.engine is None:
-        state.engine = engine_for(state.dims)
-    return state.engine
-
-
-def create_engine(model, dims, tp_originals: dict):
-    """The engine for ``model`` (called once, by DistributedModel): an instance of the job's class."""
-    return job_engine()(model, tp_originals)
+    """The Engine class a layout needs (``ParallelDims.engine``, the one home of that rule): smp.init's choice."""
+    return engine_class(dims.engine)

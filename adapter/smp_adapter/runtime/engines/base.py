@@ -3,14 +3,17 @@
 
 An engine owns *how* a wrapped model is executed; the smp objects own *what* the user asked for.
 The smp objects call only these methods and never ask which engine they hold. One engine per
-job, chosen from the layout when smp.init runs (``ParallelDims.engine``, ``engines.job_engine``).
+job, chosen from the layout when smp.init runs (``ParallelDims.engine``, ``engines.engine_for``).
 
-Lifecycle, as Lightning Fabric's strategies: before any model exists the chosen *class* starts the
-process group (``start_process_group``) and gives the module-init context of delayed initialisation
-(``module_init_context``, ``register_external_parameter``); ``DistributedModel`` asks it to place the
-module (``place_module``) and to gather parameters it shards (``gathered``, ``holds_shards``), then
-creates the instance after tensor-parallel splitting; ``attach_optimizer`` when
-``DistributedOptimizer`` is created; then per step ``run_step`` (microbatches), ``forward`` /
+Lifecycle, as Lightning Fabric's strategies: before the job exists the chosen *class* refuses what
+it cannot run and starts the process group (``start_process_group``) and builds its config; smp.init
+then creates the job's one *instance* from the job (runtime/job.py ``Job``), the live step
+progress (runtime/state.py ``StepProgress``) and ``warn_once``: an engine reads nothing else of the
+process. Before any model exists that instance gives the module-init context of delayed initialisation
+(``module_init_context``, ``register_external_parameter``); ``DistributedModel`` asks it to place
+the module (``place_module``) and to gather parameters it shards (``gathered``, ``holds_shards``),
+then attaches the model after tensor-parallel splitting (``attach_model``); ``attach_optimizer``
+when ``DistributedOptimizer`` is created; then per step ``run_step`` (microbatches), ``forward`` /
 ``backward`` from inside or outside the step function, ``optimizer_step``.
 """
 
@@ -31,8 +34,19 @@ class Engine(WholeTensorDefaults, ABC):
     #: registry name (``engines.ENGINES``)
     name: str = ""
 
-    def __init__(self, model, tp_originals: dict):
-        """``model``: the DistributedModel (public members only); ``tp_originals``: qualified name ->
+    def __init__(self, job, progress, warn_once):
+        """``job``: the frozen job description (runtime/job.py); ``progress``: the live ``StepProgress``
+        (in_step, microbatch, step_calls), written by ``@smp.step``; ``warn_once(messages, rank)``: the
+        job's once-per-job warning (runtime/state.py), handed in as the engine imports no process state."""
+        self.job = job
+        self.progress = progress
+        self.warn_once = warn_once
+        self.model = None  # the DistributedModel, once attached
+        self._deferred_init = None  # weak reference to the live record of delayed initialisation
+
+    def attach_model(self, model, tp_originals: dict) -> None:
+        """DistributedModel, once its module is placed and split: drive ``model`` from now on.
+        ``model``: the DistributedModel (public members only); ``tp_originals``: qualified name ->
         module as it was before the tensor-parallel split (pipeline tracing needs them)."""
         self.model = model
 

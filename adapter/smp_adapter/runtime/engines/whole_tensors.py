@@ -1,8 +1,9 @@
 """What only some engines change, with the defaults of an engine that holds whole tensors: the hooks of the
-engine class before any model exists (process group, delayed initialisation's context, parameter placement
-and gathering), state-dict merging, precision and optimizer internals, and checkpoints saved by another
-layout. ``Engine`` (base.py) inherits these and adds the hooks every engine implements; an engine overrides
-here only what it does differently (ZeRO-3 and MiCS shard parameters, the pipeline keeps a stage)."""
+engine class before the job exists (its config, refusals, the process group), those of the job's instance
+before any model exists (delayed initialisation's context, parameter placement and gathering), state-dict
+merging, precision and optimizer internals, and checkpoints saved by another layout. ``Engine`` (base.py)
+inherits these and adds the hooks every engine implements; an engine overrides here only what it does
+differently (ZeRO-3 and MiCS shard parameters, the pipeline keeps a stage)."""
 
 from __future__ import annotations
 
@@ -15,10 +16,10 @@ from smp_adapter.errors import SMPCheckpointError
 
 
 class WholeTensorDefaults:
-    # -- before the model exists: hooks of the class smp.init chose ---------------------------------
+    # -- before the job exists: hooks of the class smp.init chose ----------------------------------
     @classmethod
     def build_job_config(cls, dims, backend: str | None):
-        """The engine's one config for the job (smp.init keeps it in ``state.engine_config``), or None."""
+        """The engine's one config for the job (smp.init puts it in the ``Job``: ``job.engine_config``), or None."""
         return None
 
     @classmethod
@@ -43,47 +44,40 @@ class WholeTensorDefaults:
     def forget_process_group(cls) -> None:
         """After the process group is destroyed (smp.shutdown): drop what the engine cached about it."""
 
-    @classmethod
-    def module_init_context(cls, dtype):
+    # -- before the model exists: hooks of the job's one instance ---------------------------------
+    def module_init_context(self, dtype):
         """The context parameters are created in under delayed parameter initialisation: tensors
         without storage whose creation is recorded (runtime/deferred_init/), materialised when the
         engine knows what this rank keeps (``materialize_kept``)."""
         import weakref
 
         from smp_adapter.runtime.deferred_init import open_record
-        from smp_adapter.runtime.state import state
 
-        record = open_record(state.deferred_init)
-        state.deferred_init = weakref.ref(record)  # weak: the model's tensors keep it alive, nothing else
+        record = open_record(self._deferred_init)
+        self._deferred_init = weakref.ref(record)  # weak: the model's tensors keep it alive, nothing else
         return record.creating()
 
-    @classmethod
-    def register_external_parameter(cls, module, parameter) -> None:
+    def register_external_parameter(self, module, parameter) -> None:
         """``smp.register_parameter``: ``module`` uses ``parameter`` without owning it."""
 
-    @classmethod
-    def is_own_parameter(cls, param) -> bool:
+    def is_own_parameter(self, param) -> bool:
         """Whether ``param`` is one of the engine's own shards (not a whole tensor)."""
         return False
 
-    @classmethod
-    def local_data(cls, tensor):
+    def local_data(self, tensor):
         """The values this rank holds of a parameter or buffer: the engine's shard where it shards it
         (without padding the engine adds to even out shards)."""
         return tensor
 
-    @classmethod
-    def holds_shards(cls, module) -> bool:
-        return any(cls.is_own_parameter(p) for p in module.parameters())
+    def holds_shards(self, module) -> bool:
+        return any(self.is_own_parameter(p) for p in module.parameters())
 
-    @classmethod
-    def gathered(cls, params, modifier_rank=None):
+    def gathered(self, params, modifier_rank=None):
         """A context inside which the engine's shards among ``params`` hold their whole values
         (collective: every rank passes the same parameters). ``modifier_rank``: whose writes are kept."""
         return contextlib.nullcontext()
 
-    @classmethod
-    def sync_initial_state(cls, module) -> None:
+    def sync_initial_state(self, module) -> None:
         """Start every replica from the same weights, as smp's constructor did: every parameter and
         buffer from dp rank 0 over the DP group (which holds the TP group). Called before the
         tensor-parallel split, so each TP rank's shard is a slice of the same matrix although users
@@ -92,16 +86,15 @@ class WholeTensorDefaults:
         takes its first rank's recorded random states instead, so that replaying the creation gives
         every rank the first rank's values (one broadcast of a few KB per random tensor)."""
         from smp_adapter.runtime.deferred_init import DeferredTensor, module_tensors, record_of
-        from smp_adapter.runtime.state import state
 
         tensors = module_tensors(module)
         record = record_of(module)
         if record is not None:
-            adopt_first_rank_random_states(record, state.groups.dp)
-        broadcast_from_first_rank([t for t in tensors if not isinstance(t, DeferredTensor)], state.groups.dp)
+            adopt_first_rank_random_states(record, self.job.groups.dp)
+        broadcast_from_first_rank([t for t in tensors if not isinstance(t, DeferredTensor)], self.job.groups.dp,
+                                  self.job.device)
 
-    @classmethod
-    def place_module(cls, module, device) -> None:
+    def place_module(self, module, device) -> None:
         """DistributedModel: put a freshly created module where the engine wants it before the
         tensor-parallel split (whole tensors on the job's device). Tensors created under delayed
         initialisation stay without storage until ``materialize_kept``."""
@@ -117,8 +110,7 @@ class WholeTensorDefaults:
 
                     replace_in_place(t, t.detach().to(device))
 
-    @classmethod
-    def materialize_kept(cls, module, device) -> None:
+    def materialize_kept(self, module, device) -> None:
         """DistributedModel, after the tensor-parallel split: give storage to the tensors created
         under delayed initialisation that this rank keeps from now on, on its device (every one: a
         data-parallel or tensor-parallel rank keeps its whole split module). The pipeline engine
@@ -228,23 +220,22 @@ def adopt_first_rank_random_states(record, group) -> None:
     record.adopt_random_states(payload[0])
 
 
-def broadcast_from_first_rank(tensors, group) -> None:
+def broadcast_from_first_rank(tensors, group, device) -> None:
     """Overwrite ``tensors`` on every member of ``group`` with its first member's (collective: every
-    member passes the same tensors in the same order). Nothing to do alone or without a group."""
+    member passes the same tensors in the same order). Nothing to do alone or without a group.
+    ``device``: the job's device (host tensors travel through it where NCCL needs device tensors)."""
     import torch.distributed as dist
 
     if group is None or not dist.is_initialized() or dist.get_world_size(group) == 1:
         return
     src = dist.get_global_rank(group, 0)
-    from smp_adapter.runtime.state import state
-
     # NCCL sends device tensors only: a model the pipeline engine keeps on the host until it knows
     # the rank's stage goes through the device one tensor at a time
-    via_device = dist.get_backend(group) == "nccl" and state.device is not None and state.device.type == "cuda"
+    via_device = dist.get_backend(group) == "nccl" and device is not None and device.type == "cuda"
     with torch.no_grad():
         for tensor in tensors:
             if via_device and tensor.device.type == "cpu":
-                sent = tensor.data.to(state.device)
+                sent = tensor.data.to(device)
                 dist.broadcast(sent, src=src, group=group)
                 tensor.data.copy_(sent)
             else:

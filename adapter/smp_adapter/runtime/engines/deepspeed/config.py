@@ -1,13 +1,11 @@
-"""The job's one DeepSpeed config: built once by smp.init from the layout (``job_config``, kept in
-``state.engine_config``), read by the wrap-time partitioning (zero.Init's arguments) and by
+"""The job's one DeepSpeed config: built once by smp.init from the layout (``build_job_config``, kept
+in the job as ``job.engine_config``), read by the wrap-time partitioning (zero.Init's arguments) and by
 ``deepspeed.initialize``; the last adds only what DistributedModel / DistributedOptimizer's arguments
 decide (translate/deepspeed.with_engine_arguments)."""
 
 from __future__ import annotations
 
 import copy
-
-from smp_adapter.runtime.state import state
 
 
 def build_job_config(dims, backend: str | None) -> dict:
@@ -16,17 +14,14 @@ def build_job_config(dims, backend: str | None) -> dict:
     return to_deepspeed_config(dims, backend=backend)
 
 
-def job_config() -> dict:
-    """A copy of the config smp.init built (DeepSpeed may write into the dict it is given; built here
-    for a state set up by hand without smp.init)."""
-    if state.engine_config is None:
-        state.engine_config = build_job_config(state.dims, state.backend)
-    return copy.deepcopy(state.engine_config)
+def job_config(job) -> dict:
+    """A copy of the config smp.init built for ``job`` (DeepSpeed may write into the dict it is given)."""
+    return copy.deepcopy(job.engine_config)
 
 
-def engine_config(loss_scale, backward_passes_per_step: int) -> dict:
+def engine_config(job, loss_scale, backward_passes_per_step: int) -> dict:
     """What ``deepspeed.initialize`` gets: the job's config with the optimizer's loss-scale arguments
     and the model's backward_passes_per_step."""
     from smp_adapter.translate.deepspeed import with_engine_arguments
 
-    return with_engine_arguments(job_config(), state.dims, loss_scale, backward_passes_per_step)
+    return with_engine_arguments(job_config(job), job.dims, loss_scale, backward_passes_per_step)

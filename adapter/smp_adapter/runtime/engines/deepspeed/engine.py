@@ -30,13 +30,12 @@ import torch
 from smp_adapter.errors import SMPCheckpointError, SMPUsageError
 from smp_adapter.runtime.engines.base import Engine, refuse_full_sharded_optimizer_state
 from smp_adapter.runtime.engines.deepspeed.process_group import StartsThroughDeepSpeed
-from smp_adapter.runtime.state import state
 
 
 class DeepSpeedEngine(StartsThroughDeepSpeed, Engine):
     name = "deepspeed"
 
-    # -- before the model exists (Engine's class hooks; ZeRO-3 details in zero3.py) ----------------
+    # -- before the job exists (a class hook), then before the model exists (ZeRO-3 details in zero3.py) --
     @classmethod
     def build_job_config(cls, dims, backend):
         from smp_adapter.runtime.engines.deepspeed.config import build_job_config
@@ -56,44 +55,40 @@ class DeepSpeedEngine(StartsThroughDeepSpeed, Engine):
             except ImportError:  # a DeepSpeed without Muon: its check imports nothing either
                 pass
 
-    @classmethod
-    def materialize_kept(cls, module, device) -> None:
+    def materialize_kept(self, module, device) -> None:
         """ZeRO-3: the delayed model is materialised module by module, each partitioned at once
         (zero3.materialize_into_shards); otherwise every tensor, as on any whole-tensor engine."""
-        if state.dims.zero_stage != 3:
+        if self.job.dims.zero_stage != 3:
             return super().materialize_kept(module, device)
         from smp_adapter.runtime.engines.base import model_dtype
         from smp_adapter.runtime.engines.deepspeed.zero3 import materialize_into_shards
 
-        materialize_into_shards(module, device, model_dtype(state.cfg) or torch.get_default_dtype())
+        materialize_into_shards(module, device, model_dtype(self.job.cfg) or torch.get_default_dtype(), self.job)
 
-    @classmethod
-    def register_external_parameter(cls, module, parameter) -> None:
-        if state.dims.zero_stage == 3:
+    def register_external_parameter(self, module, parameter) -> None:
+        if self.job.dims.zero_stage == 3:
             from smp_adapter.runtime.engines.deepspeed import zero3
 
             zero3.register_external_parameter(module, parameter)
 
-    @classmethod
-    def is_own_parameter(cls, param) -> bool:
+    def is_own_parameter(self, param) -> bool:
         from smp_adapter.runtime.engines.deepspeed.zero3 import is_zero3_parameter
 
         return is_zero3_parameter(param)
 
-    @classmethod
-    def local_data(cls, tensor):
+    def local_data(self, tensor):
         from smp_adapter.runtime.engines.deepspeed.zero3 import is_zero3_parameter, shard_values
 
         return shard_values(tensor) if is_zero3_parameter(tensor) else tensor
 
-    @classmethod
-    def gathered(cls, params, modifier_rank=None):
+    def gathered(self, params, modifier_rank=None):
         from smp_adapter.runtime.engines.deepspeed import zero3
 
         return zero3.gathered(params, modifier_rank)
 
-    def __init__(self, model, tp_originals: dict):
-        super().__init__(model, tp_originals)
+    def attach_model(self, model, tp_originals: dict) -> None:
+        super().attach_model(model, tp_originals)
+        job = self.job
         self._ds = None  # deepspeed.DeepSpeedEngine, built lazily (module docstring)
         self._client_optimizer = None
         self._plain_backward_pending = False
@@ -101,19 +96,19 @@ class DeepSpeedEngine(StartsThroughDeepSpeed, Engine):
         # Without prescaled_batch each TP rank trains on its own samples, so replicated parameters
         # must also be averaged over the TP group before DeepSpeed averages over RDP: we then own
         # the reduction (see _reduce_gradients).
-        self._manual_reduction = state.dims.tp > 1 and not state.cfg.prescaled_batch
+        self._manual_reduction = job.dims.tp > 1 and not job.cfg.prescaled_batch
         self._floating_buffers = [b for b in model.module.buffers() if b.is_floating_point()]
         self._clip_at_step = None  # torch's clip_grad_norm_ on the model, carried out by DeepSpeed's optimizer
-        if state.dims.tp > 1 or state.dims.sdp > 1:  # a rank holds part of the model's gradients
+        if job.dims.tp > 1 or job.dims.sdp > 1:  # a rank holds part of the model's gradients
             from smp_adapter.runtime.clipping import route_torch_clipping
 
             route_torch_clipping(self)
-        if state.dims.zero_stage == 3:
+        if job.dims.zero_stage == 3:
             from smp_adapter.runtime.engines.base import model_dtype
             from smp_adapter.runtime.engines.deepspeed.zero3 import partition_for_zero3
 
             # scripts read p.ds_tensor right after wrapping; shards in the job's dtype
-            partition_for_zero3(model.module, model_dtype(state.cfg) or torch.get_default_dtype())
+            partition_for_zero3(model.module, model_dtype(job.cfg) or torch.get_default_dtype(), job)
 
     # -- DeepSpeed's engine ----------------------------------------------------------------------
     @property
@@ -137,19 +132,21 @@ class DeepSpeedEngine(StartsThroughDeepSpeed, Engine):
         from smp_adapter.runtime.engines.deepspeed.config import engine_config
         from smp_adapter.runtime.engines.deepspeed.groups import adopt_smp_hpz_group, mpu_or_none
 
-        config = engine_config(loss_scale, self.model.backward_passes_per_step)
+        config = engine_config(self.job, loss_scale, self.model.backward_passes_per_step)
         module = self.model.module
-        config = _with_bounded_buffers(config, module)
+        config = _with_bounded_buffers(config, module, self.job)
         params = [p for p in module.parameters() if p.requires_grad] if optimizer is None else None
         from smp_adapter.runtime.engines.deepspeed.zero3 import (fp32_master_shared_with_partition,
                                                                  step_on_gradient_partitions_in_place)
 
-        adopt_smp_hpz_group()
-        sharing = fp32_master_shared_with_partition() if state.dims.zero_stage == 3 else contextlib.nullcontext()
+        adopt_smp_hpz_group(self.job)
+        zero3 = self.job.dims.zero_stage == 3
+        sharing = fp32_master_shared_with_partition() if zero3 else contextlib.nullcontext()
         with sharing:  # an fp32 job's optimizer steps the partition itself (no second fp32 copy)
             engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, config=config,
-                                                   mpu=mpu_or_none(), model_parameters=params, dist_init_required=False)
-        if state.dims.zero_stage == 3 and hasattr(engine.optimizer, "_prepare_fp32_grad_for_sub_group"):
+                                                   mpu=mpu_or_none(self.job), model_parameters=params,
+                                                   dist_init_required=False)
+        if zero3 and hasattr(engine.optimizer, "_prepare_fp32_grad_for_sub_group"):
             step_on_gradient_partitions_in_place(engine.optimizer)  # no flattened copy of the gradients per step
         return engine
 
@@ -161,7 +158,7 @@ class DeepSpeedEngine(StartsThroughDeepSpeed, Engine):
 
     def _before_microbatch(self, mb: int, num_microbatches: int) -> None:
         """Reduce gradients only after the last microbatch of every backward_passes_per_step-th call."""
-        last_call = (state.step_calls + 1) % self.model.backward_passes_per_step == 0
+        last_call = (self.progress.step_calls + 1) % self.model.backward_passes_per_step == 0
         self._reduce_after_backward = last_call and mb == num_microbatches - 1
         if self._ds is not None:
             self._ds.set_gradient_accumulation_boundary(self._reduce_after_backward and not self._manual_reduction)
@@ -169,8 +166,8 @@ class DeepSpeedEngine(StartsThroughDeepSpeed, Engine):
     def forward(self, args, kwargs):
         engine, model = self.deepspeed_engine, self.model
         if model.training and model.broadcast_buffers and self._floating_buffers:
-            _broadcast_buffers(self._floating_buffers)
-        if state.in_step:
+            _broadcast_buffers(self._floating_buffers, self.job)
+        if self.progress.in_step:
             return engine(*args, **kwargs)
         # plain style (loss.backward() outside @smp.step): gradients are reduced in the next optimizer.step()
         if torch.is_grad_enabled() and model.training:
@@ -189,7 +186,7 @@ class DeepSpeedEngine(StartsThroughDeepSpeed, Engine):
                 "model.backward() needs an optimizer: wrap it with smp.DistributedOptimizer(optimizer) right after "
                 "smp.DistributedModel, before the first step")
         engine = self.deepspeed_engine
-        reduce_now = self._reduce_after_backward if state.in_step else True
+        reduce_now = self._reduce_after_backward if self.progress.in_step else True
         engine.set_gradient_accumulation_boundary(reduce_now and not self._manual_reduction)
         engine.backward(loss, scale_wrt_gas=self.model.average_grads_across_microbatches)
         if reduce_now and self._manual_reduction:
@@ -270,7 +267,7 @@ class DeepSpeedEngine(StartsThroughDeepSpeed, Engine):
             self._reduce_gradients()  # plain style: clipped as the whole batch's gradients, as in one process
             self._plain_backward_pending = False
         inner = engine.optimizer
-        tp_group = state.groups.tp if state.dims.tp > 1 else None
+        tp_group = self.job.groups.tp if self.job.dims.tp > 1 else None
         if not hasattr(inner, "clip_grad"):
             grads = [(p.grad, self.model.is_distributed_parameter(p), True) for p in mine if p.grad is not None]
             return clip_by_global_norm(grads, max_norm, tp_group=tp_group)
@@ -279,16 +276,14 @@ class DeepSpeedEngine(StartsThroughDeepSpeed, Engine):
         if engine.zero_optimization_stage() == 3:
             from smp_adapter.runtime.engines.deepspeed.zero3 import local_gradient_norm
 
-            return local_gradient_norm(mine, self.model.is_distributed_parameter, tp_group, state.groups.rdp)
+            return local_gradient_norm(mine, self.model.is_distributed_parameter, tp_group, self.job.groups.rdp)
         if hasattr(inner, "scaled_global_norm") and hasattr(inner, "averaged_gradients"):
             # ZeRO-1/2: this rank's partition of the reduced gradients, which DeepSpeed's step will read;
             # its own norm rule (all-reduced over the data-parallel and TP groups), unscaled as the step does
             return float(inner.scaled_global_norm()) / float(getattr(inner, "loss_scale", 1.0) or 1.0)
-        from smp_adapter.runtime.state import warn_once
-
-        warn_once(["torch.nn.utils.clip_grad_norm_ on the model under DeepSpeed's fp16/bf16 optimizer without ZeRO: "
-                   "DeepSpeed clips by the global norm in the next optimizer.step(); the norm is known only then, so "
-                   "the call returns nan (read it after the step as optimizer._global_grad_norm)"], state.rank)
+        self.warn_once(["torch.nn.utils.clip_grad_norm_ on the model under DeepSpeed's fp16/bf16 optimizer without ZeRO: "
+                        "DeepSpeed clips by the global norm in the next optimizer.step(); the norm is known only then, "
+                        "so the call returns nan (read it after the step as optimizer._global_grad_norm)"], self.job.rank)
         return float("nan")
 
     def _clip(self, max_norm: float) -> None:
@@ -296,12 +291,12 @@ class DeepSpeedEngine(StartsThroughDeepSpeed, Engine):
         module = self.model.module
         if hasattr(inner, "clip_grad"):  # DeepSpeed fp16 / ZeRO optimizers clip master grads in step()
             inner.clip_grad = max_norm
-        elif state.dims.tp > 1:  # the same factor on every TP rank (runtime/clipping.py)
+        elif self.job.dims.tp > 1:  # the same factor on every TP rank (runtime/clipping.py)
             from smp_adapter.runtime.clipping import clip_by_global_norm
 
             grads = [(p.grad, self.model.is_distributed_parameter(p), True) for p in module.parameters()
                      if p.grad is not None]
-            clip_by_global_norm(grads, max_norm, tp_group=state.groups.tp)
+            clip_by_global_norm(grads, max_norm, tp_group=self.job.groups.tp)
         else:
             torch.nn.utils.clip_grad_norm_(module.parameters(), max_norm)
 
@@ -377,12 +372,12 @@ class DeepSpeedEngine(StartsThroughDeepSpeed, Engine):
                 with SavedTensors(self._ds, Path(staging)) as saved:  # the index points into these files
                     self._ds.save_checkpoint(str(staging), tag="ds", save_latest=False)
         return {} if not universal.enabled() else \
-            {"universal": universal_checkpoint.save(self._ds, self.model.module, io, saved)}
+            {"universal": universal_checkpoint.save(self._ds, self.model.module, io, self.job, saved)}
 
     def load_universal(self, folder, universal: dict) -> None:
         from smp_adapter.runtime.engines.deepspeed import universal_checkpoint
 
-        universal_checkpoint.load(self._ds, self.model.module, Path(folder), universal)
+        universal_checkpoint.load(self._ds, self.model.module, Path(folder), universal, self.job)
 
     def load_partial(self, io, optimizer, strict: bool, load_optimizer: bool) -> None:
         from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
@@ -396,7 +391,7 @@ class DeepSpeedEngine(StartsThroughDeepSpeed, Engine):
         def load(path, *args, **kwargs):
             try:
                 if torch_load_engine:
-                    with io.source(path, _shared_by(path)) as source:
+                    with io.source(path, _shared_by(path, self.job)) as source:
                         return read(source, *args, **kwargs)
                 return read(path, *args, **kwargs)
             except Exception as exc:  # noqa: BLE001 - torch's reader on a file cut short: "[Errno 22] Invalid argument"
@@ -420,25 +415,25 @@ class DeepSpeedEngine(StartsThroughDeepSpeed, Engine):
             raise SMPCheckpointError(f"DeepSpeed could not load {folder}/ds: the checkpoint is incomplete")
 
 
-def _shared_by(path) -> tuple[int, int]:
+def _shared_by(path, job) -> tuple[int, int]:
     """Who reads a DeepSpeed file whole on a same-layout resume: ``mp_rank_XX_model_states.pt`` (ZeRO
     0/1/2's module weights, and ZeRO 0's optimizer state) by every rank of the rdp group (the same
     tp coordinate), so each hashes its every rdp-th chunk; ZeRO-3's and the optimizer's files
     (``zero_pp_rank_...``) by their own rank alone."""
     if os.path.basename(str(path)).startswith("mp_rank_"):
-        return state.coord.rdp, state.dims.rdp
+        return job.coord.rdp, job.dims.rdp
     return 0, 1
 
 
-def _broadcast_buffers(buffers) -> None:
+def _broadcast_buffers(buffers, job) -> None:
     """broadcast_buffers=True (DDP behaviour, smp v1's ddp option): floating buffers (BatchNorm statistics)
     follow dp rank 0 at every training forward."""
     from smp_adapter.runtime.engines.whole_tensors import broadcast_from_first_rank
 
-    broadcast_from_first_rank(buffers, state.groups.dp)
+    broadcast_from_first_rank(buffers, job.groups.dp, job.device)
 
 
-def _with_bounded_buffers(config: dict, module) -> dict:
+def _with_bounded_buffers(config: dict, module, job) -> dict:
     """ZeRO-3's default buffers bounded by the model (translate/deepspeed.bounded_zero3_buffers); rank 0
     says once what it bounded."""
     import sys
@@ -447,8 +442,8 @@ def _with_bounded_buffers(config: dict, module) -> dict:
     from smp_adapter.translate.deepspeed import bounded_zero3_buffers
 
     largest = max((p.ds_numel if is_zero3_parameter(p) else p.numel() for p in module.parameters()), default=0)
-    config, changed = bounded_zero3_buffers(config, state.cfg, largest)
-    if changed and state.rank == 0:  # information, not a warning: the job does what explain says
+    config, changed = bounded_zero3_buffers(config, job.cfg, largest)
+    if changed and job.rank == 0:  # information, not a warning: the job does what explain says
         print(f"smp-adapter: ZeRO-3 buffers bounded by the model (its largest parameter, {largest} elements): "
               + ", ".join(f"{k} {old} -> {new}" for k, (old, new) in changed.items())
               + " (sdp_reduce_bucket_size in the smp options sets the reduce bucket)", file=sys.stderr)

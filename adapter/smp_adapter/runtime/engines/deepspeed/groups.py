@@ -8,14 +8,13 @@
 from __future__ import annotations
 
 from smp_adapter.runtime.engines.deepspeed.config import job_config
-from smp_adapter.runtime.state import state
 
 
 class SMPMpu:
     """DeepSpeed's ``mpu`` backed by smp's groups (used when tp > 1)."""
 
-    def __init__(self):
-        self.g, self.c, self.d = state.groups, state.coord, state.dims
+    def __init__(self, job):
+        self.g, self.c, self.d = job.groups, job.coord, job.dims
 
     def get_model_parallel_rank(self):
         return self.c.tp
@@ -49,11 +48,11 @@ class SMPMpu:
         return self.g.pp
 
 
-def mpu_or_none():
-    return SMPMpu() if state.dims.tp > 1 else None
+def mpu_or_none(job):
+    return SMPMpu(job) if job.dims.tp > 1 else None
 
 
-def adopt_smp_hpz_group() -> None:
+def adopt_smp_hpz_group(job) -> None:
     """hpZ (sharded_data_parallel_degree < rdp size): make DeepSpeed's secondary-partition group
     smp's sharding group (RankGrid.sdp_groups: consecutive chunks of this rank's RDP group).
 
@@ -63,15 +62,15 @@ def adopt_smp_hpz_group() -> None:
     ZeRO-3 optimizer uses: it reads the module global below and builds its own only while it is
     None, so the group is put there before any zero.Init or deepspeed.initialize. shutdown()
     clears it with DeepSpeed's other cached groups (process_group.py)."""
-    if state.dims.hpz_partition_size == 1:
+    if job.dims.hpz_partition_size == 1:
         return
     from deepspeed.utils import groups as ds_groups
 
     if ds_groups._get_zero_param_intra_parallel_group() is None:
-        ds_groups._ZERO_PARAM_INTRA_PARALLEL_GROUP = state.groups.sdp
+        ds_groups._ZERO_PARAM_INTRA_PARALLEL_GROUP = job.groups.sdp
 
 
-def partition_module(module) -> None:
+def partition_module(module, job) -> None:
     """Shard the parameters of a built module as ZeRO-3 (``zero.Init(module=...)``), with the same
     config and groups. No dtype is passed: given a config and a dtype, DeepSpeed (0.14.1 through at
     least 0.19.8) evaluates ``dtype or fp16 if accel.is_fp16_supported() else bf16 if ...``, which by
@@ -80,10 +79,10 @@ def partition_module(module) -> None:
     does not cast them here."""
     import deepspeed
 
-    deepspeed.zero.Init(module=module, config_dict_or_path=job_config(), dtype=None, **_zero_init_groups())
+    deepspeed.zero.Init(module=module, config_dict_or_path=job_config(job), dtype=None, **_zero_init_groups(job))
 
 
-def zero3_partitioner():
+def zero3_partitioner(job):
     """A function that makes the given whole parameters ZeRO-3 shards (each broadcast from its ZeRO
     group's first rank, then partitioned: this rank keeps its slice and frees the rest), with the job's
     config and groups. One ``zero.Init`` serves every call: building one parses the whole DeepSpeed
@@ -96,12 +95,13 @@ def zero3_partitioner():
     # partition_module do: torch's own linear saves a transposed view of the gathered weight for
     # backward, which keeps every layer's gathered weight alive from forward to backward (the whole
     # model on each rank: +240 MiB for the 256 MiB MLP at sdp 2). An empty module converts nothing.
-    init = deepspeed.zero.Init(module=nn.Module(), config_dict_or_path=job_config(), dtype=None, **_zero_init_groups())
+    init = deepspeed.zero.Init(module=nn.Module(), config_dict_or_path=job_config(job), dtype=None,
+                               **_zero_init_groups(job))
     return init._convert_to_zero_parameters
 
 
-def _zero_init_groups() -> dict:
+def _zero_init_groups(job) -> dict:
     """The process-group arguments of ``deepspeed.zero.Init``: the ones DeepSpeed's engine uses."""
-    adopt_smp_hpz_group()
-    return {"data_parallel_group": state.groups.rdp, "mpu": mpu_or_none(),
-            "zero_param_parallel_group": state.groups.sdp if state.dims.hpz_partition_size > 1 else None}
+    adopt_smp_hpz_group(job)
+    return {"data_parallel_group": job.groups.rdp, "mpu": mpu_or_none(job),
+            "zero_param_parallel_group": job.groups.sdp if job.dims.hpz_partition_size > 1 else None}

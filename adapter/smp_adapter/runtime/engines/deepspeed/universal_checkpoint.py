@@ -29,7 +29,6 @@ from pathlib import Path
 
 import torch
 
-from smp_adapter.runtime.state import state
 from smp_adapter.runtime.checkpoint.universal import (Pieces, create_missing_state, layout_of, persistent_buffers,
                                                   restore_scaler, restore_step_and_groups, shard_shape, state_keys,
                                                   step_count, write_index)
@@ -56,7 +55,7 @@ def _unique_params(module):
 
 
 # -- save ------------------------------------------------------------------------------------------
-def _pieces_to_write(engine, p, keys) -> list[tuple[str, int, torch.Tensor]]:
+def _pieces_to_write(engine, p, keys, rdp_rank: int) -> list[tuple[str, int, torch.Tensor]]:
     """(kind, start in the flattened TP shard, 1-D view of live values) this rank records for ``p``:
     views of the tensors DeepSpeed has just saved, so ``save`` can usually point at them."""
     from deepspeed.utils import safe_get_local_fp32_param, safe_get_local_optimizer_state
@@ -69,7 +68,7 @@ def _pieces_to_write(engine, p, keys) -> list[tuple[str, int, torch.Tensor]]:
         else:  # frozen (a fine-tune's fixed layers): no fp32 master, no optimizer state; the model's values
             local = {"param": p.ds_tensor}
         part = local["param"].numel()
-        start = state.coord.rdp * part
+        start = rdp_rank * part
         stop = min(numel, start + part)
         return [(kind, start, v.detach().reshape(-1)[:max(0, stop - start)])
                 for kind, v in local.items() if v is not None and stop > start]
@@ -84,23 +83,24 @@ def _pieces_to_write(engine, p, keys) -> list[tuple[str, int, torch.Tensor]]:
         values = {"param": flat, **{k: flat_state[k] for k in keys if k in flat_state}}
         return [(kind, lp.start, v.detach().reshape(-1).narrow(0, hp.start, hp.numel)) for kind, v in values.items()]
     # no ZeRO: every data-parallel rank holds it whole; the one that writes DeepSpeed's model file records it
-    if state.coord.rdp != 0:
+    if rdp_rank != 0:
         return []
     st = _inner_optimizer(engine).state.get(p, {})
     values = {"param": p, **{k: st[k] for k in keys if k in st}}
     return [(kind, 0, v.detach().reshape(-1)) for kind, v in values.items()]
 
 
-def save(engine, module, io, saved=None) -> dict:
+def save(engine, module, io, job, saved=None) -> dict:
     """The DeepSpeed engine's index (pp = 1), written into ``io.folder`` through ``io`` (the save's
-    ``checkpoint.io.CheckpointIO``); return what the manifest records (rank 0's view).
-    ``saved``: a ``checkpoint.refs.SavedTensors`` around DeepSpeed's save."""
+    ``checkpoint.io.CheckpointIO``); return what the manifest records (rank 0's view). ``job``: the
+    smp job (this rank's coordinates). ``saved``: a ``checkpoint.refs.SavedTensors`` around DeepSpeed's save."""
     inner = _inner_optimizer(engine)
     keys = state_keys(inner)
+    coord = job.coord
     pieces = [(name, p, kind, start, values) for name, p in _unique_params(module)
-              if layout_of(p) is not None or state.coord.tp == 0  # held whole by every TP rank: TP rank 0 records
-              for kind, start, values in _pieces_to_write(engine, p, keys)]
-    buffers = persistent_buffers(module, module.named_buffers()) if state.rank == 0 else []  # the same everywhere
+              if layout_of(p) is not None or coord.tp == 0  # held whole by every TP rank: TP rank 0 records
+              for kind, start, values in _pieces_to_write(engine, p, keys, coord.rdp)]
+    buffers = persistent_buffers(module, module.named_buffers()) if job.rank == 0 else []  # the same everywhere
     return write_index(io, pieces, buffers, module, inner, keys, step_count(inner), saved,
                        scaler=loss_scaler(engine.optimizer))
 
@@ -112,8 +112,9 @@ def loss_scaler(ds_optimizer):
 
 
 # -- load ------------------------------------------------------------------------------------------
-def load(engine, module, folder: Path, universal: dict) -> None:
-    """Put every parameter and its optimizer state back from the universal pieces (any layout)."""
+def load(engine, module, folder: Path, universal: dict, job) -> None:
+    """Put every parameter and its optimizer state back from the universal pieces (any layout);
+    ``job``: the smp job (this rank's coordinates)."""
     from deepspeed.utils import safe_set_full_fp32_param
 
     pieces = Pieces(folder)
@@ -129,7 +130,7 @@ def load(engine, module, folder: Path, universal: dict) -> None:
         if not p.requires_grad:
             _set_model_value(p, values["param"])
         elif hasattr(p, "ds_id"):
-            _set_zero3(p, values, keys)
+            _set_zero3(p, values, keys, job.coord.rdp)
         elif flats:  # ZeRO-1/2 (or DeepSpeed's bf16 optimizer): whole lp parameter, fp32 fragments
             with torch.no_grad():
                 p.data.copy_(values["param"].to(p.dtype))
@@ -190,7 +191,7 @@ def _set_model_value(p, value: torch.Tensor) -> None:
         p.data.copy_(value.to(p.dtype))
 
 
-def _set_zero3(p, values: dict, keys) -> None:
+def _set_zero3(p, values: dict, keys, rdp_rank: int) -> None:
     """A ZeRO-3 parameter: the model's partition (through DeepSpeed's gather/re-partition, which also
     refreshes hpZ's secondary copy) and the fp32 master and optimizer-state partitions."""
     from deepspeed.utils import (safe_get_local_fp32_param, safe_set_local_fp32_param,
@@ -198,7 +199,7 @@ def _set_zero3(p, values: dict, keys) -> None:
 
     _set_model_value(p, values["param"])
     part = safe_get_local_fp32_param(p).numel()
-    start = state.coord.rdp * part
+    start = rdp_rank * part
 
     def local(v):
         flat = v.flatten().float()

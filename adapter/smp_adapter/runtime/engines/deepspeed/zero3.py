@@ -57,7 +57,7 @@ def register_external_parameter(module, parameter) -> None:
     deepspeed.zero.register_external_parameter(module, parameter)
 
 
-def partition_for_zero3(module, dtype) -> None:
+def partition_for_zero3(module, dtype, job) -> None:
     """Sharded data parallel: make every parameter a ZeRO-3 shard now, when DistributedModel wraps
     the module, as smp v1 did (its sharded data parallel was DeepSpeed). Scripts read
     ``p.ds_tensor.ds_numel`` right after wrapping, before any optimizer exists. Parameters already
@@ -73,14 +73,14 @@ def partition_for_zero3(module, dtype) -> None:
         if p.is_floating_point() and p.dtype != dtype:
             p.data = p.data.to(dtype)
     if whole:
-        partition_module(module)
+        partition_module(module, job)
     with torch.no_grad():
         for p in module.parameters():
             if is_zero3_parameter(p):
                 p.ds_tensor.data[shard_values(p).numel():].zero_()
 
 
-def materialize_into_shards(module, device, dtype) -> None:
+def materialize_into_shards(module, device, dtype, job) -> None:
     """Delayed initialisation under ZeRO-3: module by module, the tensors created without storage get
     the values the script would have got without delaying (the record's replay, runtime/deferred_init/),
     floating parameters are cast to the job's dtype, and the parameters become ZeRO-3 shards at once.
@@ -96,7 +96,7 @@ def materialize_into_shards(module, device, dtype) -> None:
     record = record_of(module)
     if record is None:
         return
-    partition = zero3_partitioner()
+    partition = zero3_partitioner(job)
     for m in module.modules():
         materialize_in_place(record, own_tensors(m), device)
         whole = [p for p in m.parameters(recurse=False) if not is_zero3_parameter(p)]

@@ -20,7 +20,6 @@ import torch.distributed as dist
 
 from smp_adapter.errors import SMPCheckpointError
 from smp_adapter.runtime.engines.mics import shards
-from smp_adapter.runtime.state import state
 
 FILE = "mics_rank{rank:05d}.pt"
 
@@ -38,24 +37,25 @@ def save(io, engine, optimizer) -> dict:
     """This rank's file (its shards, the torch optimizer's local state), then the universal index."""
     from smp_adapter.runtime.checkpoint import universal
 
-    torch_optimizer = engine.torch_optimizer
-    path = Path(io.folder) / FILE.format(rank=state.rank)
+    torch_optimizer, job = engine.torch_optimizer, engine.job
+    path = Path(io.folder) / FILE.format(rank=job.rank)
     scaler = engine.loss_scaler  # fp16: the loss scaler's state, the same on every rank
     io.torch_save({"model": engine.local_tensors(), "optimizer": shards.to_local_tree(torch_optimizer.state_dict()),
-                   "sdp": state.dims.sdp, "rdp": state.dims.rdp,
+                   "sdp": job.dims.sdp, "rdp": job.dims.rdp,
                    "loss_scaler": universal.scaler_fields(scaler) if scaler is not None else None}, path)
     if not universal.enabled():
         return {}
-    views = [None] * state.world_size  # every rank's state keys and step (a rank may hold no state yet)
+    views = [None] * job.world_size  # every rank's state keys and step (a rank may hold no state yet)
     dist.all_gather_object(views, (universal.state_keys(torch_optimizer), universal.step_count(torch_optimizer)))
     keys = sorted({k for rank_keys, _ in views for k in rank_keys})
     step = next((s for _, s in views if s is not None), None)
-    first_group = state.groups.sdp_replicas is None or dist.get_rank(state.groups.sdp_replicas) == 0
+    first_group = job.groups.sdp_replicas is None or dist.get_rank(job.groups.sdp_replicas) == 0
+    coord = job.coord
     module = engine.model.module
     pieces = []
     if first_group:
         for name, p in module.named_parameters():
-            if universal.layout_of(p) is None and state.coord.tp != 0:
+            if universal.layout_of(p) is None and coord.tp != 0:
                 continue  # whole on every TP rank: TP rank 0 records it
             local = p.to_local() if shards.is_shard(p) else p
             start = _row_offset(p) if shards.is_shard(p) else 0
@@ -63,21 +63,22 @@ def save(io, engine, optimizer) -> dict:
             st = torch_optimizer.state.get(p, {})
             pieces += [(name, p, k, start, (st[k].to_local() if shards.is_shard(st[k]) else st[k]).detach().reshape(-1))
                        for k in keys if k in st]
-    first_rank = first_group and state.coord.tp == 0 and dist.get_rank(state.groups.sdp) == 0
+    first_rank = first_group and coord.tp == 0 and dist.get_rank(job.groups.sdp) == 0
     buffers = universal.persistent_buffers(module, module.named_buffers()) if first_rank else []
     return {"universal": universal.write_index(io, pieces, buffers, module, torch_optimizer, keys, step, scaler=scaler)}
 
 
 def load(io, engine, optimizer, strict: bool, load_optimizer: bool) -> None:
-    path = Path(io.folder) / FILE.format(rank=state.rank)
+    job = engine.job
+    path = Path(io.folder) / FILE.format(rank=job.rank)
     if not path.exists():
         raise SMPCheckpointError(
-            f"{io.folder} has no {path.name} for rank {state.rank}: it was not saved by a MiCS run with this layout; "
+            f"{io.folder} has no {path.name} for rank {job.rank}: it was not saved by a MiCS run with this layout; "
             "resume with the saving run's options, or load a full checkpoint (partial=False)")
     blob = io.torch_load(path)
-    if blob.get("sdp") != state.dims.sdp or blob.get("rdp") != state.dims.rdp:
+    if blob.get("sdp") != job.dims.sdp or blob.get("rdp") != job.dims.rdp:
         raise SMPCheckpointError(f"{path} was saved with sdp {blob.get('sdp')} of rdp {blob.get('rdp')}, this job runs "
-                                 f"sdp {state.dims.sdp} of rdp {state.dims.rdp}: resume with the saving run's layout")
+                                 f"sdp {job.dims.sdp} of rdp {job.dims.rdp}: resume with the saving run's layout")
     engine.load_local_state_dict(blob["model"], strict)
     if load_optimizer and optimizer is not None:
         shards.load_optimizer_local(engine.torch_optimizer, blob["optimizer"])

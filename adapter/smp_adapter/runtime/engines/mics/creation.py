@@ -174,21 +174,21 @@ def _fill(shard_param, source: torch.Tensor, choice: tuple, record, device, grou
         if kind == DEFERRED:
             whole = record.materialize([source], device)[0]
         elif kind == BROADCAST:
-            whole = _broadcast_whole(source, group, mapped=span is not None)
+            whole = _broadcast_whole(source, group, span is not None, device)
         else:
             whole = source.detach()
         if rows:  # FSDP2 shards no scalar parameters (fully_shard refuses them): every source has rows
             local.copy_(whole.narrow(0, start, rows))
 
 
-def _broadcast_whole(source: torch.Tensor, group, mapped: bool) -> torch.Tensor:
+def _broadcast_whole(source: torch.Tensor, group, mapped: bool, device) -> torch.Tensor:
     """``source`` as the group's first rank holds it. A receiver whose tensor still maps a file (``mapped``)
     takes it into a new buffer: writing into the mapping would give every page a private copy."""
     from smp_adapter.runtime.engines.whole_tensors import broadcast_from_first_rank
 
     first = dist.get_rank() == dist.get_global_rank(group, 0)
     whole = torch.empty_like(source) if mapped and not first else source.detach()
-    broadcast_from_first_rank([whole], group)
+    broadcast_from_first_rank([whole], group, device)
     return whole
 
 

@@ -35,31 +35,30 @@ import torch
 from smp_adapter.errors import SMPUsageError
 from smp_adapter.runtime.engines.base import Engine, model_dtype
 from smp_adapter.runtime.engines.mics import shards
-from smp_adapter.runtime.state import state
 
 
 class MicsEngine(Engine):
     name = "mics"
 
-    @classmethod
-    def materialize_kept(cls, module, device) -> None:
+    def materialize_kept(self, module, device) -> None:
         """Nothing yet: the engine fills its shards tensor by tensor as it shards the model (creation.py)."""
 
-    @classmethod
-    def sync_initial_state(cls, module) -> None:
+    def sync_initial_state(self, module) -> None:
         """Without tensor parallelism the parameters are made equal as the engine shards them, tensor by
         tensor (creation.py: a broadcast only for what no rank can replay or read from the same file), so
         no rank holds a whole model's copy; the random states and the buffers now. Tensor parallelism splits
         whole tensors before the engine exists: those are made equal first, as every engine does."""
-        if state.dims.tp > 1:
+        job = self.job
+        if job.dims.tp > 1:
             return super().sync_initial_state(module)
         from smp_adapter.runtime.deferred_init import DeferredTensor, module_tensors, record_of
         from smp_adapter.runtime.engines.whole_tensors import adopt_first_rank_random_states, broadcast_from_first_rank
 
-        adopt_first_rank_random_states(record_of(module), state.groups.dp)
+        adopt_first_rank_random_states(record_of(module), job.groups.dp)
         parameters = {id(p) for p in module.parameters()}
         broadcast_from_first_rank([t for t in module_tensors(module)
-                                   if id(t) not in parameters and not isinstance(t, DeferredTensor)], state.groups.dp)
+                                   if id(t) not in parameters and not isinstance(t, DeferredTensor)], job.groups.dp,
+                                  job.device)
 
     @classmethod
     def forget_process_group(cls) -> None:
@@ -71,31 +70,29 @@ class MicsEngine(Engine):
     def load_code(cls, dims) -> None:
         import torch.distributed.fsdp  # noqa: F401  (fully_shard, and DTensor under it)
 
-    @classmethod
-    def is_own_parameter(cls, param) -> bool:
+    def is_own_parameter(self, param) -> bool:
         return shards.is_shard(param)
 
-    @classmethod
-    def local_data(cls, tensor):
+    def local_data(self, tensor):
         return tensor.to_local() if shards.is_shard(tensor) else tensor
 
-    @classmethod
-    def gathered(cls, params, modifier_rank=None):
-        return shards.gathered(params, modifier_rank)
+    def gathered(self, params, modifier_rank=None):
+        return shards.gathered(params, self.model.module if self.model is not None else None, modifier_rank)
 
-    def __init__(self, model, tp_originals: dict):
-        super().__init__(model, tp_originals)
-        cfg = state.cfg
+    def attach_model(self, model, tp_originals: dict) -> None:
+        super().attach_model(model, tp_originals)
+        job = self.job
+        cfg, dims, groups = job.cfg, job.dims, job.groups
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         from smp_adapter.runtime.engines.mics.mesh import mics_mesh, sharding_units
         from smp_adapter.translate.mics import RESHARD_AFTER_FORWARD
 
-        mesh = mics_mesh(state.dims, state.rank, state.groups.sdp, state.groups.sdp_replicas, state.device.type)
+        mesh = mics_mesh(dims, job.rank, groups.sdp, groups.sdp_replicas, job.device.type)
         dtype = model_dtype(cfg)
         policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32) if dtype else MixedPrecisionPolicy()
         module = model.module
-        self.units = sharding_units(module, state.dims.sdp) + [module]
+        self.units = sharding_units(module, dims.sdp) + [module]
 
         def shard(unit):
             fully_shard(unit, mesh=mesh, mp_policy=policy, reshard_after_forward=RESHARD_AFTER_FORWARD)
@@ -106,8 +103,8 @@ class MicsEngine(Engine):
         # each shard filled tensor by tensor (creation.py); the shards (the optimizer's masters) stay fp32 in a
         # bf16/fp16 job, which computes in its dtype; replicas start from the DP group's first rank unless the
         # whole tensors were made equal before the tensor-parallel split (sync_initial_state)
-        shard_units(module, self.units, shard, mesh=mesh, master_fp32=dtype is not None, device=state.device,
-                    group=state.groups.dp if state.dims.tp == 1 else None)
+        shard_units(module, self.units, shard, mesh=mesh, master_fp32=dtype is not None, device=job.device,
+                    group=groups.dp if dims.tp == 1 else None)
         from smp_adapter.runtime.engines.mics.zero_names import name_shards
 
         name_shards(module)  # the ZeRO-3 names scripts read (p.ds_tensor, p.ds_shape)
@@ -116,7 +113,7 @@ class MicsEngine(Engine):
         self.last_grad_norm = 0.0  # the global gradient norm of the last optimizer step, before clipping
         # without prescaled_batch each TP rank had its own samples: replicated parameters also
         # average over the TP group (as runtime/engines/deepspeed does)
-        self._tp_average = state.dims.tp > 1 and not cfg.prescaled_batch
+        self._tp_average = dims.tp > 1 and not cfg.prescaled_batch
         self._tp_averaged = False  # this step's replicated shards already averaged (by a clip before the step)
         model.mark_partitioned()
         from smp_adapter.runtime.clipping import route_torch_clipping
@@ -134,11 +131,11 @@ class MicsEngine(Engine):
     def _before_microbatch(self, mb: int, num_microbatches: int) -> None:
         """The all-reduce across groups only after the last microbatch of every
         backward_passes_per_step-th step call; reduce-scatters inside the group every microbatch."""
-        last_call = (state.step_calls + 1) % self.model.backward_passes_per_step == 0
+        last_call = (self.progress.step_calls + 1) % self.model.backward_passes_per_step == 0
         self.model.module.set_requires_all_reduce(last_call and mb == num_microbatches - 1, recurse=True)
 
     def forward(self, args, kwargs):
-        if not state.in_step and torch.is_grad_enabled() and self.model.training:
+        if not self.progress.in_step and torch.is_grad_enabled() and self.model.training:
             self.model.module.set_requires_all_reduce(True, recurse=True)  # plain style: reduced by its backward
         return self.model.module(*args, **kwargs)
 
@@ -147,8 +144,8 @@ class MicsEngine(Engine):
             raise SMPUsageError(
                 "model.backward() needs an optimizer: wrap it with smp.DistributedOptimizer(optimizer) right after "
                 "smp.DistributedModel, before the first step")
-        if state.in_step and self.model.average_grads_across_microbatches:
-            loss = loss / (state.cfg.microbatches * self.model.backward_passes_per_step)
+        if self.progress.in_step and self.model.average_grads_across_microbatches:
+            loss = loss / (self.job.cfg.microbatches * self.model.backward_passes_per_step)
         if self._scaler is not None:
             loss = self._scaler.scale(loss)
         loss.backward()
@@ -187,10 +184,10 @@ class MicsEngine(Engine):
                 "sharded_data_parallel_degree < rdp the model's parameters become shards when smp.DistributedModel "
                 "wraps it; create the optimizer from model.parameters() after smp.DistributedModel")
         self._optimizer = optimizer
-        if state.cfg.fp16:
+        if self.job.cfg.fp16:
             from smp_adapter.runtime.engines.mics.loss_scaling import ShardLossScaler
 
-            self._scaler = ShardLossScaler(loss_scale)
+            self._scaler = ShardLossScaler(loss_scale, self.job.device)
 
     @property
     def overflow(self) -> bool:
@@ -222,7 +219,7 @@ class MicsEngine(Engine):
 
     def _average_over_tp_once(self) -> None:
         if self._tp_average and not self._tp_averaged:
-            shards.average_replicated_over_tp(self.model)
+            shards.average_replicated_over_tp(self.model, self.job.groups.tp, self.job.dims.tp)
             self._tp_averaged = True
 
     def clip_grad_norm(self, params, max_norm: float) -> float:
@@ -232,7 +229,7 @@ class MicsEngine(Engine):
         self._average_over_tp_once()
         if not self._unscaled():
             return math.inf  # an fp16 overflow on some rank: the step will be skipped, as torch's GradScaler would
-        return shards.clip(self.model, max_norm)
+        return shards.clip(self.model, max_norm, self._tp_group, self.job.groups.sdp)
 
     def optimizer_step(self, optimizer, clip_norm) -> None:
         self._average_over_tp_once()
@@ -242,10 +239,11 @@ class MicsEngine(Engine):
             self._scaler.finish_step(self.model.module.parameters())
             return
         # optimizer.clip_master_grads(n) for this step, else sdp_gradient_clipping (smp's default 1.0; 0 = off)
-        if clip_norm is None and state.cfg.sdp_gradient_clipping > 0:
-            clip_norm = state.cfg.sdp_gradient_clipping
+        if clip_norm is None and self.job.cfg.sdp_gradient_clipping > 0:
+            clip_norm = self.job.cfg.sdp_gradient_clipping
         # the norm every step, as DeepSpeed's ZeRO-3 keeps it (scripts log optimizer._global_grad_norm)
-        self.last_grad_norm = shards.clip(self.model, clip_norm if clip_norm is not None else math.inf)
+        self.last_grad_norm = shards.clip(self.model, clip_norm if clip_norm is not None else math.inf, self._tp_group,
+                                          self.job.groups.sdp)
         optimizer.step()
         if self._scaler is not None:
             self._scaler.finish_step(self.model.module.parameters())
@@ -253,8 +251,13 @@ class MicsEngine(Engine):
     def zero_grad(self, optimizer, set_to_none: bool) -> None:
         optimizer.zero_grad(set_to_none=set_to_none)
 
+    @property
+    def _tp_group(self):
+        """The TP group split parameters' norms also sum over, or None without tensor parallelism."""
+        return self.job.groups.tp if self.job.dims.tp > 1 else None
+
     def param_shard_group(self):
-        return state.groups.sdp
+        return self.job.groups.sdp
 
     def optimizer_state_dict(self, optimizer) -> dict:
         from smp_adapter.runtime.engines.base import refuse_full_sharded_optimizer_state

@@ -19,11 +19,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from smp_adapter.runtime.state import state
-
 
 class ShardLossScaler:
-    def __init__(self, loss_scale_args):
+    def __init__(self, loss_scale_args, device):
         from smp_adapter.runtime.engines.deepspeed.parts import make_loss_scaler
         from smp_adapter.runtime.engines.deepspeed.process_group import join_started_group
 
@@ -32,6 +30,7 @@ class ShardLossScaler:
         self.scaler = make_loss_scaler(torch.float16, loss_scale_args)
         self.overflow = False  # the last step's verdict (read as optimizer.overflow)
         self._verdict = None   # this step's, once taken: True = unscaled and fit to apply, False = overflow
+        self._device = device  # the job's: where the overflow flag is all-reduced
 
     @property
     def loss_scale(self) -> float:
@@ -46,7 +45,7 @@ class ShardLossScaler:
         them by the scale."""
         if self._verdict is not None:
             return self._verdict
-        found = torch.zeros((), dtype=torch.float32, device=state.device)
+        found = torch.zeros((), dtype=torch.float32, device=self._device)
         if grads and not bool(torch.stack([torch.isfinite(g).all() for g in grads]).all()):
             found.fill_(1.0)
         if dist.is_initialized() and dist.get_world_size() > 1:

@@ -42,12 +42,10 @@ def shard_rows(full: torch.Tensor, dtensor) -> torch.Tensor:
     return full.narrow(0, start, rows)
 
 
-def _owners(params) -> list[tuple[nn.Module, str, nn.Parameter]]:
-    """(module, attribute name, parameter) for each DTensor parameter in ``params`` (as registered)."""
-    from smp_adapter.runtime.state import state
-
+def _owners(params, module) -> list[tuple[nn.Module, str, nn.Parameter]]:
+    """(module, attribute name, parameter) for each DTensor parameter in ``params`` (as registered in
+    ``module``, the wrapped model's module; None before the engine holds the model: nothing is sharded)."""
     wanted = {id(p) for p in params if is_shard(p)}
-    module = state.model.module if state.model is not None else None
     found = []
     if module is None or not wanted:
         return found
@@ -59,13 +57,13 @@ def _owners(params) -> list[tuple[nn.Module, str, nn.Parameter]]:
 
 
 @contextlib.contextmanager
-def gathered(params, modifier_rank=None):
+def gathered(params, module, modifier_rank=None):
     """Inside: every sharded parameter among ``params`` is registered as its whole value (an
     all-gather inside the group; every rank passes the same parameters). On exit the shards come
     back; with ``modifier_rank`` not None, what was written into the whole values is kept (each
     rank keeps its own rows). Loading a state dict goes through ``load_whole`` instead: FSDP2's
     load hooks expect its own parameters registered."""
-    owners = _owners(params)
+    owners = _owners(params, module)
     swapped = []
     with torch.no_grad():
         for m, name, p in owners:
@@ -176,24 +174,20 @@ def local_grads(model) -> list[tuple[torch.Tensor, bool]]:
     return out
 
 
-def average_replicated_over_tp(model) -> None:
+def average_replicated_over_tp(model, group, size: int) -> None:
     """Without prescaled_batch: the shards of parameters not split by tensor parallelism are
-    averaged over the TP group (each TP rank trained on its own samples)."""
-    from smp_adapter.runtime.state import state
-
-    group, size = state.groups.tp, state.dims.tp
+    averaged over the TP group (``group``, of ``size`` ranks; each TP rank trained on its own samples)."""
     for g, split in local_grads(model):
         if not split and g.numel():
             dist.all_reduce(g, group=group)
             g.div_(size)
 
 
-def clip(model, max_norm: float) -> float:
+def clip(model, max_norm: float, tp_group, shard_group) -> float:
     """Scale every gradient shard by max_norm / global norm when that is < 1 (runtime/clipping.py: the
-    squares of the shards summed inside the sharding group, split parameters also over the TP group)."""
+    squares of the shards summed inside the sharding group ``shard_group``, split parameters also over
+    ``tp_group``, None without tensor parallelism)."""
     from smp_adapter.runtime.clipping import clip_by_global_norm
-    from smp_adapter.runtime.state import state
 
     grads = [(g, split, True) for g, split in local_grads(model)]
-    return clip_by_global_norm(grads, max_norm, tp_group=state.groups.tp if state.dims.tp > 1 else None,
-                               shard_group=state.groups.sdp)
+    return clip_by_global_norm(grads, max_norm, tp_group=tp_group, shard_group=shard_group)

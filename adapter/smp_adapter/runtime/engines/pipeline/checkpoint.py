@@ -25,7 +25,6 @@ from __future__ import annotations
 from pathlib import Path
 
 from smp_adapter.errors import SMPCheckpointError, SMPUsageError
-from smp_adapter.runtime.state import state
 
 STAGE_MARK = "_smp_stage_units"
 
@@ -55,8 +54,8 @@ def save_stage(io, runner, optimizer, saved=None) -> dict | None:
         raise SMPUsageError("with pipeline_parallel_degree > 1 a partial checkpoint can be saved only after the first "
                             "@smp.step call, which cuts the model into stages; save after a training step, or save a "
                             "full checkpoint with partial=False")
-    c = state.coord
-    sharded = state.dims.zero_stage > 0
+    c = runner.job.coord
+    sharded = runner.job.dims.zero_stage > 0
     mixed = getattr(optimizer, "mixed_precision", None)
     staging = Path(io.folder)
     staging.mkdir(parents=True, exist_ok=True)
@@ -92,9 +91,10 @@ def save_universal(io, runner, optimizer, mixed, saved, blob) -> dict:
 
     from smp_adapter.runtime.checkpoint import universal
 
-    c, sharded = state.coord, state.dims.zero_stage > 0
+    job = runner.job
+    c, sharded = job.coord, job.dims.zero_stage > 0
     torch_optimizer = optimizer.optimizer
-    views = [None] * state.world_size  # the state keys and step of every rank: some own no state
+    views = [None] * job.world_size  # the state keys and step of every rank: some own no state
     dist.all_gather_object(views, (universal.state_keys(torch_optimizer), universal.step_count(torch_optimizer)))
     keys = sorted({k for rank_keys, _ in views for k in rank_keys})
     step = next((s for _, s in views if s is not None), None)
@@ -104,7 +104,7 @@ def save_universal(io, runner, optimizer, mixed, saved, blob) -> dict:
         model_sd = blob["model"]
         stored = (dict(zip(map(id, mixed.params), blob["mixed_precision"]["masters"])) if master
                   else {id(p): model_sd[name] for name, p in runner.local_named_parameters() if name in model_sd})
-    recorded_elsewhere = {id(p) for p, group in runner.tied if min(dist.get_process_group_ranks(group)) != state.rank}
+    recorded_elsewhere = {id(p) for p, group in runner.tied if min(dist.get_process_group_ranks(group)) != job.rank}
     pieces = []
     for name, p in runner.local_named_parameters():
         if id(p) in recorded_elsewhere or (universal.layout_of(p) is None and c.tp != 0):
@@ -167,9 +167,10 @@ def load_universal(runner, folder: Path, universal: dict, mixed):
     return load_optimizer_state
 
 
-def load_stage(io, model, optimizer, strict: bool, load_optimizer: bool) -> None:
-    """This rank's stage file (and optimizer shard) from ``io.folder``, read through ``io``."""
-    c, folder = state.coord, Path(io.folder)
+def load_stage(io, model, optimizer, strict: bool, load_optimizer: bool, job) -> None:
+    """This rank's stage file (and optimizer shard) from ``io.folder``, read through ``io``; ``job``: the
+    smp job (this rank's coordinates, the ZeRO stage)."""
+    c, folder = job.coord, Path(io.folder)
     path = stage_file(folder, c.pp, c.tp)
     if not path.exists():
         raise SMPCheckpointError(f"{folder} has no {path.name} for this rank (pp_rank {c.pp}, tp_rank {c.tp}): it was "
@@ -188,7 +189,7 @@ def load_stage(io, model, optimizer, strict: bool, load_optimizer: bool) -> None
         mixed.load_state_dict(blob["mixed_precision"])
     if not load_optimizer or optimizer is None:
         return
-    if state.dims.zero_stage > 0:  # this rank's shard of the stage's optimizer state
+    if job.dims.zero_stage > 0:  # this rank's shard of the stage's optimizer state
         shard = optimizer_shard_file(folder, c.pp, c.tp, c.rdp)
         if not shard.exists():
             raise SMPCheckpointError(f"{folder} has no {shard.name}: it was saved without shard_optimizer_state or with "

@@ -20,7 +20,6 @@ from pathlib import Path
 from smp_adapter.compat.torch_warnings import torch_pipelining_quiet
 from smp_adapter.runtime.engines.base import Engine, model_dtype, refuse_full_sharded_optimizer_state
 from smp_adapter.runtime.engines.deepspeed.process_group import StartsThroughDeepSpeed
-from smp_adapter.runtime.state import state
 
 
 class ClippingRecord:
@@ -39,7 +38,7 @@ class PipelineEngine(StartsThroughDeepSpeed, Engine):
     # The process group starts through DeepSpeed's communication layer as at pp = 1 (this engine
     # reuses DeepSpeed's loss scalers and partition solver, deepspeed/parts.py), so a job starts the
     # same whatever its pipeline degree. Sharded data parallel is refused with pp > 1, so no
-    # parameter is ever a ZeRO-3 shard here: the other class hooks keep Engine's defaults.
+    # parameter is ever a ZeRO-3 shard here: the other hooks keep Engine's defaults.
     @classmethod
     def refuse_unsupported(cls, cfg) -> None:
         from smp_adapter.runtime.engines.pipeline import torch_compat
@@ -59,24 +58,23 @@ class PipelineEngine(StartsThroughDeepSpeed, Engine):
         with torch_pipelining_quiet():
             pipeline(tiny, (torch.zeros(1, 2),), {}, split_spec={"1": SplitPoint.BEGINNING})
 
-    @classmethod
-    def place_module(cls, module, device) -> None:
+    def place_module(self, module, device) -> None:
         """The model stays where the script made it (the host; without storage under delayed
         initialisation) until the first step cuts it: then each rank moves only its stage(s) to its
         device and drops the rest (stage_memory.py)."""
 
-    @classmethod
-    def materialize_kept(cls, module, device) -> None:
+    def materialize_kept(self, module, device) -> None:
         """Nothing yet: which tensors this rank keeps is known when the first step cuts the stages."""
 
-    def __init__(self, model, tp_originals: dict):
-        super().__init__(model, tp_originals)
+    def attach_model(self, model, tp_originals: dict) -> None:
+        super().attach_model(model, tp_originals)
         from smp_adapter.runtime.engines.pipeline.runtime import PipelineRunner
 
-        dtype = model_dtype(state.cfg)
+        dtype = model_dtype(self.job.cfg)
         if dtype is not None:  # fp16/bf16: no DeepSpeed engine to cast the model
             model.module.to(dtype)
-        self.runner = PipelineRunner(model, tp_originals)  # stages are cut at the first step call
+        # stages are cut at the first step call
+        self.runner = PipelineRunner(model, self.job, self.progress, tp_originals)
         from smp_adapter.runtime.clipping import route_torch_clipping
 
         route_torch_clipping(self)  # torch's clip_grad_norm_ on the model: the norm over every stage
@@ -107,8 +105,9 @@ class PipelineEngine(StartsThroughDeepSpeed, Engine):
         from smp_adapter.config.pipeline_schedule import bubble_formula
 
         wall, busy = self._timing
-        return {"wall_s": wall, "busy_s": busy, "schedule": state.cfg.pipeline,
-                "bubble": bubble_formula(state.cfg.pipeline, state.dims.pp, self.runner.layout.v)}
+        cfg = self.job.cfg
+        return {"wall_s": wall, "busy_s": busy, "schedule": cfg.pipeline,
+                "bubble": bubble_formula(cfg.pipeline, self.job.dims.pp, self.runner.layout.v)}
 
     def forward(self, args, kwargs):
         return self.runner.forward(args, kwargs)
@@ -144,7 +143,7 @@ class PipelineEngine(StartsThroughDeepSpeed, Engine):
 
     # -- optimizer -------------------------------------------------------------------------------
     def attach_optimizer(self, optimizer, loss_scale) -> None:
-        cfg = state.cfg
+        cfg = self.job.cfg
         if cfg.fp16 or cfg.bf16:
             from smp_adapter.runtime.engines.pipeline.mixed_precision import PipelineMixedPrecision
 
@@ -193,7 +192,7 @@ class PipelineEngine(StartsThroughDeepSpeed, Engine):
     def clip_grad_norm(self, params, max_norm: float) -> float:
         """``torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)`` in a script or the Trainer
         (runtime/clipping.py routes it here): the gradients the model holds now, by the norm over all stages."""
-        if self._mixed is not None and state.cfg.fp16:
+        if self._mixed is not None and self.job.cfg.fp16:
             from smp_adapter.errors import UnsupportedFeatureError
 
             raise UnsupportedFeatureError(
@@ -209,14 +208,15 @@ class PipelineEngine(StartsThroughDeepSpeed, Engine):
     def _state_sharding(self):
         """shard_optimizer_state with rdp > 1: the owner of each stage parameter's state
         (runtime/engines/pipeline/sharded_optimizer.py), set up at the first step (after partitioning)."""
-        if state.dims.zero_stage == 0 or state.dims.rdp == 1 or not self.runner.built:
+        dims = self.job.dims
+        if dims.zero_stage == 0 or dims.rdp == 1 or not self.runner.built:
             return None  # (before the first step there are no stages and no gradients)
         if self._sharding is None:
             from smp_adapter.runtime.engines.pipeline.sharded_optimizer import PipelineStateSharding
 
             mixed = self._mixed
             params = mixed.masters if mixed is not None else list(self.model.local_parameters())
-            self._sharding = PipelineStateSharding(params, state.groups.rdp, state.dims.rdp)
+            self._sharding = PipelineStateSharding(params, self.job.groups.rdp, dims.rdp)
         return self._sharding
 
     def zero_grad(self, optimizer, set_to_none: bool) -> None:
@@ -233,7 +233,7 @@ class PipelineEngine(StartsThroughDeepSpeed, Engine):
         return self._mixed.loss_scale if self._mixed is not None else 1.0
 
     def optimizer_state_dict(self, optimizer) -> dict:
-        if state.dims.zero_stage > 0:
+        if self.job.dims.zero_stage > 0:
             refuse_full_sharded_optimizer_state()
         return optimizer.state_dict()  # this stage's state (other stages' parameters have none)
 
@@ -263,7 +263,7 @@ class PipelineEngine(StartsThroughDeepSpeed, Engine):
     def load_partial(self, io, optimizer, strict: bool, load_optimizer: bool) -> None:
         from smp_adapter.runtime.engines.pipeline.checkpoint import load_stage
 
-        load_stage(io, self.model, optimizer, strict, load_optimizer)
+        load_stage(io, self.model, optimizer, strict, load_optimizer, self.job)
 
     def load_universal(self, folder, universal: dict) -> None:
         from smp_adapter.runtime.engines.pipeline.checkpoint import load_universal

@@ -37,7 +37,6 @@ from smp_adapter.runtime.engines.pipeline import surgery
 from smp_adapter.runtime.engines.pipeline.idle_time import ComputeClock
 from smp_adapter.runtime.engines.pipeline.stage_builder import StageBuilder
 from smp_adapter.runtime.engines.pipeline.virtual_stages import StageLayout
-from smp_adapter.runtime.state import state
 
 
 class _Captured(Exception):
@@ -59,13 +58,16 @@ class _Signature:
 
 
 class PipelineRunner:
-    def __init__(self, model, tp_originals: dict | None = None):
+    def __init__(self, model, job, progress, tp_originals: dict | None = None):
+        """``job``: the smp job (runtime/job.py); ``progress``: the live step progress (the microbatch
+        being run is written here, the step count read)."""
         self.model = model
-        self.num_stages = state.dims.pp  # pipeline ranks; each holds layout.v stages (virtual_stages.py)
-        self.stage_index = state.coord.pp  # this rank's position in the pipeline group
-        self.layout = StageLayout.from_config(state.cfg, self.num_stages)
-        self.group = state.groups.pp
-        self._builder = StageBuilder(model, self.layout, self.stage_index, self.num_stages, self.group,
+        self.job, self.progress = job, progress
+        self.num_stages = job.dims.pp  # pipeline ranks; each holds layout.v stages (virtual_stages.py)
+        self.stage_index = job.coord.pp  # this rank's position in the pipeline group
+        self.layout = StageLayout.from_config(job.cfg, self.num_stages)
+        self.group = job.groups.pp
+        self._builder = StageBuilder(model, job, self.layout, self.stage_index, self.num_stages, self.group,
                                      tp_originals or {})  # used once, at the first step
         self._stage_calls: list = []
         self.built = False
@@ -106,7 +108,7 @@ class PipelineRunner:
                                                                          built.tied, built.clock)
             self.built = True
             self.model.mark_partitioned()
-        elif len(self._signatures) == _MANY_SIGNATURES and state.rank == 0:
+        elif len(self._signatures) == _MANY_SIGNATURES and self.job.rank == 0:
             warnings.warn(f"pipeline parallelism: the model was called with {_MANY_SIGNATURES} different sets of "
                           "inputs (keywords, shapes or values), and each was traced and cut again: give the model "
                           "inputs of fixed shapes (pad batches to one length, drop the last smaller batch)")
@@ -164,17 +166,18 @@ class PipelineRunner:
         self._stages_for(inputs)
         training = torch.is_grad_enabled() and self.model.training
         results: list = [None] * m
-        active = max(1, min(state.cfg.active_microbatches, m))
-        simple = state.cfg.pipeline == "simple"
+        cfg = self.job.cfg
+        active = max(1, min(cfg.active_microbatches, m))
+        simple = cfg.pipeline == "simple"
         # smp's schedules honour active_microbatches by running groups; the others order all
         # microbatches themselves (a smaller active_microbatches is refused by the option rules)
-        smp_schedule = state.cfg.pipeline in ("interleaved", "simple", "_only_forward")
+        smp_schedule = cfg.pipeline in ("interleaved", "simple", "_only_forward")
         group = active if smp_schedule and (simple or active < self.num_stages) else m
         self._mode, self._detach_results = "replay", detach
         # a traced stage calls attention's aten op, past the functional cpu_attention wraps
-        compute_dtype = model_dtype(state.cfg) or torch.get_default_dtype()
+        compute_dtype = model_dtype(cfg) or torch.get_default_dtype()
         try:
-            with cpu_attention.math_kernel_for(compute_dtype, state.device):
+            with cpu_attention.math_kernel_for(compute_dtype, self.job.device):
                 for start in range(0, m, group):
                     idx = list(range(start, min(start + group, m)))
                     self._run_group(func, bound_mbs, inputs, idx, m, training, simple, results)
@@ -195,7 +198,7 @@ class PipelineRunner:
         if not self.built:
             self._build(*self._first_stage_inputs(inputs[0]))  # every rank captured its own inputs
         else:
-            index = signature.agree(self._signature_keys, key, self.group, self.is_first, state.device)
+            index = signature.agree(self._signature_keys, key, self.group, self.is_first, self.job.device)
             if index != signature.NEW:
                 self._use(index)
                 return
@@ -221,7 +224,8 @@ class PipelineRunner:
         if self.is_first:
             return captured
         values, devices = payload[0]
-        return tree.tree_map(lambda t, d: t.to(state.device) if isinstance(t, torch.Tensor) and d != "cpu" else t,
+        device = self.job.device
+        return tree.tree_map(lambda t, d: t.to(device) if isinstance(t, torch.Tensor) and d != "cpu" else t,
                              values, devices)
 
     def _capture(self, func, bound):
@@ -282,7 +286,7 @@ class PipelineRunner:
 
     def _run_body(self, func, bound, output, results, mb):
         self._replay, self._loss = self._unflatten(output), None
-        state.microbatch = mb
+        self.progress.microbatch = mb
         returned = func(*bound.args, **bound.kwargs)
         # detached now when the caller gets detached values anyway: a returned tensor with its graph
         # (the loss) would keep every microbatch's graph until the step ends, and under the split
@@ -308,7 +312,7 @@ class PipelineRunner:
 
         key, current = (n, training, simple), self._current
         if key not in current.schedules:
-            current.schedules[key] = make_schedule(self.stages, n, training, state.cfg.pipeline, self.num_stages)
+            current.schedules[key] = make_schedule(self.stages, n, training, self.job.cfg.pipeline, self.num_stages)
             self.clock.attach(current.schedules[key])
         sched = current.schedules[key]
         if key != current.last_schedule:
@@ -335,7 +339,7 @@ class PipelineRunner:
 
     # -- gradients ---------------------------------------------------------------------------------
     def _reduce_gradients(self) -> None:
-        last_call = (state.step_calls + 1) % self.model.backward_passes_per_step == 0
+        last_call = (self.progress.step_calls + 1) % self.model.backward_passes_per_step == 0
         if not last_call:  # gradient accumulation: reduce once, after the last call
             return
         for p, group in self.tied:
@@ -343,15 +347,16 @@ class PipelineRunner:
                 p.grad = torch.zeros_like(p)
             dist.all_reduce(p.grad, group=group)
         params = [p for p in self.local_params if p.requires_grad]
-        if state.dims.tp > 1:
+        if self.job.dims.tp > 1:
             from smp_adapter.parallel.tensor import current_tp_context, tp_gradient_sync
 
             tp_gradient_sync(params, current_tp_context())
-        if dist.get_world_size(state.groups.rdp) > 1:
+        rdp_group = self.job.groups.rdp
+        if dist.get_world_size(rdp_group) > 1:
             for p in params:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
-                dist.all_reduce(p.grad, op=dist.ReduceOp.AVG, group=state.groups.rdp)
+                dist.all_reduce(p.grad, op=dist.ReduceOp.AVG, group=rdp_group)
 
     def _stage0_inputs(self, args, kwargs):
         """The first stage's positional inputs: the model's forward arguments named by the traced

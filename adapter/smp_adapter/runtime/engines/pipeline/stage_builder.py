@@ -21,7 +21,6 @@ from smp_adapter.runtime.engines.pipeline import partition as part, pass_through
 from smp_adapter.runtime.engines.pipeline.idle_time import ComputeClock
 from smp_adapter.runtime.engines.pipeline.virtual_stages import skip_self_warmup
 from smp_adapter.runtime.partition import partition_mark
-from smp_adapter.runtime.state import state
 
 
 def _untraceable(module, e: Exception) -> UnsupportedFeatureError:
@@ -82,9 +81,10 @@ class BuiltStages:
 class StageBuilder:
     """The first step's build of a ``PipelineRunner``'s stages (the module docstring)."""
 
-    def __init__(self, model, layout, stage_index: int, num_stages: int, group, tp_originals: dict):
-        self.model, self.layout, self.stage_index, self.num_stages, self.group = (model, layout, stage_index,
-                                                                                   num_stages, group)
+    def __init__(self, model, job, layout, stage_index: int, num_stages: int, group, tp_originals: dict):
+        """``job``: the smp job (runtime/job.py: options, this rank, its device)."""
+        self.model, self.job, self.layout, self.stage_index, self.num_stages, self.group = (
+            model, job, layout, stage_index, num_stages, group)
         # qualified name -> module before the TP swap. Modules replaced by a split one (smp.nn layers,
         # marked nn.Linear / nn.Embedding) are traced as their originals and put back into the stage;
         # Hugging Face units split in place (parallel/hf.py) are traced as they are, collectives
@@ -100,7 +100,7 @@ class StageBuilder:
         from torch.distributed.pipelining.stage import build_stage
 
         module = self.model.module
-        surgery.no_generation_cache(module, state.rank)
+        surgery.no_generation_cache(module, self.job.rank)
         # traced with fake stand-ins: no rank ever holds the whole model on its device (stage_memory.py)
         from smp_adapter.runtime.deferred_init import record_of
 
@@ -112,7 +112,7 @@ class StageBuilder:
         for i, mine in zip(ids, stage_modules):
             self._prepare_stage_module(module, i, mine)
         if first is None:  # this rank's stage(s) get their values on its device; every other tensor is released
-            stage_memory.keep_stage(module, stage_memory.stage_tensors(stage_modules), record, state.device)
+            stage_memory.keep_stage(module, stage_memory.stage_tensors(stage_modules), record, self.job.device)
             del record  # the other stages' creation records are released with it
             self._originals_to_meta()
         else:
@@ -120,7 +120,7 @@ class StageBuilder:
         marked = [n for mine in stage_modules for n in surgery.checkpoint_marked(module, mine)]
         if marked and first is None:  # set_activation_checkpointing, lost by torch.export, applied again
             print(f"Activation checkpointing in the stage(s) of pipeline rank {self.stage_index}: {', '.join(marked)}")
-        stages = [build_stage(mine, i, pipe.info(), state.device, group=self.group)
+        stages = [build_stage(mine, i, pipe.info(), self.job.device, group=self.group)
                   for i, mine in zip(ids, stage_modules)]
         self._prepare_stages(stages)
         if first is not None:  # the same cut holds the same parameters: the first step's groups and lists serve
@@ -139,8 +139,8 @@ class StageBuilder:
         fake stand-ins. Returns (the split pipe, the model output's pytree structure, every stage's module)."""
         from torch.distributed.pipelining import pipeline
 
-        cfg = state.cfg
-        stand_ins = stage_memory.FakeStandIns([module, *self.tp_originals.values()], state.device)
+        cfg, rank = self.job.cfg, self.job.rank
+        stand_ins = stage_memory.FakeStandIns([module, *self.tp_originals.values()], self.job.device)
         args, kwargs = stand_ins.inputs((args, kwargs))
         with stand_ins, surgery.originals_swapped_in(module, self.tp_originals), activation_checkpoint.tracing_plain():
             try:
@@ -158,13 +158,13 @@ class StageBuilder:
                 self.stage_units = first.stage_units  # the same cut, whatever these inputs would weigh
             elif cfg.auto_partition:
                 marked = [n for n, m in module.named_modules() if partition_mark(m) is not None]
-                if marked and state.rank == 0:
+                if marked and rank == 0:
                     warnings.warn(f"auto_partition is true: smp.partition/set_partition marks are ignored ({marked[:3]}"
                                   f"{'...' if len(marked) > 3 else ''}); set auto_partition: false to use them")
                 self.stage_units = part.auto_split(module, prof, self.layout.total, cfg.memory_weight)
             else:
                 self.stage_units = part.manual_split(module, prof, self.num_stages, cfg.default_partition)
-            if state.rank == 0 and first is None:
+            if rank == 0 and first is None:
                 part.log_assignment(self.stage_units, "auto" if cfg.auto_partition else "manual", self.layout)
             pipe = self._split(pipeline, module, args, kwargs)
             late = self._late_inputs()
@@ -182,7 +182,7 @@ class StageBuilder:
 
     def _prepare_stage_module(self, module, i: int, mine) -> None:
         """Stage ``i``'s traced module made ready to run on this rank (before its torch stage is built)."""
-        cfg = state.cfg
+        cfg = self.job.cfg
         surgery.run_generated_code(mine)
         surgery.contiguous_crossing_metadata(mine)
         for name in self.tp_originals:  # the split (TP) modules go back in
@@ -201,7 +201,7 @@ class StageBuilder:
     def _prepare_stages(self, stages) -> None:
         for stage in stages:
             torch_compat.receive_integers(stage)
-        if state.cfg.pipeline in SPLIT_BACKWARD:
+        if self.job.cfg.pipeline in SPLIT_BACKWARD:
             for stage in stages:
                 surgery.merge_weight_groups(stage)
         if self.layout.v_shaped:
@@ -232,7 +232,7 @@ class StageBuilder:
         except Exception as e:  # noqa: BLE001 - export failures come in many types
             from smp_adapter.ledger import record as comm_ledger
 
-            if comm_ledger.is_on() and state.dims.tp > 1:
+            if comm_ledger.is_on() and self.job.dims.tp > 1:
                 # export maps torch.distributed's collectives to traceable ones by the function objects;
                 # the ledger's counting wrappers are other objects, so TP exchanges inside a stage fail
                 raise UnsupportedFeatureError(

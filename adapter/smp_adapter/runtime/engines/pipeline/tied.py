@@ -9,7 +9,6 @@ import torch.distributed as dist
 from torch import nn
 
 from smp_adapter.runtime.engines.pipeline import surgery
-from smp_adapter.runtime.state import state
 
 
 def point_stages_at_model(module: nn.Module, stage_mods) -> dict:
@@ -33,8 +32,8 @@ def point_stages_at_model(module: nn.Module, stage_mods) -> dict:
 def tie_groups(runner, owners: dict) -> list:
     """Parameters held by several pipeline ranks (tied weights): one group per rank set, created in
     the same order on every rank (torch requires it). Stages on one rank share the Parameter object
-    itself, so autograd already sums their gradients there."""
-    grid = state.dims.grid
+    itself, so autograd already sums their gradients there. ``runner``: the stage builder (its job and layout)."""
+    grid, rank = runner.job.dims.grid, runner.job.rank
     by_id = {id(p): p for p in runner.model.module.parameters()}
     owners = {pid: set(runner.layout.ranks_of(stages)) for pid, stages in owners.items()}
     sets = sorted({tuple(sorted(s)) for s in owners.values() if len(s) > 1})
@@ -44,11 +43,11 @@ def tie_groups(runner, owners: dict) -> list:
             ranks = list(ranks)
             members = [ranks[s] for s in stages]
             g = dist.new_group(members) if len(members) < dist.get_world_size() else dist.group.WORLD
-            if state.rank in members:
+            if rank in members:
                 mine[stages] = g
     found = [(by_id[pid], mine[tuple(sorted(s))]) for pid, s in owners.items()
              if len(s) > 1 and runner.stage_index in s and pid in by_id]
-    if found and state.rank == 0:
+    if found and rank == 0:
         names = {id(p): n for n, p in runner.model.module.named_parameters()}
         print("Tied parameters held by several stages (gradients summed over them): "
               + ", ".join(f"{names.get(id(p), '?')}" for p, _ in found), flush=True)
@@ -65,8 +64,9 @@ def clip_grad_norm_pipeline(runner, max_norm: float, masters: dict | None = None
 
     model = runner.model
     holder = (lambda p: masters.get(id(p), p)) if masters else (lambda p: p)
-    not_counted = {id(p) for p, grp in runner.tied if min(dist.get_process_group_ranks(grp)) != state.rank}
+    job = runner.job
+    not_counted = {id(p) for p, grp in runner.tied if min(dist.get_process_group_ranks(grp)) != job.rank}
     grads = [(holder(p).grad, model.is_distributed_parameter(p), id(p) not in not_counted)
              for p in runner.local_params if holder(p).grad is not None and (only is None or id(p) in only)]
-    return clip_by_global_norm(grads, max_norm, tp_group=state.groups.tp if state.dims.tp > 1 else None,
+    return clip_by_global_norm(grads, max_norm, tp_group=job.groups.tp if job.dims.tp > 1 else None,
                                pp_group=runner.group if runner.built and runner.num_stages > 1 else None)
