@@ -386,6 +386,16 @@ def test_docs_mapping_table_names_the_deepspeed_entries_the_emitter_writes():
     assert missing == []
 
 
+def test_dynamic_loss_args_defaults_are_loss_scale_args_defaults():
+    from dataclasses import fields
+
+    from smp_adapter.translate.deepspeed import DEFAULT_DYNAMIC_LOSS_ARGS
+
+    assert LossScaleArgs(**DEFAULT_DYNAMIC_LOSS_ARGS) == LossScaleArgs()
+    assert set(DEFAULT_DYNAMIC_LOSS_ARGS) == {f.name for f in fields(LossScaleArgs)} - {"static_loss_scale",
+                                                                                        "dynamic_loss_scale"}
+
+
 def test_docs_mapping_table_follows_the_engines_key_tables():
     """Each key an engine's table (or the shared one) gives a meaning has a row in docs/translation.md, and
     each fixed status a table row gives (ignored aside: the notes say when) is in that row's status cell."""
