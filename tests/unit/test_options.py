@@ -72,6 +72,24 @@ def test_ignored_keys_are_accepted_with_a_warning(key, value):
     assert KEYS[key].note in " ".join(cfg.warnings)
 
 
+def test_defaults_have_one_home_the_policy_table():
+    """SMPConfig's defaults are keys.py's; a formula default (None in keys.py, resolved by from_dict) holds its
+    value at the default options, so SMPConfig() and the default options agree."""
+    from dataclasses import fields
+
+    formula = {"virtual_pipeline_degree", "active_microbatches", "memory_weight"}
+    resolved = SMPConfig.from_dict({})
+    for f in fields(SMPConfig):
+        if f.name in ("given", "warnings"):
+            continue
+        home = KEYS[f.name].default
+        if f.name in formula:
+            assert home is None and f.default == getattr(resolved, f.name), f.name
+        else:
+            assert f.default == home and type(f.default) is type(home), f"{f.name}: {f.default!r} vs keys.py {home!r}"
+    assert SMPConfig() == resolved
+
+
 def test_horovod_false_is_accepted_true_is_rejected():
     SMPConfig.from_dict({"horovod": False})
     with pytest.raises(SMPConfigError, match="horovod = True: .*TensorFlow-only.*ddp: true"):

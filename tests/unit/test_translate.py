@@ -386,6 +386,40 @@ def test_docs_mapping_table_names_the_deepspeed_entries_the_emitter_writes():
     assert missing == []
 
 
+def test_dynamic_loss_args_defaults_are_loss_scale_args_defaults():
+    from dataclasses import fields
+
+    from smp_adapter.translate.deepspeed import DEFAULT_DYNAMIC_LOSS_ARGS
+
+    assert LossScaleArgs(**DEFAULT_DYNAMIC_LOSS_ARGS) == LossScaleArgs()
+    assert set(DEFAULT_DYNAMIC_LOSS_ARGS) == {f.name for f in fields(LossScaleArgs)} - {"static_loss_scale",
+                                                                                        "dynamic_loss_scale"}
+
+
+def test_docs_mapping_table_follows_the_engines_key_tables():
+    """Each key an engine's table (or the shared one) gives a meaning has a row in docs/translation.md, and
+    each fixed status a table row gives (ignored aside: the notes say when) is in that row's status cell."""
+    import re
+    from pathlib import Path
+
+    from smp_adapter.translate.explain import ENGINE_KEYS
+    from smp_adapter.translate.key_meanings import EVERY_ENGINE_KEYS, Meaning
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "translation.md").read_text()
+    table = text.split("## 1. Mapping table")[1].split("\n## ")[0]
+    status_of = {}
+    for line in table.splitlines():
+        if line.startswith("| `"):
+            cells = line.split("|")
+            for key in re.findall(r"`([^`]+)`", cells[1]):
+                status_of[key] = cells[5]
+    for name, rows in [*ENGINE_KEYS.items(), ("every engine", EVERY_ENGINE_KEYS)]:
+        for key, row in rows.items():
+            assert key in status_of, f"docs/translation.md has no row for {key} ({name} table)"
+            if isinstance(row, Meaning) and row.status != "ignored":
+                assert row.status in status_of[key], f"{key} is {row.status} on {name}; docs say {status_of[key]}"
+
+
 @pytest.mark.parametrize("options,world,engine_value,words", [
     ({"ddp": True, "sharded_data_parallel_degree": 2}, 2, "recorded; materialised module by module into ZeRO-3 shards",
      "one module's whole tensors"),

@@ -3,11 +3,13 @@
 One row per key, and exactly one policy per row:
 
 * ``translated`` - carried out by an engine setting: which DeepSpeed entries is
-  ``translate/deepspeed.py``'s ``DEEPSPEED_KEYS`` (held there only), the note says what it does;
+  ``translate/deepspeed.py``'s ``DEEPSPEED_KEYS`` (held there only), what it becomes on each engine is that
+  engine's key table (translate/key_meanings.py), the note says what it does;
 * ``alias``      - another name of a translated key (``alias_of``);
 * ``ignored``    - accepted, with a one-time warning saying why nothing is done;
 * ``rejected``   - a non-default value is an error that names the closest supported setting.
 
+Each row's ``default`` is the key's one default: SMPConfig's fields take theirs from here.
 The keys: smp v1's documented parameters and those seen in public scripts, plus the smp v2 keys users bring along
 (docs/translation.md lists each with its policy).
 Type rules (our choice, documented in docs/translation.md): bools must be JSON/YAML booleans;

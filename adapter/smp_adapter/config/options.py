@@ -23,40 +23,47 @@ from smp_adapter.config.problems import ConfigProblem, raise_if_any
 ENV_MP_PARAMETERS = "SM_HP_MP_PARAMETERS"
 
 
+def _default(key: str) -> Any:
+    """A field's default: its key's row in keys.py, the one home of the defaults."""
+    return KEYS[key].default
+
+
 @dataclass(frozen=True)
 class SMPConfig:
     """Effective smp options (aliases folded in, formula defaults resolved).
 
-    Attribute names are the smp key names, so ``smp.state.cfg.fp16`` reads as in smp v1.
+    Attribute names are the smp key names, so ``smp.state.cfg.fp16`` reads as in smp v1. Defaults are
+    keys.py's; the three formula defaults (None there: resolved by ``from_dict``) hold their value at the
+    default options here (tests/unit/test_options.py ties both).
     """
 
-    pipeline_parallel_degree: int = 1
-    tensor_parallel_degree: int = 1
-    microbatches: int = 1
-    pipeline: str = "interleaved"
-    virtual_pipeline_degree: int = 1  # smp-adapter extension: stages per pipeline rank (config/pipeline_schedule.py)
-    active_microbatches: int = 1
-    placement_strategy: str = "cluster"
-    auto_partition: bool = True
-    default_partition: int = 0
-    optimize: str = "memory"
-    memory_weight: float = 0.8
-    ddp: bool = False
-    ddp_port: int | None = None
-    ddp_dist_backend: str = "auto"
-    shard_optimizer_state: bool = False
-    offload_activations: bool = False
-    activation_loading_horizon: int = 4
-    delayed_parameter_initialization: bool = False
-    prescaled_batch: bool = False
-    fp16: bool = False
-    bf16: bool = False
-    sharded_data_parallel_degree: int = 1
-    sdp_reduce_bucket_size: int = int(5e8)
-    sdp_param_persistence_threshold: int = int(1e6)
-    sdp_max_live_parameters: int = int(1e9)
-    sdp_hierarchical_allgather: bool = True
-    sdp_gradient_clipping: float = 1.0
+    pipeline_parallel_degree: int = _default("pipeline_parallel_degree")
+    tensor_parallel_degree: int = _default("tensor_parallel_degree")
+    microbatches: int = _default("microbatches")
+    pipeline: str = _default("pipeline")
+    virtual_pipeline_degree: int = 1  # formula: smp-adapter extension, stages per pipeline rank (config/pipeline_schedule.py)
+    active_microbatches: int = 1  # formula: partitions + 2, clamped to microbatches
+    placement_strategy: str = _default("placement_strategy")
+    auto_partition: bool = _default("auto_partition")
+    default_partition: int = _default("default_partition")
+    optimize: str = _default("optimize")
+    memory_weight: float = 0.8  # formula: 0.2 with optimize: speed
+    ddp: bool = _default("ddp")
+    ddp_port: int | None = _default("ddp_port")
+    ddp_dist_backend: str = _default("ddp_dist_backend")
+    shard_optimizer_state: bool = _default("shard_optimizer_state")
+    offload_activations: bool = _default("offload_activations")
+    activation_loading_horizon: int = _default("activation_loading_horizon")
+    delayed_parameter_initialization: bool = _default("delayed_parameter_initialization")
+    prescaled_batch: bool = _default("prescaled_batch")
+    fp16: bool = _default("fp16")
+    bf16: bool = _default("bf16")
+    sharded_data_parallel_degree: int = _default("sharded_data_parallel_degree")
+    sdp_reduce_bucket_size: int = _default("sdp_reduce_bucket_size")
+    sdp_param_persistence_threshold: int = _default("sdp_param_persistence_threshold")
+    sdp_max_live_parameters: int = _default("sdp_max_live_parameters")
+    sdp_hierarchical_allgather: bool = _default("sdp_hierarchical_allgather")
+    sdp_gradient_clipping: float = _default("sdp_gradient_clipping")
     # Bookkeeping, not smp keys: which keys the user gave, and the ignored-key warnings.
     given: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
     warnings: tuple[str, ...] = field(default=(), compare=False, repr=False)

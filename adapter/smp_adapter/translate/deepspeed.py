@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import copy
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 from smp_adapter.config.dims import ParallelDims
@@ -58,11 +58,6 @@ def _put(config: dict, path: str, value) -> None:
     config[leaf] = value
 
 
-# Apex/smp dynamic loss scaling arguments (smp.DistributedOptimizer's dynamic_loss_args) and their DeepSpeed fp16 keys.
-DEFAULT_DYNAMIC_LOSS_ARGS = {"init_scale": 2**32, "scale_factor": 2.0, "scale_window": 1000, "min_scale": 1,
-                             "delayed_shift": 1, "consecutive_hysteresis": False}
-
-
 @dataclass(frozen=True)
 class LossScaleArgs:
     """What ``smp.DistributedOptimizer(static_loss_scale=..., dynamic_loss_scale=..., ...)`` said."""
@@ -75,6 +70,12 @@ class LossScaleArgs:
     min_scale: float = 1
     delayed_shift: int = 1
     consecutive_hysteresis: bool = False
+
+
+# Apex/smp dynamic loss scaling arguments (smp.DistributedOptimizer's dynamic_loss_args): their names and
+# defaults, LossScaleArgs' fields after the two switches (fp16_section maps them to DeepSpeed's fp16 keys).
+DEFAULT_DYNAMIC_LOSS_ARGS = {f.name: f.default for f in fields(LossScaleArgs)
+                             if f.name not in ("static_loss_scale", "dynamic_loss_scale")}
 
 
 def fp16_section(loss: LossScaleArgs) -> dict[str, Any]:

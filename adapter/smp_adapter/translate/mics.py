@@ -1,54 +1,69 @@
-"""What each sharded-data-parallel key becomes on the MiCS engine (runtime/engines/mics: torch FSDP2
-hybrid sharding), for ``translate --explain`` and docs/translation.md: one row per key, the one home of
-these meanings. Pure data; the engine reads none of it (it has no knob these keys would turn)."""
+"""The MiCS engine's side of translate (runtime/engines/mics: torch FSDP2 hybrid sharding): what each smp
+key becomes on it (``MICS_KEYS``, the engine's key table for ``translate --explain`` and docs/translation.md;
+translate/key_meanings.py says how the tables are read), what the engine is given (``mics_settings``) and
+its sharding units' rule. The engine reads the units' rule; the key table is for explain only (the engine
+has no knob these keys would turn)."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from smp_adapter.config.dims import SDP_ENGINE_ENV
+from smp_adapter.translate.key_meanings import Facts, Meaning, Row, without_pipeline
 
 ENGINE = "MiCS engine: torch FSDP2 fully_shard on a (replicate, shard) DeviceMesh"
-
-# smp key -> (engine setting, status, note)
-MICS_KEYS = {
-    "sdp_reduce_bucket_size": (
-        "FSDP2 reduce-scatter per sharding unit", "approximated",
-        "gradients are reduce-scattered one sharding unit (a transformer layer, or one of a wide layer's projections) per call, not in byte-sized buckets"),
-    "sdp_param_persistence_threshold": (
-        "FSDP2: every parameter sharded", "approximated",
-        "no parameter is kept whole: small ones are gathered with the rest of their unit in the same all-gather"),
-    "sdp_max_live_parameters": (
-        "FSDP2 reshard after forward and backward, one unit prefetched", "approximated",
-        "whole parameters live for the running unit and the one being prefetched, whatever the number"),
-    "sdp_hierarchical_allgather": (
-        "all-gathers inside the group of sdp ranks", "ignored",
-        "MiCS gathers only inside its group by construction; no two-level gather is needed or done"),
-    "sdp_gradient_clipping": (
-        "clip inside optimizer.step() by the global norm of all shards", "exact",
-        "the norm is summed over the group's shards (and the TP group's split parameters)"),
-    "microbatches": (
-        "MiCS engine: microbatches one after another inside one smp.step call", "exact",
-        "each microbatch's loss divided by microbatches; its gradients reduce-scattered inside the group, the "
-        "replicas' all-reduce after the last microbatch"),
-    "shard_optimizer_state": (
-        "MiCS engine: optimizer state of the parameter shards", "exact",
-        "sharded data parallel shards optimizer state already (the optimizer steps this rank's shards)"),
-    "bf16": (
-        "FSDP2 MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)", "exact",
-        "bf16 compute and gathers, fp32 shards (the optimizer's masters), fp32 gradient reduction"),
-    "fp16": (
-        "FSDP2 MixedPrecisionPolicy(param_dtype=float16, reduce_dtype=float32) + loss scaling", "exact",
-        "fp16 compute and gathers, fp32 shards (the optimizer's masters), fp32 gradient reduction; the loss scaled "
-        "by smp.DistributedOptimizer's static or dynamic loss scale (DeepSpeed's loss scalers), a step whose "
-        "gradients overflow on any rank skipped on every rank"),
-}
 
 
 def layout_note(dims) -> str:
     return (f"groups of {dims.sdp} ranks shard parameters, gradients and optimizer state (1/{dims.sdp} each); "
             f"{dims.rdp // dims.sdp} replicas, whose gradient shards are all-reduced once per optimizer step. "
             f"{SDP_ENGINE_ENV}=hpz runs DeepSpeed ZeRO-3 + hpZ instead")
+
+
+def _groups(f: Facts) -> str:
+    return f"{f.dims.rdp // f.dims.sdp} x {f.dims.sdp}"
+
+
+def _replicas(f: Facts) -> str:
+    rdp, sdp = f.dims.rdp, f.dims.sdp
+    return f"over {rdp} data-parallel ranks ({rdp // sdp} MiCS replicas of {sdp}-rank groups)"
+
+
+MICS_KEYS: dict[str, Row] = {
+    **without_pipeline("mics"),
+    "ddp": Meaning("data-parallel gradient reduction (MiCS engine, FSDP2)", "exact", _replicas),
+    "sharded_data_parallel_degree": Meaning(ENGINE, "exact", lambda f: layout_note(f.dims), value=_groups),
+    "sdp_reduce_bucket_size": Meaning(
+        "FSDP2 reduce-scatter per sharding unit", "approximated",
+        "gradients are reduce-scattered one sharding unit (a transformer layer, or one of a wide layer's projections) per call, not in byte-sized buckets"),
+    "sdp_param_persistence_threshold": Meaning(
+        "FSDP2: every parameter sharded", "approximated",
+        "no parameter is kept whole: small ones are gathered with the rest of their unit in the same all-gather"),
+    "sdp_max_live_parameters": Meaning(
+        "FSDP2 reshard after forward and backward, one unit prefetched", "approximated",
+        "whole parameters live for the running unit and the one being prefetched, whatever the number"),
+    "sdp_hierarchical_allgather": Meaning(
+        "all-gathers inside the group of sdp ranks", "ignored",
+        "MiCS gathers only inside its group by construction; no two-level gather is needed or done", value=lambda f: "-"),
+    "sdp_gradient_clipping": Meaning(
+        "clip inside optimizer.step() by the global norm of all shards", "exact",
+        "the norm is summed over the group's shards (and the TP group's split parameters)"),
+    "microbatches": Meaning(
+        "MiCS engine: microbatches one after another inside one smp.step call", "exact",
+        "each microbatch's loss divided by microbatches; its gradients reduce-scattered inside the group, the "
+        "replicas' all-reduce after the last microbatch"),
+    "shard_optimizer_state": Meaning(
+        "MiCS engine: optimizer state of the parameter shards", "exact",
+        "sharded data parallel shards optimizer state already (the optimizer steps this rank's shards)"),
+    "bf16": Meaning(
+        "FSDP2 MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)", "exact",
+        "bf16 compute and gathers, fp32 shards (the optimizer's masters), fp32 gradient reduction"),
+    "fp16": Meaning(
+        "FSDP2 MixedPrecisionPolicy(param_dtype=float16, reduce_dtype=float32) + loss scaling", "exact",
+        "fp16 compute and gathers, fp32 shards (the optimizer's masters), fp32 gradient reduction; the loss scaled "
+        "by smp.DistributedOptimizer's static or dynamic loss scale (DeepSpeed's loss scalers), a step whose "
+        "gradients overflow on any rank skipped on every rank"),
+}
 
 
 # The units' size rule: a submodule becomes a sharding unit once the parameters it holds outside other units reach
