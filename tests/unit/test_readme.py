@@ -80,3 +80,20 @@ def test_every_listed_subcommand_exists():
                          cwd=ROOT, capture_output=True, text=True, timeout=60)
     missing = {name for name in listed if name not in out.stdout}
     assert listed and not missing, (missing, out.stdout)
+
+
+def test_each_where_to_go_answer_is_at_most_three_files_that_exist():
+    """docs/architecture.md's "Where to go for": each row names the files that answer it, three at the
+    most (a docs/ page linked counts as one), and each of them is there (a moved file moves its row)."""
+    text = (ROOT / "docs/architecture.md").read_text()
+    (table,) = re.findall(r"## Where to go for\n(.*?)\n## ", text, re.S)
+    rows = [line for line in table.splitlines() if line.startswith("| ") and not line.startswith("| question")]
+    assert rows
+    for row in rows:
+        question, *answer = [cell.strip() for cell in row.strip("|").split(" | ")]
+        code = set(re.findall(r"`([\w/]+\.py)`", " ".join(answer)))
+        pages = set(LINK.findall(" ".join(answer)))
+        assert len(code) + len(pages) <= 3, f"{question!r} names {len(code) + len(pages)} files: {code | pages}"
+        missing = [p for p in code if not (ROOT / "adapter/smp_adapter" / p).is_file()]
+        missing += [p for p in pages if not (ROOT / "docs" / p).is_file()]
+        assert not missing, f"{question!r} names files that are not there: {missing}"
