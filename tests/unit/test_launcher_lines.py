@@ -105,10 +105,9 @@ def _job_fields(args: list[str]) -> dict:
     from smp_adapter.launch.job import build
 
     job = build(build_parser().parse_args(["launch", "--dry-run", *args]), _script_options)
-    get = (lambda k: job[k]) if isinstance(job, dict) else (lambda k: getattr(job, k))
-    return {"command": list(get("command")), "rank_offset": get("rank_offset"), "heartbeat": get("heartbeat"),
-            "dirs": {k: str(v) for k, v in get("dirs").items()}, "channels": get("channels"),
-            "deepspeed_env": get("deepspeed_env")}
+    return {"command": list(job.command), "rank_offset": job.rank_offset, "heartbeat": job.heartbeat,
+            "dirs": {k: str(v) for k, v in job.dirs.items()}, "channels": job.channels,
+            "deepspeed_env": job.deepspeed_env}
 
 
 def _environment(monkeypatch):
