@@ -29,7 +29,7 @@ from launch_util import MAIN, cli_env
 from sagemaker_job import ROOT, namespaces_unavailable, run_toolkit, toolkit_env, write_job
 
 from smp_adapter.config.distribution import job_from_mapping
-from smp_adapter.launch.sagemaker_toolkit import toolkit_command
+from smp_adapter.launch.sagemaker_toolkit import SAGEMAKER_TOOLKIT
 
 SCRIPT = ROOT / "tests/fixtures/sagemaker_toolkit/train_seed_style.py"
 STEPS = 3
@@ -119,9 +119,10 @@ def test_toolkit_runs_sdp_and_pp_jobs_with_the_losses_of_smp_adapter_launch(tool
         # the line the toolkit ran is the one `smp-adapter translate` prints for this distribution
         cmd = invoked_command(proc.stdout)
         job = job_from_mapping(distribution(SDP2 if name == "sdp2" else PP2))
-        ours = toolkit_command(job, SCRIPT.name, 2, hosts=["algo-1"], hyperparameters={"steps": STEPS},
-                               channels=["train"], network_interface="lo", python=cmd[cmd.index("-m") - 1],
-                               gethostname_shim=next(a[len("LD_PRELOAD="):] for a in cmd if a.startswith("LD_PRELOAD=")))
+        ours = SAGEMAKER_TOOLKIT.command(job, SCRIPT.name, 2, hosts=["algo-1"], hyperparameters={"steps": STEPS},
+                                         channels=["train"], network_interface="lo", python=cmd[cmd.index("-m") - 1],
+                                         gethostname_shim=next(a[len("LD_PRELOAD="):] for a in cmd
+                                                               if a.startswith("LD_PRELOAD=")))
         assert cmd == list(ours.command)
 
 

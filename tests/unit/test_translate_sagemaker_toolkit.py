@@ -11,7 +11,7 @@ import pytest
 
 from smp_adapter.cli import main
 from smp_adapter.config.distribution import job_from_mapping
-from smp_adapter.launch.sagemaker_toolkit import TRAINING_VARIABLES, toolkit_command
+from smp_adapter.launch.sagemaker_toolkit import SAGEMAKER_TOOLKIT, TRAINING_VARIABLES
 
 # seed 001: an estimator's distribution, custom_mpi_options as the page's example writes it
 SEED_001 = {"smdistributed": {"modelparallel": {"enabled": True, "parameters": {
@@ -64,8 +64,9 @@ def test_plain_options_have_no_toolkit_line(tmp_path, capsys):
 def test_toolkit_command_parts(instance_type, efa):
     job = job_from_mapping({**SEED_001, "mpi": {"enabled": True, "processes_per_host": 1,
                                                 "custom_mpi_options": "--NCCL_DEBUG WARN -x RDMAV_FORK_SAFE=1"}})
-    cmd = list(toolkit_command(job, "train.py", 1, hosts=["algo-1", "algo-2"], hyperparameters={"epochs": 2, "lr": 0.1},
-                               channels=["train"], instance_type=instance_type).command)
+    cmd = list(SAGEMAKER_TOOLKIT.command(job, "train.py", 1, hosts=["algo-1", "algo-2"],
+                                         hyperparameters={"epochs": 2, "lr": 0.1}, channels=["train"],
+                                         instance_type=instance_type).command)
     assert cmd[1:5] == ["--host", "algo-1,algo-2", "-np", "2"]  # one process per host: bare host names
     assert "NCCL_DEBUG=WARN" in cmd and "NCCL_DEBUG=INFO" not in cmd  # the toolkit's own flag, not mpirun's
     preload = cmd.index(next(a for a in cmd if a.startswith("LD_PRELOAD=")))

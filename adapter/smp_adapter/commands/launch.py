@@ -21,13 +21,12 @@ import argparse
 import json
 import os
 import re
-import shlex
 import sys
 from pathlib import Path
 
 from smp_adapter.errors import SMPAdapterError
-from smp_adapter.launch.command import LAUNCHERS
-from smp_adapter.launch.job import CUDA_ON_CPU, SCRUB, build
+from smp_adapter.launch.job import CUDA_ON_CPU, SCRUB, LaunchJob, build
+from smp_adapter.launch.launchers import LAUNCHERS
 
 NAME = "launch"
 
@@ -97,13 +96,13 @@ def _script_options(script: str) -> dict:
 _CHECKPOINT_HP = re.compile(r"checkpoint.*(dir|path)", re.I)  # checkpoint_dir, checkpoint-dir, checkpoint_path
 
 
-def _check_storage(b: dict[str, Any]) -> None:
+def _check_storage(job: LaunchJob) -> None:
     """Before any rank starts: the job's directories, and the checkpoint directory a hyperparameter names,
     can be written and are not full (found hours in at the first save otherwise, or as empty rank logs)."""
     from smp_adapter.runtime.checkpoint.storage import writable_problem
 
-    hps = json.loads(b["set"]["SM_HPS"])
-    places = {f"{name} directory": d for name, d in b["dirs"].items()}
+    hps = json.loads(job.env["SM_HPS"])
+    places = {f"{name} directory": d for name, d in job.dirs.items()}
     places.update({f"hyperparameter {k} (checkpoint directory)": Path(v).resolve() for k, v in hps.items()
                    if _CHECKPOINT_HP.search(k) and isinstance(v, str) and v and "://" not in v})
     problems = [f"{what} {d} {problem}" for what, d in places.items() if (problem := writable_problem(d))]
@@ -113,62 +112,53 @@ def _check_storage(b: dict[str, Any]) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    b = build(args, _script_options)  # the static script check sits above launch/: handed in
-    plan = b["plan"]
-    summary = (f"{plan.nnodes} node(s) x {plan.nprocs_per_node} processes, launcher {b['launcher']}, "
-               f"{'CPU (gloo)' if b['cpu'] else 'GPU'}")
+    job = build(args, _script_options)  # the static script check sits above launch/: handed in
     if args.dry_run:
-        print(f"# smp-adapter launch: {summary}")
-        print("# environment set for the job (on top of the current one):")
-        for name, value in b["set"].items():
-            print(f"export {name}={shlex.quote(value)}")
-        print(shlex.join(b["command"]))
-        if b["deepspeed_env"]:
-            print(f"# written at launch to {b['set']['DS_ENV_FILE']} (DS_ENV_FILE), for the ranks on other hosts:")
-            for line in b["deepspeed_env"].splitlines():
-                print(f"#   {line}")
-        for note in b["notes"]:
-            print(f"# note: {note}")
+        print(job.dry_run_text(), end="")
         return 0
-    for name, path in b["channels"].items():
+    for name, path in job.channels.items():
         if not Path(path).exists():
             raise SMPAdapterError(f"--channel {name}={path}: the directory does not exist")
     try:
-        for d in b["dirs"].values():
+        for d in job.dirs.values():
             d.mkdir(parents=True, exist_ok=True)
-        if b["deepspeed_env"]:
-            Path(b["set"]["DS_ENV_FILE"]).write_text(b["deepspeed_env"])
+        if job.deepspeed_env:
+            Path(job.env["DS_ENV_FILE"]).write_text(job.deepspeed_env)
     except OSError as exc:
         raise SMPAdapterError(f"cannot create {exc.filename} ({exc.strerror}): give writable --job-dir/--model-dir") from None
-    _check_storage(b)
-    for note in b["notes"]:
+    _check_storage(job)
+    for note in job.notes:
         print(f"smp-adapter launch: note: {note}", file=sys.stderr)
-    print(f"smp-adapter launch: {summary}; rank logs in {b['dirs']['logs']}", file=sys.stderr, flush=True)
-    if b["set"].get(CUDA_ON_CPU) == "1":
+    print(f"smp-adapter launch: {job.summary}; rank logs in {job.dirs['logs']}", file=sys.stderr, flush=True)
+    if job.env.get(CUDA_ON_CPU) == "1":
         print("smp-adapter launch: CUDA on CPU ranks: the script's torch.cuda calls and 'cuda' devices run on the CPU, "
               f"one simulated GPU per rank (docs/launch.md; {CUDA_ON_CPU}=0 turns it off)", file=sys.stderr, flush=True)
     env = {k: v for k, v in os.environ.items() if k not in SCRUB and not k.startswith("OMPI_COMM_WORLD")}
-    env.update(b["set"])
+    env.update(job.env)
     from smp_adapter.launch.rank_watch import ENV as LAUNCH_PROCESS, identity
     from smp_adapter.launch.supervisor import Supervisor
 
     me = identity()  # the ranks end when this process dies, even by SIGKILL (launch/rank_watch.py); not in --dry-run's
     if me:           # exports: it names this process
         env[LAUNCH_PROCESS] = me
-    heartbeat = None
-    if b["heartbeat"]:
-        from smp_adapter.launch.node_heartbeat import NodeHeartbeat
-
-        heartbeat = NodeHeartbeat(**b["heartbeat"])
-        try:
-            heartbeat.listen()
-        except OSError as exc:
-            raise SMPAdapterError(f"node 0 cannot listen for the other nodes' heartbeats on port {heartbeat.port} "
-                                  f"({exc.strerror or exc}): give a free port with --node-heartbeat-port") from None
-        print(f"smp-adapter launch: node {heartbeat.node_rank}: heartbeats with the other nodes' launch processes "
-              f"(port {heartbeat.port} on node 0); a node silent for {heartbeat.timeout:g} s ends the job "
-              "(--node-timeout)", file=sys.stderr, flush=True)
-    sup = Supervisor(b["command"], env, b["launcher"], rank_offset=b["rank_offset"],
-                     rank_log_dir=b["dirs"]["logs"] if b["launcher"] == "deepspeed" else None,
-                     timeout=args.timeout, grace=args.grace, heartbeat=heartbeat, cause_dir=b["dirs"]["causes"])
+    heartbeat = _heartbeat(job) if job.heartbeat else None
+    sup = Supervisor(job.command, env, job.launcher.name, rank_offset=job.rank_offset,
+                     rank_log_dir=job.dirs["logs"] if job.launcher.tails_rank_logs else None,
+                     timeout=args.timeout, grace=args.grace, heartbeat=heartbeat, cause_dir=job.dirs["causes"])
     return sup.run()
+
+
+def _heartbeat(job: LaunchJob):
+    """This node's heartbeat with the other nodes' launch processes, listening on node 0."""
+    from smp_adapter.launch.node_heartbeat import NodeHeartbeat
+
+    heartbeat = NodeHeartbeat(**job.heartbeat)
+    try:
+        heartbeat.listen()
+    except OSError as exc:
+        raise SMPAdapterError(f"node 0 cannot listen for the other nodes' heartbeats on port {heartbeat.port} "
+                              f"({exc.strerror or exc}): give a free port with --node-heartbeat-port") from None
+    print(f"smp-adapter launch: node {heartbeat.node_rank}: heartbeats with the other nodes' launch processes "
+          f"(port {heartbeat.port} on node 0); a node silent for {heartbeat.timeout:g} s ends the job "
+          "(--node-timeout)", file=sys.stderr, flush=True)
+    return heartbeat

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shlex
 import sys
 from pathlib import Path
 from typing import Any
@@ -25,12 +24,12 @@ from smp_adapter.config.problems import ConfigProblem, raise_if_any
 from smp_adapter.errors import SMPAdapterError
 from smp_adapter.translate.deepspeed import to_deepspeed_config
 from smp_adapter.translate.explain import ExplainRow, explain, format_table
-from smp_adapter.launch.command import (DEFAULT_MASTER_PORT, LAUNCHERS, LaunchPlan, job_config, resolve_processes,
-                                        to_launch_plan)
+from smp_adapter.launch.command import DEFAULT_MASTER_PORT, job_config, resolve_processes, to_launch_plan
+from smp_adapter.launch.launchers import LAUNCHERS, launcher_named
 from smp_adapter.translate.kernels import compile_setting_from
 from smp_adapter.translate.megatron import to_megatron_plan
 from smp_adapter.translate.mics import mics_settings
-from smp_adapter.launch.sagemaker_toolkit import TOOLKIT, toolkit_command
+from smp_adapter.launch.sagemaker_toolkit import SAGEMAKER_TOOLKIT, TOOLKIT
 
 NAME = "translate"
 
@@ -99,7 +98,7 @@ def translation_bundle(job: JobSpec, world_size: int | None = None, instance_cou
 
 
 def _shell(plan: dict[str, Any]) -> str:
-    return LaunchPlan(plan["launcher"], tuple(plan["command"]), plan["env"], plan["nprocs_per_node"], plan["nnodes"]).shell()
+    return launcher_named(plan["launcher"]).shell(plan["env"], plan["command"])
 
 
 def _megatron_text(mg: dict[str, Any]) -> str:
@@ -117,8 +116,8 @@ def sagemaker_toolkit_section(job: JobSpec, bundle: dict[str, Any], script: str,
     dict). Shown beside the launch commands; not part of the golden bundle."""
     if job.source != "distribution":
         return None
-    cmd = toolkit_command(job, script, bundle["nprocs_per_node"],
-                          hosts=[f"algo-{i + 1}" for i in range(bundle["nnodes"])], instance_type=instance_type)
+    cmd = SAGEMAKER_TOOLKIT.command(job, script, bundle["nprocs_per_node"],
+                                    hosts=[f"algo-{i + 1}" for i in range(bundle["nnodes"])], instance_type=instance_type)
     return {"toolkit": TOOLKIT, "command": list(cmd.command), "notes": list(cmd.notes)}
 
 
@@ -140,7 +139,7 @@ def _text(bundle: dict[str, Any], table: str | None, layout: str | None = None) 
     toolkit = bundle.get("sagemaker_toolkit")
     if toolkit:
         parts += ["", f"SageMaker training toolkit ({toolkit['toolkit']}) runs, on the first host:",
-                  "  " + " ".join(shlex.quote(a) for a in toolkit["command"])]
+                  "  " + SAGEMAKER_TOOLKIT.shell({}, toolkit["command"])]
         parts += [f"  note: {note}" for note in toolkit["notes"]]
     if table is not None:
         parts += ["", f"Layout: {layout}", "", "Mapping (smp -> engines):", table]

@@ -1,34 +1,12 @@
 """A SageMaker job (distribution dict / smp options) -> a launch command (pure; runs nothing).
 
-Three launchers, one world: ``nnodes x nprocs_per_node`` processes, validated against the
-degrees with ParallelDims before any command is built.
-
-  deepspeed  deepspeed --num_gpus N [--num_nodes K --hostfile H] [--master_addr A] --master_port P
-             --no_local_rank script args
-             ``--num_gpus`` (not ``--include``): on CPU DeepSpeed's resource pool has one slot per
-             NUMA node (or $LOCAL_SIZE), and --num_gpus N replaces the slot list by range(N)
-             whatever the pool says, while --include rejects slots missing from the pool
-             (deepspeed/launcher/runner.py). One node needs no hostfile and no pdsh: without
-             /job/hostfile the runner starts the processes locally. ``--no_local_rank``: smp
-             scripts do not parse ``--local_rank``; the runtime reads $LOCAL_RANK.
-  torchrun   torchrun --nproc_per_node N --nnodes K --node_rank R --master_addr A --master_port P
-             script args       (R is 0 on one node, the literal ${NODE_RANK} on several)
-  mpirun     the SageMaker training toolkit's mpirun line minus its SageMaker-only parts (network
-             interface names, the gethostname LD_PRELOAD shim, smddpmprun, EFA and NCCL tuning),
-             then ``python script args``: no ``-m mpi4py``, the runtime reads OMPI_COMM_WORLD_*
-             and ``-mca orte_abort_on_non_zero_status 1`` already ends the job when a rank fails
-             (Open MPI 4; Open MPI 5's prterun ends it by default and ignores the ORTE name).
-             ``--bind-to``/``--map-by`` are spelled with two dashes: the toolkit's ``-bind-to``
-             works only on Open MPI 4, prterun (5.x) reads it as the executable's name.
-
-  srun       srun --nodes K --ntasks-per-node N --kill-on-bad-exit=1 --label --export=ALL python
-             script args     (inside a Slurm allocation: salloc, or an sbatch script; the runtime reads
-             SLURM_PROCID/SLURM_STEP_NUM_TASKS/SLURM_LOCALID and takes the master from the nodelist)
+One world, ``nnodes x nprocs_per_node`` processes, validated against the degrees with ParallelDims
+before any command is built; each launcher's line is its own (launch/launchers.py).
 
 Environment (as the SageMaker SDK/toolkit set it): SM_HP_MP_PARAMETERS (compact key-sorted JSON
 of the options as given), SM_FRAMEWORK_PARAMS, SM_NUM_GPUS (0 with cpu=True), DS_ACCELERATOR=cpu
-with cpu=True; ``-x VAR=VALUE`` exports from custom_mpi_options also go into the environment of
-the deepspeed/torchrun launches (on the mpirun line they stay flags).
+with cpu=True; the launcher adds what its ranks need (MASTER_ADDR/MASTER_PORT for mpirun, MASTER_PORT
+for srun, custom_mpi_options' -x exports for deepspeed and torchrun).
 """
 
 from __future__ import annotations
@@ -46,16 +24,9 @@ from smp_adapter.config.limits import MAX_WORLD_SIZE
 from smp_adapter.config.options import ENV_MP_PARAMETERS, SMPConfig
 from smp_adapter.config.problems import ConfigProblem, raise_if_any
 from smp_adapter.errors import SMPConfigError
+from smp_adapter.launch.launchers import World, launcher_named
 
-LAUNCHERS = ("deepspeed", "torchrun", "mpirun", "srun")
 DEFAULT_MASTER_PORT = 29500  # torch.distributed's and DeepSpeed's default (SageMaker used 7777)
-NODE_RANK_PLACEHOLDER = "${NODE_RANK}"  # expanded by the shell on each node
-
-# MCA parameters on the toolkit's base line, in order. A custom option naming one of them is not
-# repeated (Open MPI: "MCA parameters can only be listed once"): the same value is
-# dropped, a different value replaces the base value.
-BASE_MCA = (("plm_rsh_no_tree_spawn", "1"), ("pml", "ob1"), ("btl", "^openib"),
-            ("orte_abort_on_non_zero_status", "1"), ("btl_vader_single_copy_mechanism", "none"))
 
 
 @dataclass(frozen=True)
@@ -76,10 +47,8 @@ class LaunchPlan:
                 "nprocs_per_node": self.nprocs_per_node, "nnodes": self.nnodes, "notes": list(self.notes)}
 
     def shell(self) -> str:
-        """One shell line: ``VAR=value ... command``; ${NODE_RANK} stays unquoted for the shell."""
-        env = [f"{k}={shlex.quote(v)}" for k, v in self.env.items()]
-        cmd = [a if a == NODE_RANK_PLACEHOLDER else shlex.quote(a) for a in self.command]
-        return " ".join(env + cmd)
+        """One shell line, as the launcher writes it (``VAR=value ... command``)."""
+        return launcher_named(self.launcher).shell(self.env, self.command)
 
 
 def resolve_processes(job: JobSpec, cfg: SMPConfig, nprocs_per_node: int | None = None,
@@ -134,8 +103,7 @@ def to_launch_plan(job: JobSpec, cfg: SMPConfig | None, script: str, script_args
     size does not fit the degrees (ParallelDims.from_config) or an argument is invalid. ``dims``:
     the layout the caller already placed on this world (a translate bundle places it once)."""
     cfg = job_config(job, None, nprocs_per_node, nnodes) if cfg is None else cfg
-    if launcher not in LAUNCHERS:
-        raise_if_any([ConfigProblem("launcher", "is not a known launcher", f"Available: {', '.join(LAUNCHERS)}", launcher)])
+    runner = launcher_named(launcher)
     nnodes, nprocs = resolve_processes(job, cfg, nprocs_per_node, nnodes)
     if dims is None or dims.cfg != cfg or dims.world_size != nnodes * nprocs:
         ParallelDims.from_config(cfg, nnodes * nprocs)  # the degrees must fit this world
@@ -146,7 +114,14 @@ def to_launch_plan(job: JobSpec, cfg: SMPConfig | None, script: str, script_args
     if len(hosts) != nnodes:
         raise_if_any([ConfigProblem("hosts", f"must name {nnodes} hosts (instance_count)", "give one host per instance", hosts)])
     addr = master_addr or ("127.0.0.1" if nnodes == 1 else hosts[0])
-    custom = parse_custom_mpi_options(job.custom_mpi_options)
+    world = World(nnodes, nprocs, tuple(hosts), addr, master_addr, port, hostfile, node_rank, python,
+                  (script, *map(str, script_args)), parse_custom_mpi_options(job.custom_mpi_options))
+    env = _sagemaker_env(job, nprocs, cpu)
+    command, notes = runner.line(world, env)
+    return LaunchPlan(launcher, tuple(command), env, nprocs, nnodes, tuple(notes))
+
+
+def _sagemaker_env(job: JobSpec, nprocs: int, cpu: bool) -> dict[str, str]:
     env = {
         ENV_MP_PARAMETERS: json.dumps(dict(job.options), sort_keys=True, separators=(",", ":")),
         "SM_FRAMEWORK_PARAMS": json.dumps({
@@ -159,41 +134,7 @@ def to_launch_plan(job: JobSpec, cfg: SMPConfig | None, script: str, script_args
     }
     if cpu:
         env["DS_ACCELERATOR"] = "cpu"
-    notes: list[str] = []
-    args = [script, *map(str, script_args)]
-    if launcher == "mpirun":
-        env.update({"MASTER_ADDR": addr, "MASTER_PORT": str(port)})
-        command, mpi_notes = _mpirun(hosts, nprocs, hostfile, custom, list(env), python, args)
-        notes += mpi_notes
-    elif launcher == "srun":
-        # Slurm picks the hosts; the ranks take the master from its nodelist (launch/rank_env.py)
-        env["MASTER_PORT"] = str(port)
-        command = ["srun", "--nodes", str(nnodes), "--ntasks-per-node", str(nprocs), "--kill-on-bad-exit=1",
-                   "--label", "--export=ALL", python, *args]
-        notes.append("srun runs inside a Slurm allocation (salloc, or an sbatch script with "
-                     f"--nodes={nnodes} --ntasks-per-node={nprocs})")
-    else:
-        env.update(custom.exports)  # what custom_mpi_options exported with -x VAR=VALUE
-        if custom.nccl_debug:
-            env["NCCL_DEBUG"] = custom.nccl_debug
-        if custom.other_flags():
-            notes.append(f"custom_mpi_options flags {' '.join(custom.other_flags())!r} only apply to the mpirun launcher")
-        if launcher == "deepspeed":
-            command = ["deepspeed", "--num_gpus", str(nprocs)]
-            if nnodes > 1:
-                command += ["--num_nodes", str(nnodes), "--hostfile", hostfile or "hostfile"]
-                notes.append("several nodes: the deepspeed launcher needs a hostfile ('<host> slots=N' per line), "
-                             "passwordless ssh and pdsh, and forwards only the variables listed in .deepspeed_env")
-            if master_addr:
-                command += ["--master_addr", master_addr]
-            command += ["--master_port", str(port), "--no_local_rank", *args]
-        else:
-            rank_of_node = str(node_rank) if node_rank is not None else "0" if nnodes == 1 else NODE_RANK_PLACEHOLDER
-            command = ["torchrun", "--nproc_per_node", str(nprocs), "--nnodes", str(nnodes),
-                       "--node_rank", rank_of_node, "--master_addr", addr, "--master_port", str(port), *args]
-            if rank_of_node == NODE_RANK_PLACEHOLDER:
-                notes.append("several nodes: run the same command on every node with NODE_RANK set to 0..nnodes-1")
-    return LaunchPlan(launcher, tuple(command), env, nprocs, nnodes, tuple(notes))
+    return env
 
 
 @dataclass
@@ -238,26 +179,3 @@ def parse_custom_mpi_options(text: str) -> CustomMPIOptions:
         i += 1
     return out
 
-
-def _mpirun(hosts: list[str], nprocs: int, hostfile: str | None, custom: CustomMPIOptions,
-            env_names: list[str], python: str, args: list[str]) -> tuple[list[str], list[str]]:
-    notes: list[str] = []
-    base = dict(BASE_MCA)
-    extra_mca = {}
-    for name, value in custom.mca.items():
-        if name not in base:
-            extra_mca[name] = value
-        elif value == base[name]:
-            notes.append(f"custom_mpi_options repeats '-mca {name} {value}', already on the base line: not repeated")
-        else:
-            notes.append(f"custom_mpi_options sets '-mca {name} {value}': replaces the base line's value {base[name]!r}")
-            base[name] = value
-    placement = ["--hostfile", hostfile] if hostfile else ["--host", ",".join(f"{h}:{nprocs}" for h in hosts)]
-    cmd = ["mpirun", *placement, "-np", str(nprocs * len(hosts)), "--allow-run-as-root", "--display-map", "--tag-output",
-           "--bind-to", "none", "--map-by", "slot"]
-    for name, value in {**base, **extra_mca}.items():
-        cmd += ["-mca", name, value]
-    cmd += ["-x", f"NCCL_DEBUG={custom.nccl_debug or 'INFO'}", "-x", "LD_LIBRARY_PATH", "-x", "PATH", *custom.tokens]
-    for name in env_names:
-        cmd += ["-x", name]
-    return [*cmd, python, *args], notes

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 from smp_adapter.config.distribution import JobSpec
-from smp_adapter.launch.command import BASE_MCA
+from smp_adapter.launch.launchers import BASE_MCA, Launcher
 
 TOOLKIT = "sagemaker-training 5.1.x with sagemaker-pytorch-training 3.0.x"
 # the toolkit's own lists (sagemaker_training/__init__.py)
@@ -53,7 +53,7 @@ class ToolkitCommand:
     notes: tuple[str, ...]
 
     def shell(self) -> str:
-        return " ".join(shlex.quote(a) for a in self.command)
+        return SAGEMAKER_TOOLKIT.shell({}, self.command)
 
 
 def _hp_value(value) -> str:
@@ -63,43 +63,57 @@ def _hp_value(value) -> str:
     return value if isinstance(value, str) else str(value)
 
 
-def toolkit_command(job: JobSpec, script: str, nprocs_per_host: int, hosts: Sequence[str] | None = None,
-                    hyperparameters: Mapping[str, object] | None = None, channels: Sequence[str] = (),
-                    instance_type: str = "ml.p3.16xlarge", network_interface: str = "eth0", python: str = "python",
-                    gethostname_shim: str = GETHOSTNAME_SHIM, torch_major: int = 2) -> ToolkitCommand:
-    """The toolkit's mpirun line for ``job``. ``hyperparameters`` are the estimator's own (not the
-    sagemaker_* ones); ``mp_parameters`` is added as SageMaker adds it. ``hosts`` default to
-    algo-1..algo-<instance_count>."""
-    hosts = list(hosts) if hosts else [f"algo-{i + 1}" for i in range(job.instance_count)]
-    hps = dict(hyperparameters or {})
-    if job.options:
-        hps["mp_parameters"] = dict(job.options)
-    # the toolkit reads custom_mpi_options with argparse: --NCCL_DEBUG is its own, the rest is passed on
-    parser = argparse.ArgumentParser(add_help=False)
-    parser.add_argument("--NCCL_DEBUG", default="INFO", type=str)
-    known, extra = parser.parse_known_args(job.custom_mpi_options.split())
-    host_list = hosts if nprocs_per_host == 1 else [f"{h}:{nprocs_per_host}" for h in hosts]
-    cmd = ["mpirun", "--host", ",".join(host_list), "-np", str(nprocs_per_host * len(hosts)), "--allow-run-as-root",
-           "--display-map", "--tag-output", "-mca", "btl_tcp_if_include", network_interface,
-           "-mca", "oob_tcp_if_include", network_interface, "-mca", "plm_rsh_no_tree_spawn", "1",
-           "-bind-to", "none", "-map-by", "slot", "-mca", "pml", "ob1", "-mca", "btl", "^openib",
-           "-mca", "orte_abort_on_non_zero_status", "1", "-mca", "btl_vader_single_copy_mechanism", "none",
-           "-x", "NCCL_MIN_NRINGS=4", "-x", f"NCCL_SOCKET_IFNAME={network_interface}", "-x", f"NCCL_DEBUG={known.NCCL_DEBUG}",
-           "-x", "LD_LIBRARY_PATH", "-x", "PATH", "-x", f"LD_PRELOAD={gethostname_shim}", *extra]
-    if instance_type in EFA_NCCL_INSTANCES:
-        cmd += ["-x", "FI_PROVIDER=efa", "-x", "NCCL_PROTO=simple"]
-    if instance_type in EFA_RDMA_INSTANCES:
-        cmd += ["-x", "FI_EFA_USE_DEVICE_RDMA=1"]
-    names = [*TRAINING_VARIABLES, *(f"SM_CHANNEL_{c.upper()}" for c in channels), *(f"SM_HP_{k.upper()}" for k in hps),
-             "PYTHONPATH"]
-    for name in names:
-        cmd += ["-x", name]
-    if job.options:  # model parallel: SM_HP_MP_PARAMETERS is set and not {}
-        cmd += ["-x", "NCCL_PROTO=simple"] + (["-x", "NCCL_ALGO=ring"] if torch_major > 1 else [])
-    cmd += [python, "-m", "mpi4py", script]
-    for key in sorted(hps):
-        cmd += [f"--{key}" if len(key) > 1 else f"-{key}", _hp_value(hps[key])]
-    return ToolkitCommand(tuple(cmd), tuple(_notes(extra)))
+class SageMakerToolkit(Launcher):
+    """The toolkit's mpirun, which SageMaker runs on the leader host: translate shows its line beside the
+    four smp-adapter launch runs (launch/launchers.py); the training variables reach the ranks by ``-x``."""
+
+    name = "sagemaker-toolkit"
+
+    def shell(self, env: Mapping[str, str], command: Sequence[str]) -> str:
+        """The line as a shell runs it (the toolkit's line holds no ${NODE_RANK} for the shell to expand)."""
+        return " ".join([*(f"{k}={shlex.quote(v)}" for k, v in env.items()), *(shlex.quote(a) for a in command)])
+
+    def command(self, job: JobSpec, script: str, nprocs_per_host: int, hosts: Sequence[str] | None = None,
+                hyperparameters: Mapping[str, object] | None = None, channels: Sequence[str] = (),
+                instance_type: str = "ml.p3.16xlarge", network_interface: str = "eth0", python: str = "python",
+                gethostname_shim: str = GETHOSTNAME_SHIM, torch_major: int = 2) -> ToolkitCommand:
+        """The toolkit's mpirun line for ``job``. ``hyperparameters`` are the estimator's own (not the
+        sagemaker_* ones); ``mp_parameters`` is added as SageMaker adds it. ``hosts`` default to
+        algo-1..algo-<instance_count>."""
+        hosts = list(hosts) if hosts else [f"algo-{i + 1}" for i in range(job.instance_count)]
+        hps = dict(hyperparameters or {})
+        if job.options:
+            hps["mp_parameters"] = dict(job.options)
+        # the toolkit reads custom_mpi_options with argparse: --NCCL_DEBUG is its own, the rest is passed on
+        parser = argparse.ArgumentParser(add_help=False)
+        parser.add_argument("--NCCL_DEBUG", default="INFO", type=str)
+        known, extra = parser.parse_known_args(job.custom_mpi_options.split())
+        host_list = hosts if nprocs_per_host == 1 else [f"{h}:{nprocs_per_host}" for h in hosts]
+        cmd = ["mpirun", "--host", ",".join(host_list), "-np", str(nprocs_per_host * len(hosts)), "--allow-run-as-root",
+               "--display-map", "--tag-output", "-mca", "btl_tcp_if_include", network_interface,
+               "-mca", "oob_tcp_if_include", network_interface, "-mca", "plm_rsh_no_tree_spawn", "1",
+               "-bind-to", "none", "-map-by", "slot", "-mca", "pml", "ob1", "-mca", "btl", "^openib",
+               "-mca", "orte_abort_on_non_zero_status", "1", "-mca", "btl_vader_single_copy_mechanism", "none",
+               "-x", "NCCL_MIN_NRINGS=4", "-x", f"NCCL_SOCKET_IFNAME={network_interface}",
+               "-x", f"NCCL_DEBUG={known.NCCL_DEBUG}",
+               "-x", "LD_LIBRARY_PATH", "-x", "PATH", "-x", f"LD_PRELOAD={gethostname_shim}", *extra]
+        if instance_type in EFA_NCCL_INSTANCES:
+            cmd += ["-x", "FI_PROVIDER=efa", "-x", "NCCL_PROTO=simple"]
+        if instance_type in EFA_RDMA_INSTANCES:
+            cmd += ["-x", "FI_EFA_USE_DEVICE_RDMA=1"]
+        names = [*TRAINING_VARIABLES, *(f"SM_CHANNEL_{c.upper()}" for c in channels),
+                 *(f"SM_HP_{k.upper()}" for k in hps), "PYTHONPATH"]
+        for name in names:
+            cmd += ["-x", name]
+        if job.options:  # model parallel: SM_HP_MP_PARAMETERS is set and not {}
+            cmd += ["-x", "NCCL_PROTO=simple"] + (["-x", "NCCL_ALGO=ring"] if torch_major > 1 else [])
+        cmd += [python, "-m", "mpi4py", script]
+        for key in sorted(hps):
+            cmd += [f"--{key}" if len(key) > 1 else f"-{key}", _hp_value(hps[key])]
+        return ToolkitCommand(tuple(cmd), tuple(_notes(extra)))
+
+
+SAGEMAKER_TOOLKIT = SageMakerToolkit()
 
 
 def _notes(extra: Sequence[str]) -> list[str]:
