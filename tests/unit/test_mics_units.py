@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from smp_adapter.runtime.engines.mics.mesh import UNIT_MIN_ELEMENTS, sharding_units
-from smp_adapter.runtime.kernels import repeated_blocks
+from smp_adapter.runtime.kernel_switches import repeated_blocks
 
 
 def test_a_sequential_of_large_layers_is_a_unit_per_layer():

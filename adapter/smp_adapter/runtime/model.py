@@ -85,7 +85,7 @@ class DistributedModel(nn.Module):
                     "(transformers' Trainer creates no module under those: create the model so before "
                     "giving it to Trainer)")
         engine.materialize_kept(module, s.device)  # delayed init: what this rank keeps gets storage now
-        from smp_adapter.runtime.kernels import apply_at_wrap
+        from smp_adapter.runtime.kernel_switches import apply_at_wrap
         from smp_adapter.translate.kernels import compile_setting_from
 
         # flash_attention's SDPA switch; SMP_ADAPTER_COMPILE=blocks compiles each block before the engine shards it

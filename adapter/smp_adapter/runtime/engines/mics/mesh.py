@@ -53,7 +53,7 @@ def sharding_units(module: nn.Module, sdp: int = 1) -> list[nn.Module]:
     """The submodules FSDP2 gathers one at a time, innermost first; the root module is the last unit and
     holds what is left (embeddings, heads, norms). The size rule: a submodule becomes a unit once its
     parameters outside smaller units reach ``UNIT_MIN_ELEMENTS``. A model with repeated blocks
-    (runtime/kernels.py ``repeated_blocks``: every parameter-holding element of an ``nn.ModuleList``,
+    (runtime/kernel_switches.py ``repeated_blocks``: every parameter-holding element of an ``nn.ModuleList``,
     the same blocks SMP_ADAPTER_COMPILE=blocks compiles): each block is a unit, whatever its size, and
     nothing outside the blocks but the root; a block holding more than 1/BLOCK_SPLIT of the rank's
     shard (the model's parameters / sdp) comes after the units the size rule finds inside it (a GPT-2
@@ -61,7 +61,7 @@ def sharding_units(module: nn.Module, sdp: int = 1) -> list[nn.Module]:
     (an ``nn.Sequential`` of layers, a module of named children): the size rule over the whole tree. A
     parameter shared by two modules (a tied weight) stays with the root: FSDP2 shards each parameter in
     one unit."""
-    from smp_adapter.runtime.kernels import repeated_blocks
+    from smp_adapter.runtime.kernel_switches import repeated_blocks
 
     owners: dict[int, int] = {}
     for m in module.modules():
