@@ -9,7 +9,7 @@ words: translate/kernels.py, the one home of that wording).
 * ``SMP_ADAPTER_COMPILE=blocks``: ``compile_blocks`` compiles each repeated block's forward on its own
   (torch.compile, as torchtitan): the module tree, its parameter names and the hooks engines register
   on the block (FSDP2's gathers) stay outside the graph; one graph serves every block of a class.
-  ``repeated_blocks`` is also what MiCS shards as its units (runtime/engines/mics/mesh.py).
+  ``repeated_blocks`` is also what MiCS shards as its units (runtime/engines/mics/units.py).
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ def request(config: dict) -> None:
 def repeated_blocks(module: nn.Module) -> list[nn.Module]:
     """Every element of an ``nn.ModuleList`` that holds parameters (a transformer's layers: Hugging
     Face's ``h`` / ``layers`` / ``layer``, smp's ``seq_layers``), innermost lists left to their outer
-    element. MiCS shards these as its units (runtime/engines/mics/mesh.py)."""
+    element. MiCS shards these as its units (runtime/engines/mics/units.py)."""
     blocks: list[nn.Module] = []
     claimed: set[int] = set()
 

@@ -88,7 +88,8 @@ class MicsEngine(Engine):
         cfg = state.cfg
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-        from smp_adapter.runtime.engines.mics.mesh import mics_mesh, sharding_units
+        from smp_adapter.runtime.engines.mics.mesh import mics_mesh
+        from smp_adapter.runtime.engines.mics.units import sharding_units
         from smp_adapter.translate.mics import RESHARD_AFTER_FORWARD
 
         mesh = mics_mesh(state.dims, state.rank, state.groups.sdp, state.groups.sdp_replicas, state.device.type)
