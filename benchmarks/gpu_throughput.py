@@ -32,7 +32,8 @@ time is the slowest rank's). A setting's figure is the median over its rounds.
              (the usual 6N approximation: attention score FLOPs and checkpointing's recompute are not counted)
 
 The peak comes from a table of dense bf16 tensor-core figures by GPU name, or --peak-tflops. Each row
-also says which SDPA kernel ran (runtime/kernels.py's recorder, on both sides: it only observes).
+also says which SDPA kernel ran (runtime/attention.py's recorder, on both sides: on CUDA it only observes;
+its CPU rule changes only CPU attention whose kernel raises).
 ``--json FILE`` writes {"meta": {...}, "rows": [one per setting and side: setting, side, mfu,
 tokens_per_s, step_s, peak_mem, attention, ...]}; ``--profile`` adds each job's one profiled step after
 the timed ones (the top kernels by self time, and the step's time by kind: matmul, attention,
@@ -187,9 +188,9 @@ def worker(args) -> None:
     with torch.device(device):  # initialise on the GPU: much faster than on the host
         model = LlamaForCausalLM(cfg)
     n_params = sum(p.numel() for p in model.parameters())
-    from smp_adapter.runtime.kernels import attention_backends, install_attention_recorder
+    from smp_adapter.runtime.attention import attention_backends, record_backends
 
-    install_attention_recorder(rank)  # observes which SDPA kernel runs (the adapter's smp.init installs it too)
+    record_backends(rank)  # observes which SDPA kernel runs (the adapter's smp.init installs it too)
     backend = compile_backend(args.compile)
 
     if args.role == "adapter":

@@ -8,18 +8,18 @@ import torch.nn.functional as F
 from torch import nn
 
 from smp_adapter.compat.fused_optimizers import fused_supported, prefer_fused
-from smp_adapter.runtime import kernels
+from smp_adapter.runtime import attention, kernel_switches
 from smp_adapter.translate.kernels import CompileSetting
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
 def test_bf16_causal_attention_runs_a_fused_sdpa_kernel(capsys):
-    kernels.install_attention_recorder(0)
-    kernels.reset()
+    attention.record_backends(0)
+    attention.reset()
     q, k, v = (torch.randn(2, 8, 256, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    backend = kernels.attention_backends()[("cuda", "bfloat16", "causal", False)]
+    backend = attention.attention_backends()[("cuda", "bfloat16", "causal", False)]
     assert backend in ("flash", "efficient", "cudnn"), backend
     ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True)
     torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2)  # bf16: 8 significant bits
@@ -49,7 +49,7 @@ def test_fused_layer_norm_is_one_cuda_kernel():
 
     norm = FusedLayerNorm(1024).cuda().bfloat16()
     x = torch.randn(8, 128, 1024, device="cuda", dtype=torch.bfloat16)
-    mode = kernels.op_names_mode()
+    mode = attention.op_names_mode()
     with mode:
         norm(x)
     assert [n for n in mode.names if "norm" in n] == ["native_layer_norm.default"]
@@ -75,7 +75,7 @@ def test_inductor_compiled_blocks_compute_the_eager_function():
         return h
 
     eager = run()
-    assert kernels.compile_blocks(model, CompileSetting("blocks")) == 2
+    assert kernel_switches.compile_blocks(model, CompileSetting("blocks")) == 2
     # float32: inductor's fused layer norm sums in another order (~1e-6 relative), carried through two
     # 1024-wide products
     torch.testing.assert_close(run(), eager, rtol=1e-4, atol=1e-4)

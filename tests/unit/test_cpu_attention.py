@@ -1,4 +1,4 @@
-"""CPU attention whose kernel raises (smp_adapter/runtime/cpu_attention.py): each process probes torch's
+"""CPU attention whose kernel raises (smp_adapter/runtime/attention.py): each process probes torch's
 own kernel per dtype and routes exactly the dtypes that raise to the math kernel, in every process that
 imports smp, CUDA on CPU or not. Which dtype raises depends on the CPU (none, float16 or bfloat16 under
 ATEN_CPU_CAPABILITY=avx2 on the machines met so far), so no test here names one: the subprocess cases
@@ -17,8 +17,8 @@ import pytest
 import torch
 
 import smdistributed.modelparallel.torch  # noqa: F401  (its import installs the wrapper)
-from smp_adapter.runtime import cpu_attention
-from smp_adapter.runtime.kernels import op_names_mode
+from smp_adapter.runtime import attention
+from smp_adapter.runtime.attention import op_names_mode
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -39,9 +39,9 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 direct = {str(d): raises(d, (1, 1, 128, 64)) or raises(d, (2, 4, 64, 16)) for d in DTYPES}
 import smdistributed.modelparallel.torch as smp
 import smdistributed.modelparallel.torch  # noqa: F401  (its import installs the wrapper)
-from smp_adapter.runtime import cpu_attention
-from smp_adapter.runtime.cpu_attention import math_kernel_for
-routed = [str(d) for d in cpu_attention.routed_dtypes()]
+from smp_adapter.runtime import attention
+from smp_adapter.runtime.attention import math_kernel_for
+routed = [str(d) for d in attention.routed_dtypes()]
 g = torch.Generator().manual_seed(0)
 q, k, v = (torch.randn(2, 4, 64, 16, generator=g) for _ in range(3))
 ref_q = q.clone().requires_grad_()
@@ -113,16 +113,16 @@ def _ran(dtype):
 def test_a_dtype_the_probe_found_raising_runs_the_math_kernel_and_no_other(monkeypatch):
     """Simulated verdict 'bfloat16 raises': bfloat16 CPU attention runs the math kernel, float32 and float16
     keep torch's flash kernel; math_kernel_for routes bfloat16 only, and a CUDA device never."""
-    assert cpu_attention._installed  # smp's import installed it
-    monkeypatch.setattr(cpu_attention, "_verdicts", {torch.float32: False, torch.bfloat16: True, torch.float16: False})
-    assert cpu_attention.routed_dtypes() == [torch.bfloat16]
+    assert attention._installed  # smp's import installed it
+    monkeypatch.setattr(attention, "_verdicts", {torch.float32: False, torch.bfloat16: True, torch.float16: False})
+    assert attention.routed_dtypes() == [torch.bfloat16]
     assert "flash" not in _ran(torch.bfloat16)
     assert "flash" in _ran(torch.float32) and "flash" in _ran(torch.float16)
-    with cpu_attention.math_kernel_for(torch.bfloat16, None):  # no device yet: the CPU
+    with attention.math_kernel_for(torch.bfloat16, None):  # no device yet: the CPU
         assert not torch.backends.cuda.flash_sdp_enabled() and torch.backends.cuda.math_sdp_enabled()
     assert torch.backends.cuda.flash_sdp_enabled()  # put back after the block
     for dtype, device in ((torch.float32, "cpu"), (torch.float16, "cpu"), (None, "cpu"), (torch.bfloat16, "cuda")):
-        with cpu_attention.math_kernel_for(dtype, device):
+        with attention.math_kernel_for(dtype, device):
             assert torch.backends.cuda.flash_sdp_enabled(), (dtype, device)
 
 
@@ -137,9 +137,9 @@ def test_the_probe_reports_what_torch_does(monkeypatch):
             raise RuntimeError("pack_vnni2 is only supported when avx512 is supported")
         return q.clone()
 
-    monkeypatch.setattr(cpu_attention, "_verdicts", {})
-    monkeypatch.setattr(cpu_attention, "_torch_sdpa", stand_in)
-    assert [cpu_attention.probe(d) for d in (torch.float32, torch.float16, torch.float16)] == [False, True, True]
+    monkeypatch.setattr(attention, "_verdicts", {})
+    monkeypatch.setattr(attention, "_torch_sdpa", stand_in)
+    assert [attention.probe(d) for d in (torch.float32, torch.float16, torch.float16)] == [False, True, True]
     assert calls.count(torch.float16) == 1  # cached
 
 
@@ -154,15 +154,31 @@ def test_a_packing_error_the_probe_missed_routes_its_dtype_from_then_on(monkeypa
                 raise RuntimeError("another failure")
         return q + 1
 
-    monkeypatch.setattr(cpu_attention, "_verdicts", {torch.float32: False, torch.bfloat16: False})
-    monkeypatch.setattr(cpu_attention, "_torch_sdpa", stand_in)
+    monkeypatch.setattr(attention, "_verdicts", {torch.float32: False, torch.bfloat16: False})
+    monkeypatch.setattr(attention, "_torch_sdpa", stand_in)
     q = torch.zeros(1, 1, 4, 2, dtype=torch.bfloat16)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        assert torch.equal(cpu_attention.scaled_dot_product_attention(q, q, q), q + 1)
-        assert torch.equal(cpu_attention.scaled_dot_product_attention(q, q, q), q + 1)
+        assert torch.equal(attention.scaled_dot_product_attention(q, q, q), q + 1)
+        assert torch.equal(attention.scaled_dot_product_attention(q, q, q), q + 1)
     assert len([w for w in caught if "math kernel from now on" in str(w.message)]) == 1
-    assert cpu_attention.routed_dtypes() == [torch.bfloat16]
-    monkeypatch.setitem(cpu_attention._verdicts, torch.float64, False)
+    assert attention.routed_dtypes() == [torch.bfloat16]
+    monkeypatch.setitem(attention._verdicts, torch.float64, False)
     with pytest.raises(RuntimeError, match="another failure"):
-        cpu_attention.scaled_dot_product_attention(q.double(), q.double(), q.double())
+        attention.scaled_dot_product_attention(q.double(), q.double(), q.double())
+
+
+def test_one_wrapper_installed_once_and_taken_out_whole():
+    """The recording and the CPU rule are one wrapper over torch's own functional (runtime/attention.py):
+    uninstall puts torch's function back, install wraps it again without probing again."""
+    wrapper = torch.nn.functional.scaled_dot_product_attention
+    assert wrapper is attention.scaled_dot_product_attention
+    torch_own = wrapper.__wrapped__
+    assert not hasattr(torch_own, "__wrapped__")  # nothing of smp's beneath it
+    verdicts = dict(attention._verdicts)
+    try:
+        attention.uninstall()
+        assert torch.nn.functional.scaled_dot_product_attention is torch_own and not attention._installed
+    finally:
+        assert attention.install()
+    assert torch.nn.functional.scaled_dot_product_attention is wrapper and attention._verdicts == verdicts

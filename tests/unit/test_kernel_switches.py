@@ -1,6 +1,7 @@
-"""smp v1's kernel switches (translate/kernels.py says what each becomes; runtime/kernels.py and
-compat/fused_optimizers.py do it): what each changes, checked on CPU, and that the numbers stay those of the unswitched run within the
-dtype's rounding. The CUDA kernels themselves are exercised by benchmarks/gpu_throughput.py on a GPU.
+"""smp v1's kernel switches (translate/kernels.py says what each becomes; runtime/kernel_switches.py,
+runtime/attention.py and compat/fused_optimizers.py do it): what each changes, checked on CPU, and that the
+numbers stay those of the unswitched run within the dtype's rounding. The CUDA kernels themselves are
+exercised by benchmarks/gpu_throughput.py on a GPU.
 
 torch.compile here uses the aot_eager backend: it traces and partitions the graph as inductor does
 (dynamo, AOTAutograd) but runs the aten ops eagerly, in about 1 s on one CPU core; inductor's C++
@@ -16,7 +17,7 @@ from smp_adapter.config.dims import ParallelDims
 from smp_adapter.config.options import SMPConfig
 from smp_adapter.errors import SMPConfigError, UnsupportedFeatureError
 from smp_adapter.compat.fused_optimizers import fused_supported, prefer_fused
-from smp_adapter.runtime import kernels
+from smp_adapter.runtime import attention
 from smp_adapter.runtime.init import shutdown
 from smp_adapter.translate.kernels import (COMPILE_ENV, SWITCHES, CompileSetting, compile_refusal,
                                            compile_setting_from, explain_rows)
@@ -27,14 +28,14 @@ def test_attention_recorder_names_the_kernel_that_ran_not_the_one_asked_for(fres
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     smp.init({})
-    assert kernels.attention_backends() == {}
+    assert attention.attention_backends() == {}
     layer = smp.nn.FlashAttentionLayer(attention_dropout_prob=0.0)
     qkv = torch.randn(2, 16, 3, 4, 8)
     flash = layer(qkv, causal=True)
     with sdpa_kernel([SDPBackend.MATH]):  # torch told to run math: the record must say so
         math = layer(qkv, attn_mask=torch.ones(16, 16, dtype=torch.bool))
         layer(qkv, attn_mask=torch.ones(16, 16, dtype=torch.bool))  # the same kind again: said once
-    assert kernels.attention_backends() == {("cpu", "float32", "causal", False): "flash (CPU)",
+    assert attention.attention_backends() == {("cpu", "float32", "causal", False): "flash (CPU)",
                                             ("cpu", "float32", "mask", False): "math"}
     said = [line for line in capsys.readouterr().err.splitlines() if "attention (" in line]
     assert said == ["smp-adapter: attention (cpu float32, causal) ran on SDPA's flash (CPU) kernel",
@@ -49,14 +50,14 @@ def test_attention_recorder_names_the_kernel_that_ran_not_the_one_asked_for(fres
         assert torch.allclose(layer(qkv, causal=True), flash, rtol=1e-5, atol=1e-6)
     assert math.shape == flash.shape
     shutdown()
-    assert kernels.attention_backends() == {}  # one job's record
+    assert attention.attention_backends() == {}  # one job's record
 
 
 def test_backend_names_from_aten_kernels():
-    assert kernels.backend_of(["aten._scaled_dot_product_flash_attention.default"]) == "flash"
-    assert kernels.backend_of(["aten._scaled_dot_product_efficient_attention.default"]) == "efficient"
-    assert kernels.backend_of(["aten._scaled_dot_product_cudnn_attention.default"]) == "cudnn"
-    assert kernels.backend_of(["aten.bmm.default", "aten._safe_softmax.default"]) == "math"
+    assert attention.backend_of(["aten._scaled_dot_product_flash_attention.default"]) == "flash"
+    assert attention.backend_of(["aten._scaled_dot_product_efficient_attention.default"]) == "efficient"
+    assert attention.backend_of(["aten._scaled_dot_product_cudnn_attention.default"]) == "cudnn"
+    assert attention.backend_of(["aten.bmm.default", "aten._safe_softmax.default"]) == "math"
 
 
 def _tiny_llama(attn: str):
@@ -86,7 +87,7 @@ def test_flash_attention_switches_eager_hugging_face_attention_to_sdpa(fresh, ke
     with torch.no_grad():
         logits = model(input_ids=x).logits
         expected = reference(input_ids=x).logits  # eager attention: SDPA is not called
-    recorded = kernels.attention_backends()
+    recorded = attention.attention_backends()
     # transformers 5 passes is_causal to SDPA; 4.x (the matrix's 4.38) passes its causal mask instead
     kinds = {("cpu", "float32", "causal", False), ("cpu", "float32", "mask", False)}
     if asked:
@@ -110,7 +111,7 @@ def test_fused_layer_norm_is_torchs_single_kernel(dtype, tol):
         norm.weight.normal_()
         norm.bias.normal_()
     x = torch.randn(3, 5, 64, dtype=dtype)
-    mode = kernels.op_names_mode()
+    mode = attention.op_names_mode()
     with mode:
         out = norm(x)
     assert [n for n in mode.names if "norm" in n] == ["native_layer_norm.default"], mode.names

@@ -1,4 +1,4 @@
-"""MiCS's sharding units for any model (runtime/engines/mics/mesh.py sharding_units): every submodule
+"""MiCS's sharding units for any model (runtime/engines/mics/units.py sharding_units): every submodule
 whose parameters outside smaller units reach UNIT_MIN_ELEMENTS, innermost first; a model's repeated
 blocks are units whatever their size, after the units inside them; tied weights stay with the root.
 plan (plan/mics_units.py) counts the same units from the model's spec."""
@@ -7,8 +7,8 @@ import pytest
 import torch
 from torch import nn
 
-from smp_adapter.runtime.engines.mics.mesh import UNIT_MIN_ELEMENTS, sharding_units
-from smp_adapter.runtime.kernels import repeated_blocks
+from smp_adapter.runtime.engines.mics.units import UNIT_MIN_ELEMENTS, sharding_units
+from smp_adapter.runtime.kernel_switches import repeated_blocks
 
 
 def test_a_sequential_of_large_layers_is_a_unit_per_layer():

@@ -37,8 +37,8 @@ from smp_adapter.compat.cuda_on_cpu import install_if_requested as _install_cuda
 
 _install_cuda_on_cpu()
 
-# CPU attention of the dtypes whose torch kernel raises on this CPU (probed once per process): the
-# math kernel for those only, in every process (smp_adapter/runtime/cpu_attention.py)
-from smp_adapter.runtime.cpu_attention import install as _install_cpu_attention  # noqa: E402
+# torch's SDPA wrapped once per process (smp_adapter/runtime/attention.py): CPU attention of the dtypes
+# whose torch kernel raises on this CPU (probed here) on the math kernel, and from smp.init the backend recorded
+from smp_adapter.runtime.attention import install as _install_attention  # noqa: E402
 
-_install_cpu_attention()
+_install_attention()

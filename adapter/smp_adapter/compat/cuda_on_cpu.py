@@ -25,7 +25,7 @@ How:
   (``memory_allocated`` / ``memory_reserved``: now; ``max_*``: peak since start), ``mem_get_info`` the
   machine's free and total RAM, device properties name the CPU with the machine's RAM.
 * CPU attention of a dtype whose torch kernel raises on this CPU (probed per process) is not this
-  shim's: runtime/cpu_attention.py does it for every process that imports smp, and changes nothing
+  shim's: runtime/attention.py does it for every process that imports smp, and changes nothing
   else. Nothing this shim does picks another kernel for a computation the script runs on the CPU
   anyway, so a rank computes the same numbers with the mode on or off.
 * ``torch.cuda.amp.autocast`` / ``torch.autocast("cuda")`` become CPU autocast (bfloat16 unless a

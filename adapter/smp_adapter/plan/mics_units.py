@@ -1,4 +1,4 @@
-"""MiCS's FSDP2 sharding units as plan counts them: the runtime's rule (runtime/engines/mics/mesh.py
+"""MiCS's FSDP2 sharding units as plan counts them: the runtime's rule (runtime/engines/mics/units.py
 ``sharding_units``) applied to the model spec's module trees (ModelSpec.layer_modules, else
 plan/zero3.py ``default_trees``: a layer's own module around one module per tensor).
 

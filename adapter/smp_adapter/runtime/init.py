@@ -126,13 +126,13 @@ def _job_of(s, engine_config) -> Job:
 
 def kernel_switches(dims: ParallelDims, rank: int) -> None:
     """SMP_ADAPTER_COMPILE read (a bad value, or blocks on a layout it cannot run, stops here, before
-    any model exists) and the attention recorder installed (runtime/kernels.py)."""
-    from smp_adapter.runtime import kernels
+    any model exists) and the attention backends recorded from now on (runtime/attention.py)."""
+    from smp_adapter.runtime import attention
     from smp_adapter.translate.kernels import compile_refusal, compile_setting_from
 
     if compile_setting_from(os.environ).on and compile_refusal(dims):
         raise UnsupportedFeatureError(compile_refusal(dims))
-    kernels.install_attention_recorder(rank)
+    attention.record_backends(rank)
 
 
 def _choose_backend(requested: str, use_cuda: bool) -> str:

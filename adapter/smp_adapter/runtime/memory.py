@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from smp_adapter.errors import SMPUsageError
-from smp_adapter.runtime import kernels
+from smp_adapter.runtime import kernel_switches
 from smp_adapter.runtime.activation_checkpoint import checkpoint_forward
 from smp_adapter.runtime.state import require_initialized, state
 from smp_adapter.translate.kernels import compile_setting_from, model_creation_switch
@@ -80,7 +80,7 @@ def model_creation(tensor_parallelism: bool = False, dtype=None, distribute_embe
     smp's own-transformer keywords are said once not to be carried out (MODEL_CREATION_NOT_CARRIED_OUT)."""
     s = require_initialized("model_creation")
     _say_not_carried_out(tensor_parallel_config)
-    kernels.request(tensor_parallel_config)  # flash_attention: carried out at smp.DistributedModel
+    kernel_switches.request(tensor_parallel_config)  # flash_attention: carried out at smp.DistributedModel
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise SMPUsageError(f"model_creation(dtype=...) must be a floating torch.dtype, got {dtype!r}")
     previous = torch.get_default_dtype()

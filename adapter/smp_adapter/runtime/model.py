@@ -63,7 +63,7 @@ class DistributedModel(nn.Module):
         if s.dims.tp > 1:
             self._distributed_modules = _split_for_tensor_parallelism(module, engine, s)
         engine.materialize_kept(module, s.device)  # delayed init: what this rank keeps gets storage now
-        from smp_adapter.runtime.kernels import apply_at_wrap
+        from smp_adapter.runtime.kernel_switches import apply_at_wrap
         from smp_adapter.translate.kernels import compile_setting_from
 
         # flash_attention's SDPA switch; SMP_ADAPTER_COMPILE=blocks compiles each block before the engine shards it

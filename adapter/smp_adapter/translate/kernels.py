@@ -6,8 +6,8 @@ smp v1 scripts ask for fused kernels by name (smp-api.md §2.10-2.12): ``smp.mod
 flash_attention=, fused_softmax=, fused_bias_gelu=, fused_dropout=)``, ``smp.nn.FlashAttentionLayer``,
 ``smp.nn.FusedLayerNorm``, ``smp.optimizers.FusedAdam`` / ``FusedLAMB`` / ``FusedNovoGrad``. smp's own
 kernels were apex's and its Triton/CUDA extensions; smp-adapter carries each out with the fastest
-correct kernel the installed torch has (runtime/kernels.py does it; the optimizers:
-compat/fused_optimizers.py), and says where it cannot.
+correct kernel the installed torch has (runtime/kernel_switches.py and runtime/attention.py do it; the
+optimizers: compat/fused_optimizers.py), and says where it cannot.
 
 The compile setting ``SMP_ADAPTER_COMPILE`` (an environment variable of the launching shell, like
 ``SMP_ADAPTER_SDP_ENGINE``; not an smp key): ``off`` (default) or ``blocks`` (``blocks:<backend>`` names

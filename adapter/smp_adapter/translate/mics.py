@@ -68,7 +68,7 @@ MICS_KEYS: dict[str, Row] = {
 
 # The units' size rule: a submodule becomes a sharding unit once the parameters it holds outside other units reach
 # this many elements (4 MiB in fp32), as FSDP's size-based wrap policy does. Below it one more gather per pass
-# costs more in calls than the unit's bytes save. (runtime/engines/mics/mesh.py; plan/mics_units.py counts the
+# costs more in calls than the unit's bytes save. (runtime/engines/mics/units.py; plan/mics_units.py counts the
 # same units from the model's spec)
 UNIT_MIN_ELEMENTS = 1 << 20
 # A transformer block is one unit unless it holds more than 1/BLOCK_SPLIT of the rank's shard of the model

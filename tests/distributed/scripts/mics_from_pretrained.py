@@ -8,7 +8,7 @@ whole batch against plain PyTorch's on the reference in this process. The `safet
 train STEPS SGD steps of 2 microbatches beside the reference (`bin` with activation checkpointing on every
 block) and report both losses, and the number of FSDP2 units: at n_embd 512
 a block holds more than a quarter of a rank's shard at sdp 2, so its attention and its MLP's two
-projections (>= 1M elements each) are units of their own (mesh.sharding_units), 4 units per block.
+projections (>= 1M elements each) are units of their own (units.sharding_units), 4 units per block.
 
 Cases: `safetensors` (from_pretrained outside smp.model_creation), `bin` (a pytorch_model.bin, inside
 smp.model_creation()), `written` (after loading, every rank scales the first block's MLP weight by 2 and its

@@ -2,7 +2,7 @@
 filled tensor by tensor from where its values are, so that a rank holds its shards plus one whole tensor,
 never the whole model (issue 61: a 20B model at sdp 8 must not need 80 GB on each of a node's ranks).
 
-For each sharding unit (mesh.sharding_units, innermost first, the root last) the unit's parameters that
+For each sharding unit (units.sharding_units, innermost first, the root last) the unit's parameters that
 are still whole are swapped for empty stand-ins of the same shape (allocated, never written: their pages
 are not resident), FSDP2 shards the unit, and then each shard gets its rows from the parameter's source:
 

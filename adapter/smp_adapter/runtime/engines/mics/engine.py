@@ -85,7 +85,8 @@ class MicsEngine(Engine):
         cfg, dims, groups = job.cfg, job.dims, job.groups
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-        from smp_adapter.runtime.engines.mics.mesh import mics_mesh, sharding_units
+        from smp_adapter.runtime.engines.mics.mesh import mics_mesh
+        from smp_adapter.runtime.engines.mics.units import sharding_units
         from smp_adapter.translate.mics import RESHARD_AFTER_FORWARD
 
         mesh = mics_mesh(dims, job.rank, groups.sdp, groups.sdp_replicas, job.device.type)

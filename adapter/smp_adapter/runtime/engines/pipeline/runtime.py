@@ -31,7 +31,7 @@ import torch.distributed as dist
 from torch import nn
 
 from smp_adapter.errors import SMPUsageError
-from smp_adapter.runtime import cpu_attention
+from smp_adapter.runtime import attention
 from smp_adapter.runtime.engines.base import model_dtype
 from smp_adapter.runtime.engines.pipeline import surgery
 from smp_adapter.runtime.engines.pipeline.idle_time import ComputeClock
@@ -174,10 +174,10 @@ class PipelineRunner:
         smp_schedule = cfg.pipeline in ("interleaved", "simple", "_only_forward")
         group = active if smp_schedule and (simple or active < self.num_stages) else m
         self._mode, self._detach_results = "replay", detach
-        # a traced stage calls attention's aten op, past the functional cpu_attention wraps
+        # a traced stage calls attention's aten op, past the functional runtime/attention.py wraps
         compute_dtype = model_dtype(cfg) or torch.get_default_dtype()
         try:
-            with cpu_attention.math_kernel_for(compute_dtype, self.job.device):
+            with attention.math_kernel_for(compute_dtype, self.job.device):
                 for start in range(0, m, group):
                     idx = list(range(start, min(start + group, m)))
                     self._run_group(func, bound_mbs, inputs, idx, m, training, simple, results)
