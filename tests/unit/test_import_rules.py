@@ -44,7 +44,7 @@ RUNTIME_FLOORS = {
     "checkpoint": 3,
     **dict.fromkeys(["step", "optimizer", "comm", "finiteness", "partition", "process_exit", "agreement",
                      "activation_checkpoint", "grad_scaler"], 2),
-    **dict.fromkeys(["state", "clipping", "cpu_attention", "kernels", "deferred_init", "file_backed"], 1),
+    **dict.fromkeys(["state", "job", "clipping", "attention", "kernel_switches", "deferred_init", "file_backed"], 1),
 }
 
 # Libraries whose import imports torch: none of them may be imported where torch may not be.
