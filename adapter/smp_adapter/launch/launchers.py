@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import shlex
 import sys
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Mapping, MutableMapping, Sequence
@@ -74,16 +75,16 @@ class World:
     custom: CustomMPIOptions
 
 
-class Launcher:
+class Launcher(ABC):
     """What every launcher answers. The defaults are the common case: the ranks inherit the launch's
     environment, one node needs nothing more, and --node-rank is torchrun's alone."""
 
     name = ""
     tails_rank_logs = False  # the supervisor reads each rank's output from its own log file (deepspeed)
 
+    @abstractmethod
     def line(self, world: World, env: MutableMapping[str, str]) -> tuple[list[str], list[str]]:
         """The command and the notes for the user; may add what the ranks need to ``env``."""
-        raise NotImplementedError
 
     def shell(self, env: Mapping[str, str], command: Sequence[str]) -> str:
         """One shell line: ``VAR=value ... command``; ${NODE_RANK} stays unquoted for the shell."""
@@ -110,9 +111,10 @@ class Launcher:
         head, rest = list(plan.command[:-tail]), list(plan.command[-tail:])
         return (*self._run_head(head, plan, env, logs, dry_run), *rest)
 
+    @abstractmethod
     def _run_head(self, head: list[str], plan: LaunchPlan, env: Mapping[str, str], logs: Path,
                   dry_run: bool) -> list[str]:
-        raise NotImplementedError
+        """The head of the line launch runs (the launcher program and its flags)."""
 
     def dry_run_text(self, job: LaunchJob) -> str:
         """What ``launch --dry-run`` prints: the world, the variables set, the exact command, the notes."""

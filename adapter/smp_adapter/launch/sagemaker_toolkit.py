@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 from smp_adapter.config.distribution import JobSpec
-from smp_adapter.launch.launchers import BASE_MCA, Launcher
+from smp_adapter.launch.launchers import BASE_MCA
 
 TOOLKIT = "sagemaker-training 5.1.x with sagemaker-pytorch-training 3.0.x"
 # the toolkit's own lists (sagemaker_training/__init__.py)
@@ -63,9 +63,10 @@ def _hp_value(value) -> str:
     return value if isinstance(value, str) else str(value)
 
 
-class SageMakerToolkit(Launcher):
+class SageMakerToolkit:
     """The toolkit's mpirun, which SageMaker runs on the leader host: translate shows its line beside the
-    four smp-adapter launch runs (launch/launchers.py); the training variables reach the ranks by ``-x``."""
+    four smp-adapter launch runs (launch/launchers.py); the training variables reach the ranks by ``-x``.
+    Not a ``Launcher``: smp-adapter never runs this line, it only prints it."""
 
     name = "sagemaker-toolkit"
 
